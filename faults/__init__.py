@@ -1,0 +1,34 @@
+"""Fault schedules (what fails, and when) and, later, the injector that makes it happen."""
+
+from faults.schedules import (
+    FAULT_KINDS,
+    PHASES,
+    SCHEDULES,
+    ClusterShape,
+    FaultConfigError,
+    FaultEvent,
+    FaultEventConfig,
+    FaultKind,
+    FaultsConfig,
+    build_schedule,
+    faults_config_from_dict,
+)
+from faults.trace import BUNDLED_TRACES, TraceError, TraceRecord, read_trace
+
+__all__ = [
+    "BUNDLED_TRACES",
+    "FAULT_KINDS",
+    "PHASES",
+    "SCHEDULES",
+    "ClusterShape",
+    "FaultConfigError",
+    "FaultEvent",
+    "FaultEventConfig",
+    "FaultKind",
+    "FaultsConfig",
+    "TraceError",
+    "TraceRecord",
+    "build_schedule",
+    "faults_config_from_dict",
+    "read_trace",
+]

@@ -1,0 +1,488 @@
+"""Fault schedules: a config, and a pure function that turns it into a reproducible, validated list of fault events.
+
+The injector fires the events; this module only decides what happens, to whom, and when. Every check runs in
+``build_schedule``, before any worker starts, and every ``FaultConfigError`` says what to change.
+
+Kinds. ``node`` kills a node's agent and all its workers (its host memory is lost); ``process`` kills one worker;
+``hang`` stops one worker (SIGSTOP); ``join`` starts a new node. ``process`` and ``hang`` leave the node alive as far
+as the schedule is concerned: what becomes of the worker is the policy's business.
+
+Clocks. An event fires when the job reaches a training step (``at_step``, optionally in one ``phase`` of it) or a
+number of seconds after training starts (``at_time_s``). Steps and seconds cannot be ordered against each other
+before the run, so a schedule uses one clock for all its events; the generated and trace schedules use seconds.
+
+Nodes. The cluster starts with nodes ``0..N-1``, each with workers ``0..W-1``. A join gets the next index never used
+(N, N+1, ...) and W workers: indices are never reused, so an index names one node for the whole run.
+
+Order and survival. Events are sorted by step or time; events of the same instant keep the order the schedule gives
+them (the config's, the trace's). Replaying them in that order, every fault must hit a node that exists and is alive,
+and at least one node alive before each instant must survive it: no policy can recover a job whose every node died,
+and a node joining at the instant the last survivor dies would have no one to take the job's state from. Such a
+schedule is rejected.
+
+Schedules (``FaultsConfig.schedule``):
+
+- ``none``: no events.
+- ``explicit``: ``events``, as given.
+- ``fixed``: a fault at ``interval_s``, ``2 * interval_s``, ...
+- ``exponential``: gaps between consecutive faults drawn from an exponential distribution of mean ``mtbf_s``: a
+  Poisson process of faults for the whole cluster, not per node, so the rate does not change as nodes die.
+- ``weibull``: gaps drawn from a Weibull distribution (``weibull_shape``, ``weibull_scale_s``); a shape below 1 gives
+  bursts of early failures, above 1 wear-out.
+
+  Generated faults are of ``kind`` (node, process or hang). Each picks a node uniformly among the nodes alive at
+  that moment, and a worker uniformly, from one ``random.Random(seed)`` stream, so the same config and cluster give
+  the same events and another seed other ones. Generation stops after ``max_failures`` faults or at ``horizon_s``,
+  whichever comes first; one of them must be set. With ``replace_after_s``, every node fault is followed that many
+  seconds later by the join of a fresh node (a spot replacement), which later faults may hit in turn; replacement
+  joins at or after ``horizon_s`` are dropped.
+- ``trace``: replays a node-availability trace (see ``faults/trace.py`` for the format). Run time 0 is the trace's
+  first timestamp, and trace times are divided by ``time_compression`` (trace seconds per run second). A trace
+  describes a cluster of its own size, usually larger than ours, so the cluster replays the lives of some of the
+  trace's nodes:
+
+  * cluster nodes ``0..N-1`` stand for the first N trace nodes to appear, or for the trace nodes ``node_map`` names.
+    They are up from time 0 even where the trace adds them a little later (g4dn's first nodes arrive over two
+    minutes, so its first timestamp holds one node); cluster nodes that stand for no trace node never fail;
+  * a trace node present at the first timestamp that the cluster does not stand for is ignored with all its events;
+  * a later ``add`` becomes a join while fewer than ``max_nodes`` (default N) nodes are alive, and is otherwise
+    ignored with all that node's events: a small cluster refills to its own size as the trace's replacements arrive.
+    With N equal to the trace's initial size and ``max_nodes`` at least its peak, the replay is exact;
+  * a ``remove`` of a node the cluster stands for is a ``node`` fault;
+  * ``max_failures`` ends the replay with that fault, ``horizon_s`` (run seconds) at that time.
+
+Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over
+``faults.mtbf_s`` under ``faults=fixed`` fails loudly instead of running the same job several times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from faults.trace import TraceError, TraceRecord, read_trace
+
+FaultKind = Literal["node", "process", "hang", "join"]
+FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
+GENERATED_KINDS: tuple[str, ...] = ("node", "process", "hang")
+WORKER_KINDS: tuple[str, ...] = ("process", "hang")
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint")
+SCHEDULES: tuple[str, ...] = ("none", "explicit", "fixed", "exponential", "weibull", "trace")
+
+# A typo such as horizon_s=1e9 with mtbf_s=1 would otherwise build a list of a billion events before anything runs.
+MAX_EVENTS = 100_000
+
+
+class FaultConfigError(ValueError):
+    """A fault schedule that cannot run on the given cluster; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """One fault to inject. Checks of the event on its own run here; checks against the cluster in build_schedule."""
+
+    kind: str
+    """One of FaultKind."""
+    node: int
+    """Cluster node index; for a join, the index the new node gets."""
+    worker: int | None = None
+    """Local worker index on that node, for process and hang; None for node and join."""
+    at_step: int | None = None
+    """Fire when the job reaches this training step (exactly one of at_step and at_time_s is set)."""
+    at_time_s: float | None = None
+    """Or this many seconds after training starts."""
+    phase: str | None = None
+    """With at_step: fire while the target is in this phase of that step (one of PHASES)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise FaultConfigError(f"unknown fault kind {self.kind!r}; use one of {', '.join(FAULT_KINDS)}")
+        if self.node < 0:
+            raise FaultConfigError(f"node {self.node} is negative; use a cluster node index (0 is the first node)")
+        if self.kind in WORKER_KINDS and self.worker is None:
+            raise FaultConfigError(f"a {self.kind} fault hits one worker; set worker to its local index on the node")
+        if self.kind not in WORKER_KINDS and self.worker is not None:
+            raise FaultConfigError(f"a {self.kind} event concerns a whole node; remove worker ({self.worker})")
+        if self.worker is not None and self.worker < 0:
+            raise FaultConfigError(f"worker {self.worker} is negative; use a local worker index (0 is the first)")
+        if (self.at_step is None) == (self.at_time_s is None):
+            raise FaultConfigError("set exactly one of at_step (a training step) and at_time_s (seconds of training)")
+        if self.at_step is not None and self.at_step < 0:
+            raise FaultConfigError(f"at_step {self.at_step} is negative; steps count from 0")
+        if self.at_time_s is not None and not (math.isfinite(self.at_time_s) and self.at_time_s >= 0):
+            raise FaultConfigError(f"at_time_s {self.at_time_s} must be a finite number of seconds >= 0")
+        if self.phase is not None:
+            if self.at_step is None:
+                raise FaultConfigError(f"phase {self.phase!r} needs at_step; a phase is part of a step, not of a time")
+            if self.phase not in PHASES:
+                raise FaultConfigError(f"unknown phase {self.phase!r}; use one of {', '.join(PHASES)}")
+
+    @property
+    def when(self) -> str:
+        """The firing point in words, for messages and logs."""
+        if self.at_step is None:
+            return f"t={self.at_time_s:g} s"
+        return f"step {self.at_step}" + (f" ({self.phase})" if self.phase else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event as a JSON object for events.jsonl, without the fields that are not set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class FaultEventConfig:
+    """The structured-config form of one explicit event; the fields mean what FaultEvent's do."""
+
+    kind: str
+    node: int
+    worker: int | None = None
+    at_step: int | None = None
+    at_time_s: float | None = None
+    phase: str | None = None
+
+
+@dataclass
+class FaultsConfig:
+    """The schema of the Hydra config group ``faults``; the module docstring says what each schedule does."""
+
+    schedule: str = "none"
+    """none | explicit | fixed | exponential | weibull | trace"""
+    seed: int = 0
+    kind: str = "node"
+    """Kind of the generated faults (fixed, exponential, weibull): node, process or hang."""
+    events: list[FaultEventConfig] = field(default_factory=list)
+    """explicit: the events."""
+    interval_s: float | None = None
+    """fixed: seconds of training between faults."""
+    mtbf_s: float | None = None
+    """exponential: mean seconds between faults of the cluster."""
+    weibull_shape: float | None = None
+    weibull_scale_s: float | None = None
+    max_failures: int | None = None
+    """Generated and trace schedules: stop after this many faults."""
+    horizon_s: float | None = None
+    """Generated and trace schedules: events only before this many seconds of training."""
+    replace_after_s: float | None = None
+    """Generated schedules: each killed node is replaced by a joining node this many seconds later."""
+    trace: str | None = None
+    """trace: a bundled trace name (p3, g4dn, scale_p3, scale_gcp, 5m, 10m, 30m, 1h, 3h, 6h) or a CSV path."""
+    time_compression: float = 1.0
+    """trace: trace seconds per run second (600: ten trace minutes per second of training)."""
+    node_map: dict[str, int] | None = None
+    """trace: trace node name -> cluster node index; default: the first N trace nodes in order of appearance."""
+    max_nodes: int | None = None
+    """trace: trace adds become joins only while fewer nodes than this are alive; default: the cluster's size."""
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """What a schedule needs to know about the cluster."""
+
+    nodes: int
+    workers_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.workers_per_node < 1:
+            raise ValueError(f"a cluster needs at least 1 node of at least 1 worker, not {self}")
+
+
+def faults_config_from_dict(d: Mapping[str, Any]) -> FaultsConfig:
+    """Validate a plain or OmegaConf mapping against the FaultsConfig schema (unknown keys, wrong types)."""
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FaultsConfig), d))
+    except OmegaConfBaseException as e:
+        raise FaultConfigError(f"faults config does not fit the FaultsConfig schema; fix this: {e}") from e
+    assert isinstance(cfg, FaultsConfig)
+    return cfg
+
+
+def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape) -> list[FaultEvent]:
+    """The events of ``cfg`` on ``cluster``, sorted by step or time, checked against the cluster."""
+    if not isinstance(cfg, FaultsConfig):
+        cfg = faults_config_from_dict(cfg)
+    if cfg.schedule not in _BUILDERS:
+        raise FaultConfigError(f"unknown fault schedule {cfg.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    _reject_unused(cfg)
+    events = sorted(_BUILDERS[cfg.schedule](cfg, cluster), key=_clock)  # stable: an instant keeps its order
+    if len(events) > MAX_EVENTS:
+        raise FaultConfigError(
+            f"the {cfg.schedule} schedule holds {len(events)} events, more than {MAX_EVENTS}; "
+            "lower horizon_s or set max_failures"
+        )
+    _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule])
+    return events
+
+
+def _clock(event: FaultEvent) -> float:
+    if event.at_step is not None:
+        return event.at_step
+    assert event.at_time_s is not None  # FaultEvent guarantees one of the two
+    return event.at_time_s
+
+
+# The settings each schedule reads; schedule and seed are read by all (a seed sweep may span schedules).
+_USES: dict[str, set[str]] = {
+    "none": set(),
+    "explicit": {"events"},
+    "fixed": {"kind", "interval_s", "max_failures", "horizon_s", "replace_after_s"},
+    "exponential": {"kind", "mtbf_s", "max_failures", "horizon_s", "replace_after_s"},
+    "weibull": {"kind", "weibull_shape", "weibull_scale_s", "max_failures", "horizon_s", "replace_after_s"},
+    "trace": {"trace", "time_compression", "node_map", "max_nodes", "max_failures", "horizon_s"},
+}
+
+
+def _reject_unused(cfg: FaultsConfig) -> None:
+    defaults = FaultsConfig()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in ("schedule", "seed") or f.name in _USES[cfg.schedule] or value == getattr(defaults, f.name):
+            continue
+        users = [s for s, uses in _USES.items() if f.name in uses]
+        raise FaultConfigError(
+            f"faults.{f.name} is set ({value!r}) but the {cfg.schedule} schedule does not use it; "
+            f"remove it, or choose a schedule that does: {', '.join(users)}"
+        )
+
+
+# --- explicit ---------------------------------------------------------------------------------------------------
+
+
+def _explicit(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
+    events = []
+    for i, e in enumerate(cfg.events):
+        try:
+            events.append(FaultEvent(e.kind, e.node, e.worker, e.at_step, e.at_time_s, e.phase))
+        except FaultConfigError as err:
+            raise FaultConfigError(f"faults.events[{i}]: {err}") from err
+    if len({e.at_step is None for e in events}) > 1:
+        raise FaultConfigError(
+            "faults.events mixes at_step and at_time_s; steps and seconds cannot be ordered before the run, "
+            "so use at_step for every event or at_time_s for every event"
+        )
+    return events
+
+
+# --- generated: fixed, exponential, weibull -----------------------------------------------------------------------
+
+
+def _positive(cfg: FaultsConfig, name: str) -> float:
+    value = getattr(cfg, name)
+    if value is None:
+        raise FaultConfigError(f"the {cfg.schedule} schedule needs faults.{name}; set it to a number > 0")
+    if not (math.isfinite(value) and value > 0):
+        raise FaultConfigError(f"faults.{name} is {value}; set it to a finite number > 0")
+    return float(value)
+
+
+def _fixed(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
+    interval = _positive(cfg, "interval_s")
+    # Multiples rather than a running sum, so the times are exact (interval, 2*interval, ...).
+    return _generate(cfg, cluster, lambda _rng, t, n: (n + 1) * interval)
+
+
+def _exponential(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
+    rate = 1.0 / _positive(cfg, "mtbf_s")
+    return _generate(cfg, cluster, lambda rng, t, _n: t + rng.expovariate(rate))
+
+
+def _weibull(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
+    shape, scale = _positive(cfg, "weibull_shape"), _positive(cfg, "weibull_scale_s")
+    return _generate(cfg, cluster, lambda rng, t, _n: t + rng.weibullvariate(scale, shape))
+
+
+NextTime = Callable[[random.Random, float, int], float]
+"""(rng, time of the previous fault, faults so far) -> time of the next fault."""
+
+
+def _generate(cfg: FaultsConfig, cluster: ClusterShape, next_time: NextTime) -> list[FaultEvent]:
+    if cfg.kind not in GENERATED_KINDS:
+        raise FaultConfigError(
+            f"faults.kind {cfg.kind!r} cannot be generated; use one of {', '.join(GENERATED_KINDS)} "
+            "(joins come from replace_after_s, explicit events or traces)"
+        )
+    max_failures, horizon = _bounds(cfg)
+    if max_failures is None and horizon is None:
+        raise FaultConfigError(
+            f"the {cfg.schedule} schedule never ends; set faults.max_failures or faults.horizon_s (or both)"
+        )
+    if cfg.replace_after_s is not None and not (math.isfinite(cfg.replace_after_s) and cfg.replace_after_s >= 0):
+        raise FaultConfigError(f"faults.replace_after_s is {cfg.replace_after_s}; set it to seconds >= 0")
+
+    rng = random.Random(cfg.seed)
+    alive = list(range(cluster.nodes))
+    next_index = cluster.nodes
+    replacements: deque[FaultEvent] = deque()  # joins due later, in time order since replace_after_s is constant
+    events: list[FaultEvent] = []
+    t, failures = 0.0, 0
+    while (max_failures is None or failures < max_failures) and len(events) <= MAX_EVENTS:
+        t = next_time(rng, t, failures)
+        if horizon is not None and t >= horizon:
+            break
+        # Strictly earlier joins only: a node joining at this instant is no survivor of it (see the module docstring).
+        while replacements and _clock(replacements[0]) < t:
+            join = replacements.popleft()
+            alive.append(join.node)
+            events.append(join)
+        node = rng.choice(alive)
+        worker = rng.randrange(cluster.workers_per_node) if cfg.kind in WORKER_KINDS else None
+        events.append(FaultEvent(cfg.kind, node, worker, at_time_s=t))
+        failures += 1
+        if cfg.kind == "node":
+            alive.remove(node)
+            if cfg.replace_after_s is not None:
+                replacements.append(FaultEvent("join", next_index, at_time_s=t + cfg.replace_after_s))
+                next_index += 1
+            if not alive:
+                break  # every node is dead: _check_against_cluster reports it with the schedule's hint
+    events.extend(j for j in replacements if horizon is None or _clock(j) < horizon)
+    return events
+
+
+def _bounds(cfg: FaultsConfig) -> tuple[int | None, float | None]:
+    if cfg.max_failures is not None and cfg.max_failures < 0:
+        raise FaultConfigError(f"faults.max_failures is {cfg.max_failures}; set it to 0 or more")
+    if cfg.horizon_s is not None:
+        _positive(cfg, "horizon_s")
+    return cfg.max_failures, cfg.horizon_s
+
+
+# --- trace replay -------------------------------------------------------------------------------------------------
+
+
+def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
+    if cfg.trace is None:
+        raise FaultConfigError("the trace schedule needs faults.trace: a bundled trace name or a CSV path")
+    if not (math.isfinite(cfg.time_compression) and cfg.time_compression > 0):
+        raise FaultConfigError(
+            f"faults.time_compression is {cfg.time_compression}; set it to trace seconds per run second, > 0 "
+            "(1 replays in real time, 600 plays ten trace minutes per second)"
+        )
+    max_nodes = cluster.nodes if cfg.max_nodes is None else cfg.max_nodes
+    if max_nodes < cluster.nodes:
+        raise FaultConfigError(
+            f"faults.max_nodes is {max_nodes}, below the cluster's {cluster.nodes} nodes; "
+            f"set it to {cluster.nodes} or more, or leave it unset"
+        )
+    max_failures, horizon = _bounds(cfg)
+    try:
+        records = read_trace(cfg.trace)
+    except TraceError as e:
+        raise FaultConfigError(f"faults.trace: {e}") from e
+    node_map = _node_map(cfg, cluster, records)
+
+    start_ms = records[0].time_ms
+    standing = dict(node_map)  # trace nodes present now that the cluster stands for -> cluster index
+    first_added: set[str] = set()  # mapped trace nodes whose first add has been seen (later adds are new lives)
+    alive_count, next_index, failures = cluster.nodes, cluster.nodes, 0
+    events: list[FaultEvent] = []
+    for r in records:
+        t = (r.time_ms - start_ms) / 1000.0 / cfg.time_compression
+        if (horizon is not None and t >= horizon) or failures == max_failures:
+            break
+        if r.action == "add":
+            if r.node in node_map and r.node not in first_added:
+                first_added.add(r.node)  # up since time 0 already
+            elif r.time_ms > start_ms and alive_count < max_nodes:
+                standing[r.node] = next_index
+                events.append(FaultEvent("join", next_index, at_time_s=t))
+                alive_count, next_index = alive_count + 1, next_index + 1
+        elif r.node in standing:
+            events.append(FaultEvent("node", standing.pop(r.node), at_time_s=t))
+            alive_count, failures = alive_count - 1, failures + 1
+    return events
+
+
+def _node_map(cfg: FaultsConfig, cluster: ClusterShape, records: list[TraceRecord]) -> dict[str, int]:
+    """Trace node name -> the cluster node (0..N-1) that stands for it from time 0."""
+    in_order = list(dict.fromkeys(r.node for r in records))  # by first appearance
+    if cfg.node_map is None:
+        return {name: index for index, name in enumerate(in_order[: cluster.nodes])}
+    for name, index in cfg.node_map.items():
+        if name not in in_order:
+            raise FaultConfigError(
+                f"faults.node_map names {name!r}, which trace {cfg.trace} does not have; use its node names "
+                f"(e.g. {', '.join(in_order[:3])})"
+            )
+        if not 0 <= index < cluster.nodes:
+            raise FaultConfigError(
+                f"faults.node_map maps {name!r} to node {index}, which the {cluster.nodes}-node cluster does not "
+                f"have; use indices 0 to {cluster.nodes - 1}"
+            )
+    if len(set(cfg.node_map.values())) < len(cfg.node_map):
+        raise FaultConfigError("faults.node_map maps two trace nodes to one cluster node; give each its own index")
+    return dict(cfg.node_map)
+
+
+_BUILDERS: dict[str, Callable[[FaultsConfig, ClusterShape], list[FaultEvent]]] = {
+    "none": lambda cfg, cluster: [],
+    "explicit": _explicit,
+    "fixed": _fixed,
+    "exponential": _exponential,
+    "weibull": _weibull,
+    "trace": _trace,
+}
+
+_SURVIVAL_HINTS: dict[str, str] = {
+    "none": "",
+    "explicit": "remove a node fault, or add a join before it",
+    "fixed": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
+    "exponential": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
+    "weibull": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
+    "trace": "set max_failures or horizon_s to end the replay sooner, or give the cluster more nodes or max_nodes",
+}
+
+
+# --- checks against the cluster -----------------------------------------------------------------------------------
+
+
+def _check_against_cluster(events: list[FaultEvent], cluster: ClusterShape, survival_hint: str) -> None:
+    """Replay the sorted events: each must hit a live node and a real worker, and one node must always survive."""
+    alive = set(range(cluster.nodes))
+    killed_at: dict[int, str] = {}
+    next_index = cluster.nodes
+    joined_now: set[int] = set()  # nodes that joined at the current instant
+    for i, event in enumerate(events):
+        if i > 0 and _clock(event) != _clock(events[i - 1]):
+            joined_now.clear()
+        if event.kind == "join":
+            joined_now.add(event.node)
+            if event.node != next_index:
+                raise FaultConfigError(
+                    f"the join at {event.when} gives node index {event.node}, but the next new node is "
+                    f"{next_index} (indices are never reused); set node: {next_index}"
+                )
+            alive.add(event.node)
+            next_index += 1
+            continue
+        if event.node in killed_at:
+            raise FaultConfigError(
+                f"the {event.kind} fault at {event.when} hits node {event.node}, which was killed at "
+                f"{killed_at[event.node]}; pick a node alive by then"
+            )
+        if event.node not in alive:
+            raise FaultConfigError(
+                f"the {event.kind} fault at {event.when} hits node {event.node}, which does not exist by then; "
+                f"use a node from 0 to {cluster.nodes - 1} (the cluster's) or one that joined earlier"
+            )
+        if event.worker is not None and event.worker >= cluster.workers_per_node:
+            raise FaultConfigError(
+                f"the {event.kind} fault at {event.when} hits worker {event.worker}, but nodes have "
+                f"{cluster.workers_per_node} workers; use a worker index from 0 to {cluster.workers_per_node - 1}"
+            )
+        if event.kind == "node":
+            alive.remove(event.node)
+            killed_at[event.node] = event.when
+            if not alive - joined_now:
+                at_once = sum(1 for e in events[: i + 1] if e.kind == "node" and _clock(e) == _clock(event))
+                raise FaultConfigError(
+                    f"no node survives {event.when}: the schedule kills every node alive before it ({at_once} node "
+                    f"faults at that instant); at least one node must survive: {survival_hint}"
+                )

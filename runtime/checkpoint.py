@@ -1,0 +1,84 @@
+"""Checkpoints on storage: one file per layer (parameters + optimizer state), committed by a manifest.
+
+A checkpoint directory ``step-NNNNNN`` counts only once its ``manifest.json`` exists; every file, the manifest
+included, is written to a temporary name, fsynced and renamed, so a kill at any moment leaves either the previous
+complete checkpoint or the new complete one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def layer_path(directory: Path, layer: int) -> Path:
+    return directory / f"layer-{layer:04d}.pt"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def layer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"module": module.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def write_manifest(root: str | Path, step: int, num_layers: int, extra: dict[str, Any]) -> Path:
+    directory = step_dir(root, step)
+    missing = [i for i in range(num_layers) if not layer_path(directory, i).exists()]
+    if missing:
+        raise RuntimeError(f"checkpoint of step {step} lacks layers {missing}; not committing it")
+    atomic_write(directory / MANIFEST, json.dumps({"step": step, "num_layers": num_layers, **extra}).encode())
+    return directory
+
+
+def latest(root: str | Path) -> tuple[int, Path] | None:
+    """The newest committed checkpoint, ignoring any directory a kill left without its manifest."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    committed = sorted(
+        (json.loads((d / MANIFEST).read_text())["step"], d) for d in root.glob("step-*") if (d / MANIFEST).exists()
+    )
+    return committed[-1] if committed else None
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` committed checkpoints, and torn ones older than the newest."""
+    newest = latest(root)
+    if newest is None:
+        return
+    directories = sorted(Path(root).glob("step-*"))
+    committed = [d for d in directories if (d / MANIFEST).exists()]
+    for d in directories:
+        if d in committed[-keep:] or d.name > newest[1].name:
+            continue
+        shutil.rmtree(d, ignore_errors=True)

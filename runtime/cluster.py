@@ -1,0 +1,207 @@
+"""The coordinator's view of a cluster of local processes: control server, rendezvous store, agents, membership.
+
+Everything that arrives from agents and workers (messages, closed connections) becomes an ``Event`` on one queue,
+which the trainer consumes from a single thread: membership changes and step results are handled in the order they
+happened, with no locks in the training logic.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch.distributed as dist
+
+from runtime import messages as msg
+from runtime.agent import die_with_parent
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Event:
+    role: str  # "agent" | "worker"
+    ident: int  # node id for agents, worker id for workers
+    message: Any  # a message, or None when the connection closed
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Member:
+    role: str
+    ident: int
+    node: int
+    pid: int
+    conn: Connection
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+
+
+class LocalCluster:
+    def __init__(self, nodes: int, workers_per_node: int, heartbeat_s: float, threads_per_worker: int) -> None:
+        self.workers_per_node = workers_per_node
+        self.heartbeat_s = heartbeat_s
+        self.threads_per_worker = threads_per_worker
+        self.node_ids = list(range(nodes))
+        self.secret = secrets.token_hex(16)
+        self.events: queue.Queue[Event] = queue.Queue()
+        self.agents: dict[int, Member] = {}
+        self.workers: dict[int, Member] = {}
+        self._agent_procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._listener = Listener(("127.0.0.1", 0), authkey=self.secret.encode())
+        self.port = self._listener.address[1]
+        # The rendezvous store lives in the coordinator, which outlives every generation of workers.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._closing = False
+        threading.Thread(target=self._accept, daemon=True, name="control-accept").start()
+
+    def workers_of(self, node: int) -> list[int]:
+        return [node * self.workers_per_node + i for i in range(self.workers_per_node)]
+
+    def node_of(self, worker: int) -> int:
+        return worker // self.workers_per_node
+
+    # -- starting ----------------------------------------------------------------------------------------------
+    def start_node(self, node: int) -> None:
+        env = {**os.environ, msg.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
+        command = [
+            sys.executable, "-m", "runtime.agent",
+            "--coordinator-port", str(self.port),
+            "--node", str(node),
+            "--heartbeat-s", str(self.heartbeat_s),
+            "--threads", str(self.threads_per_worker),
+            "--workers", *map(str, self.workers_of(node)),
+        ]  # fmt: skip
+        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+        if node not in self.node_ids:
+            self.node_ids.append(node)
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start every node and wait until each of its workers has registered."""
+        for node in self.node_ids:
+            self.start_node(node)
+        expected = {w for n in self.node_ids for w in self.workers_of(n)}
+        self.wait_for_workers(expected, timeout_s)
+
+    def wait_for_workers(self, expected: set[int], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not expected <= {w for w, m in self.workers.items() if m.alive}:
+            for node, proc in self._agent_procs.items():
+                if proc.poll() is not None and node in {self.node_of(w) for w in expected}:
+                    raise ClusterError(f"the agent of node {node} exited with code {proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                missing = sorted(expected - set(self.workers))
+                raise ClusterError(f"workers {missing} did not register within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    # -- control connections -----------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                conn = self._listener.accept()
+                hello = conn.recv()
+            except (OSError, EOFError):
+                continue  # a peer that failed authentication or vanished while connecting
+            if not isinstance(hello, msg.Hello):
+                conn.close()
+                continue
+            ident = hello.worker if hello.role == "worker" else hello.node
+            member = Member(hello.role, ident, hello.node, hello.pid, conn)
+            (self.workers if hello.role == "worker" else self.agents)[ident] = member
+            threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{hello.role}{ident}").start()
+
+    def _read(self, member: Member) -> None:
+        while True:
+            try:
+                message = member.conn.recv()
+            except (EOFError, OSError):
+                self.events.put(Event(member.role, member.ident, None))
+                return
+            member.last_seen = time.monotonic()
+            if not isinstance(message, msg.Heartbeat):
+                self.events.put(Event(member.role, member.ident, message))
+
+    def send(self, worker: int, message: object) -> bool:
+        """Send to a worker; False if its connection is already gone (the failure arrives as an event)."""
+        member = self.workers.get(worker)
+        if member is None or not member.alive:
+            return False
+        try:
+            member.conn.send(message)
+            return True
+        except OSError:
+            return False
+
+    def send_agent(self, node: int, message: object) -> bool:
+        member = self.agents.get(node)
+        if member is None or not member.alive:
+            return False
+        try:
+            member.conn.send(message)
+            return True
+        except OSError:
+            return False
+
+    # -- membership --------------------------------------------------------------------------------------------
+    def alive_workers(self) -> list[int]:
+        return sorted(w for w, m in self.workers.items() if m.alive)
+
+    def alive_nodes(self) -> list[int]:
+        return sorted(n for n, m in self.agents.items() if m.alive)
+
+    def mark_dead(self, role: str, ident: int) -> None:
+        table = self.workers if role == "worker" else self.agents
+        if ident in table:
+            table[ident].alive = False
+
+    def silent_workers(self, timeout_s: float) -> list[int]:
+        now = time.monotonic()
+        return [w for w, m in self.workers.items() if m.alive and now - m.last_seen > timeout_s]
+
+    def kill_worker(self, worker: int, sig: int = signal.SIGKILL) -> None:
+        member = self.workers.get(worker)
+        if member is not None:
+            _signal(member.pid, sig)
+
+    def kill_node(self, node: int) -> None:
+        """A lost machine: the agent and every worker of the node die at once."""
+        agent = self.agents.get(node)
+        if agent is not None:
+            _signal(agent.pid, signal.SIGKILL)
+        for worker in self.workers_of(node):
+            self.kill_worker(worker)
+
+    # -- stopping ----------------------------------------------------------------------------------------------
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        self._closing = True
+        for worker in self.alive_workers():
+            self.send(worker, msg.Shutdown())
+        for node in self.alive_nodes():
+            self.send_agent(node, msg.Shutdown())
+        deadline = time.monotonic() + grace_s
+        for proc in self._agent_procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for member in self.workers.values():
+            _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
+        self._listener.close()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,169 @@
+"""Runs one worker's Program for one iteration.
+
+The loss of micro-batch ``m`` is the mean token cross-entropy of ``m`` scaled by micro_batch / global_batch, so the
+sum over every micro-batch of every pipeline is the mean loss over the global batch, and the per-layer gradient sum
+over replicas (``ReduceGrads``) is its gradient, whatever the layout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+
+from runtime import instructions as ins
+from runtime.comm import Aborted, GenerationComm
+from runtime.data import Batches
+from runtime.model import StageModule
+
+# p2p tags: one stream of activations and one of gradients per micro-batch.
+_ACTIVATION, _GRADIENT = 0, 1
+
+
+def _tag(microbatch: int, stream: int) -> int:
+    return microbatch * 2 + stream
+
+
+@dataclass
+class StepResult:
+    loss: float
+    compute_s: float
+
+
+@dataclass
+class _Buffers:
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    labels: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Executor:
+    def __init__(
+        self,
+        stage: StageModule,
+        num_layers: int,
+        hidden: int,
+        comm: GenerationComm,
+        batches: Batches,
+        abort: threading.Event,
+        on_phase: Callable[[int, str], None] = lambda step, phase: None,
+    ) -> None:
+        self.stage = stage
+        self.first = stage.start == 0
+        self.last = stage.stop == num_layers
+        self.comm = comm
+        self.batches = batches
+        self.abort = abort
+        self.on_phase = on_phase
+        plan = comm.plan
+        self.loss_scale = plan.micro_batch / plan.global_batch
+        self.activation_shape = (plan.micro_batch, batches.seq_len, hidden)
+
+    def run(self, program: ins.Program, step: int) -> StepResult:
+        """Everything up to and including ReduceGrads; OptimizerStep is the caller's commit point."""
+        buffers = _Buffers()
+        loss = 0.0
+        compute = 0.0
+        phase = ""
+        for instruction in program:
+            if self.abort.is_set():
+                raise Aborted()
+            new_phase = _phase_of(instruction)
+            if new_phase and new_phase != phase:
+                phase = new_phase
+                self.on_phase(step, phase)
+            started = time.perf_counter()
+            if isinstance(instruction, ins.OptimizerStep):
+                break
+            loss += self._execute(instruction, buffers, step)
+            if isinstance(instruction, (ds.ForwardPass, ds.BackwardPass, ins.BackwardInput, ins.BackwardWeight)):
+                compute += time.perf_counter() - started
+        return StepResult(loss=loss, compute_s=compute)
+
+    def _execute(self, instruction: ds.PipeInstruction, b: _Buffers, step: int) -> float:
+        """Run one instruction; returns its contribution to the reported loss."""
+        if isinstance(instruction, ins.LoadMicroBatch):
+            tokens, labels = self.batches.microbatch(step, instruction.microbatch)
+            if self.first:
+                b.inputs[instruction.microbatch] = tokens
+            if self.last:
+                b.labels[instruction.microbatch] = labels
+        elif isinstance(instruction, ins.ForwardPass):
+            return self._forward(instruction.microbatch, b)
+        elif isinstance(instruction, ins.BackwardPass):
+            self._backward(instruction.microbatch, b, weights=True, inputs=True)
+        elif isinstance(instruction, ins.BackwardInput):
+            self._backward(instruction.microbatch, b, weights=False, inputs=True)
+        elif isinstance(instruction, ins.BackwardWeight):
+            self._backward(instruction.microbatch, b, weights=True, inputs=False)
+        elif isinstance(instruction, ins.SendActivation):
+            self.comm.send(b.outputs[instruction.microbatch], instruction.peer, _tag(instruction.microbatch, _ACTIVATION))
+        elif isinstance(instruction, ins.RecvActivation):
+            received = self.comm.recv(self.activation_shape, torch.float32, instruction.peer, _tag(instruction.microbatch, _ACTIVATION))
+            b.inputs[instruction.microbatch] = received.requires_grad_()
+        elif isinstance(instruction, ins.SendGrad):
+            grad = b.input_grads.pop(instruction.microbatch)
+            self.comm.send(grad, instruction.peer, _tag(instruction.microbatch, _GRADIENT))
+        elif isinstance(instruction, ins.RecvGrad):
+            b.output_grads[instruction.microbatch] = self.comm.recv(
+                self.activation_shape, torch.float32, instruction.peer, _tag(instruction.microbatch, _GRADIENT)
+            )
+        elif isinstance(instruction, ins.ReduceGrads):
+            self.comm.flush_sends()
+            self._reduce()
+        else:
+            raise TypeError(f"the executor cannot run {instruction!r}")
+        return 0.0
+
+    def _forward(self, mb: int, b: _Buffers) -> float:
+        out = self.stage(b.inputs[mb], b.labels.pop(mb, None))
+        if self.last:
+            out = out * self.loss_scale
+            b.outputs[mb] = out
+            return float(out.detach())
+        b.outputs[mb] = out
+        return 0.0
+
+    def _backward(self, mb: int, b: _Buffers, weights: bool, inputs: bool) -> None:
+        """Full backward (weights and inputs), or one half of a decoupled backward."""
+        out, x = b.outputs[mb], b.inputs[mb]
+        grad = None if self.last else b.output_grads[mb]
+        if not weights:
+            if not self.first:  # the first stage's input is token ids: no input gradient to send
+                (b.input_grads[mb],) = torch.autograd.grad(out, x, grad_outputs=grad, retain_graph=True)
+            return
+        # After BackwardInput the graph is still alive; restrict accumulation to the parameters.
+        targets = None if inputs else list(self.stage.parameters())
+        torch.autograd.backward(out, grad_tensors=grad, inputs=targets)
+        if inputs and not self.first:
+            b.input_grads[mb] = x.grad
+        del b.outputs[mb], b.inputs[mb]
+        b.output_grads.pop(mb, None)
+
+    def _reduce(self) -> None:
+        grads_of: dict[int, list[torch.Tensor]] = {}
+        for index in range(self.stage.start, self.stage.stop):
+            params = list(self.stage.layer(index).parameters())
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads_of[index] = [p.grad for p in params]
+        self.comm.all_reduce_layers(grads_of)
+
+
+def _phase_of(instruction: ds.PipeInstruction) -> str:
+    if isinstance(instruction, (ds.ForwardPass, ds.LoadMicroBatch, ds.RecvActivation, ds.SendActivation)):
+        return "forward"
+    if isinstance(instruction, (ds.BackwardPass, ins.BackwardInput, ins.BackwardWeight, ds.RecvGrad, ds.SendGrad)):
+        return "backward"
+    if isinstance(instruction, ds.ReduceGrads):
+        return "reduce"
+    if isinstance(instruction, ds.OptimizerStep):
+        return "optimizer"
+    return ""

@@ -1,0 +1,204 @@
+"""One job from a composed config: pre-flight checks, the MLflow run, the cluster, the trainer, the summary.
+
+Everything that can be checked without a worker is checked before the first process starts, and every way out of
+the job closes the MLflow run: FINISHED, or FAILED with the reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from faults.schedules import ClusterShape, FaultEvent, build_schedule
+from policies.base import Job, Policy
+from runtime.cluster import LocalCluster
+from runtime.config import JobConfig
+from runtime.data import tokenize_corpus
+from runtime.model import layer_specs, training_memory_bytes
+from runtime.optim import OptimSettings
+from runtime.plan import Plan, PlanError
+from runtime.progress import ProgressLine
+from runtime.tracking import Tracker
+from runtime.trainer import StepRecord, Trainer
+
+
+class ConfigError(ValueError):
+    """A job that cannot work as configured; the message says what to change."""
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    steps: list[StepRecord]
+    plans: list[Plan]
+    summary: dict[str, float]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in ("gloo", "nccl"):
+        raise ConfigError(f"cluster.backend={requested!r}: use auto, gloo or nccl")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks: use cluster.backend=gloo")
+    return requested
+
+
+def check_memory(plan: Plan, job: Job) -> None:
+    """Refuse a plan whose stage would not fit the configured device memory."""
+    seq_len = job.model.seq_len
+    for p, s, stage in plan.stages():
+        stages = len(plan.pipelines[p].stages)
+        need = training_memory_bytes(list(job.specs), stage.start, stage.stop, plan.micro_batch, seq_len, stages - s)
+        if need > job.device_memory_bytes:
+            raise ConfigError(
+                f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "
+                f"{need / 2**30:.2f} GiB but a device has {job.device_memory_bytes / 2**30:.2f} GiB: use more "
+                f"pipeline stages (train.stages), a smaller train.micro_batch, or raise cluster.device_memory_gb"
+            )
+
+
+def _job_factory(cfg: JobConfig):  # noqa: ANN202 - returns Callable[[dict], Job]
+    specs = tuple(layer_specs(cfg.model))
+    memory = int(cfg.cluster.device_memory_gb * 2**30)
+
+    def make(workers_of_node: dict[int, tuple[int, ...]]) -> Job:
+        return Job(cfg.model, specs, cfg.train, workers_of_node, memory)
+
+    return make
+
+
+def preflight(cfg: JobConfig) -> tuple[Policy, Plan, list[FaultEvent], str, Any]:
+    """Everything checkable before a worker starts. Raises ConfigError with what to change."""
+    backend = resolve_backend(cfg.cluster.backend)
+    if cfg.cluster.nodes < 1 or cfg.cluster.workers_per_node < 1:
+        raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
+    if cfg.train.steps < 1:
+        raise ConfigError(f"train.steps={cfg.train.steps}: train for at least one step")
+    make_job = _job_factory(cfg)
+    wpn = cfg.cluster.workers_per_node
+    job = make_job({n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)})
+    try:
+        policy: Policy = hydra.utils.instantiate(OmegaConf.structured(cfg.policy), _convert_="all")
+    except Exception as exc:  # noqa: BLE001 - Hydra wraps the real cause
+        raise ConfigError(f"policy {cfg.policy.name!r} cannot be built from its config: {exc}") from exc
+    try:
+        plan = policy.plan(job)
+        plan.validate()
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_memory(plan, job)
+    faults = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, wpn))
+    return policy, plan, faults, backend, make_job
+
+
+def run_job(dict_cfg: DictConfig) -> JobResult:
+    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    tracker = Tracker(cfg.tracking)
+    tags = {
+        "policy": cfg.policy.name,
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "faults": cfg.faults.schedule,
+    }
+    resolved = OmegaConf.to_container(dict_cfg, resolve=True)
+    run_id = tracker.start(resolved, tags, OmegaConf.to_yaml(dict_cfg))
+    progress: ProgressLine | None = None
+    cluster: LocalCluster | None = None
+    try:
+        policy, plan, faults, backend, make_job = preflight(cfg)
+        tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
+        progress = ProgressLine(cfg.train.steps, enabled=cfg.progress)
+        cluster = LocalCluster(
+            cfg.cluster.nodes, cfg.cluster.workers_per_node, cfg.cluster.heartbeat_s, cfg.cluster.threads_per_worker
+        )
+        cluster.start(cfg.cluster.start_timeout_s)
+        result = _train(cfg, tracker, progress, cluster, policy, plan, make_job, backend, tokens)
+        result.run_id = run_id
+        tracker.finish()
+        return result
+    except BaseException as exc:
+        tracker.finish(failure=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def _train(
+    cfg: JobConfig,
+    tracker: Tracker,
+    progress: ProgressLine,
+    cluster: LocalCluster,
+    policy: Policy,
+    plan: Plan,
+    make_job: Any,
+    backend: str,
+    tokens: Path,
+) -> JobResult:
+    t = cfg.train
+    setup = {
+        "model": cfg.model,
+        "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
+        "seed": t.seed,
+        "tokens_path": str(tokens),
+        "backend": backend,
+        "comm_timeout_s": cfg.cluster.comm_timeout_s,
+    }
+    records: list[StepRecord] = []
+    plans: list[Plan] = []
+    started = time.perf_counter()
+
+    def on_step(record: StepRecord, current: Plan) -> None:
+        samples = current.global_batch / record.iter_s
+        alive = len(cluster.alive_nodes())
+        tracker.log_metrics(
+            {
+                "train/loss": record.loss,
+                "perf/iter_s": record.iter_s,
+                "perf/samples_per_s": samples,
+                "perf/tokens_per_s": samples * cfg.model.seq_len,
+                "cluster/alive_nodes": alive,
+                "cluster/pipelines": len(current.pipelines),
+            },
+            record.step,
+        )
+        progress.update(record.step, record.loss, samples, alive)
+
+    def on_plan(current: Plan) -> None:
+        plans.append(current)
+        tracker.log_text(f"plans/generation-{current.generation:03d}.json", current.to_json())
+        tracker.event("plan", generation=current.generation, step=current.step, pipelines=len(current.pipelines))
+
+    trainer = Trainer(
+        cluster=cluster,
+        policy=policy,
+        make_job=make_job,
+        setup=setup,
+        steps=t.steps,
+        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+        on_step=on_step,
+        on_event=tracker.event,
+        on_plan=on_plan,
+    )
+    records = trainer.run(plan)
+    wall = time.perf_counter() - started
+    useful = len(records) * plan.global_batch
+    summary = {
+        "summary/samples_per_s": useful / wall,
+        "summary/steps": float(len(records)),
+        "summary/median_iter_s": statistics.median(r.iter_s for r in records),
+        "summary/final_loss": records[-1].loss,
+    }
+    tracker.log_metrics(summary, len(records))
+    return JobResult(run_id="", steps=records, plans=plans, summary=summary)

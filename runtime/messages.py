@@ -1,0 +1,134 @@
+"""Messages on the control channel between the coordinator, node agents and workers.
+
+The channel is ``multiprocessing.connection`` on 127.0.0.1: it authenticates every peer with an HMAC challenge on
+the per-job secret before a single message is read, and carries pickled dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SECRET_ENV = "FTLAB_SECRET"
+
+
+# -- sent to the coordinator ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    role: str  # "agent" | "worker"
+    node: int
+    pid: int
+    worker: int | None = None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """From an agent: one of its workers ended (a crash, a kill or a clean exit)."""
+
+    worker: int
+    returncode: int
+
+
+@dataclass(frozen=True)
+class Configured:
+    generation: int
+    step: int
+    """The step the worker's layers are at (every optimizer step it has committed)."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker's part of the iteration is done and its gradients are reduced: it waits for Commit."""
+
+    step: int
+    loss: float  # this worker's share of the global mean loss (non-zero on last stages only)
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The iteration failed on this worker (a peer vanished mid-operation); it waits for the coordinator."""
+
+    step: int
+    error: str
+
+
+@dataclass(frozen=True)
+class AbortDone:
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class AtPhase:
+    """A test hook armed by ArmFault: the worker stopped at the start of this phase and waits to be killed."""
+
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class Saved:
+    step: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Crashed:
+    error: str
+
+
+# -- sent by the coordinator ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Configure:
+    plan: dict[str, Any]
+    program: list[Any]
+    store_port: int
+    setup: dict[str, Any] = field(default_factory=dict)
+    """Model, training and data settings; sent with the first Configure a worker receives."""
+    restore: str | None = None
+    """A committed checkpoint directory to load the worker's layers from (checkpoint-restart)."""
+
+
+@dataclass(frozen=True)
+class RunStep:
+    step: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    step: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    generation: int
+
+
+@dataclass(frozen=True)
+class ArmFault:
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint:
+    step: int
+    directory: str
+
+
+@dataclass(frozen=True)
+class SpawnWorkers:
+    """To an agent: start these workers (restart after a failure, or a node that joined)."""
+
+    workers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass

@@ -1,0 +1,185 @@
+"""A Plan says who holds what for one generation of the cluster.
+
+Plans are plain data: they travel to workers, are logged to MLflow as JSON, and are what policies produce and the
+simulator consumes. A worker is named by a stable integer id (``node * workers_per_node + local_index``) that does
+not change across generations; ranks inside a generation's process groups are derived from the plan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+
+class PlanError(ValueError):
+    """A plan that cannot be executed; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: a worker holding the contiguous layers ``[start, stop)``."""
+
+    worker: int
+    start: int
+    stop: int
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.stop)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A chain of stages covering every layer once, and the global micro-batch ids it processes."""
+
+    stages: tuple[Stage, ...]
+    microbatches: tuple[int, ...]
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return tuple(stage.worker for stage in self.stages)
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    num_layers: int
+    global_batch: int
+    micro_batch: int
+    pipelines: tuple[Pipeline, ...]
+    step: int = 0
+    """The first step this plan trains (the step every worker's state is at)."""
+    notes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        """Every worker in the plan, sorted; a worker's index here is its rank in the generation's group."""
+        return tuple(sorted(w for p in self.pipelines for w in p.workers))
+
+    def rank_of(self, worker: int) -> int:
+        return self.workers.index(worker)
+
+    def stages(self) -> Iterator[tuple[int, int, Stage]]:
+        """(pipeline index, stage index, stage) for every stage."""
+        for p, pipeline in enumerate(self.pipelines):
+            for s, stage in enumerate(pipeline.stages):
+                yield p, s, stage
+
+    def stage_of(self, worker: int) -> tuple[int, int, Stage]:
+        for p, s, stage in self.stages():
+            if stage.worker == worker:
+                return p, s, stage
+        raise KeyError(f"worker {worker} is not in plan generation {self.generation}")
+
+    def holders(self, layer: int) -> tuple[int, ...]:
+        """The workers holding a replica of ``layer``, sorted."""
+        return tuple(sorted(st.worker for _, _, st in self.stages() if st.start <= layer < st.stop))
+
+    def reduction_groups(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Layers grouped by the set of workers that hold them: [(holders, layers)], ordered by first layer.
+
+        Every worker walks this list in the same order, so gradient all-reduces over overlapping groups cannot
+        deadlock; groups with a single holder need no communication and are left out.
+        """
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer in range(self.num_layers):
+            groups.setdefault(self.holders(layer), []).append(layer)
+        return [(h, tuple(ls)) for h, ls in groups.items() if len(h) > 1]
+
+    def validate(self) -> None:
+        """Raise PlanError unless every micro-batch and every layer is covered exactly as training needs."""
+        if self.micro_batch <= 0 or self.global_batch % self.micro_batch:
+            raise PlanError(
+                f"global batch {self.global_batch} does not split into micro-batches of {self.micro_batch}: "
+                f"set train.global_batch to a multiple of train.micro_batch"
+            )
+        if not self.pipelines:
+            raise PlanError("the plan has no pipeline: the cluster needs at least one live worker")
+        seen: list[int] = []
+        for p, pipeline in enumerate(self.pipelines):
+            if not pipeline.stages:
+                raise PlanError(f"pipeline {p} has no stage")
+            expected = 0
+            for stage in pipeline.stages:
+                if stage.start != expected or stage.stop <= stage.start:
+                    raise PlanError(
+                        f"pipeline {p} does not cover layers 0..{self.num_layers - 1} in order with non-empty "
+                        f"stages (stage {stage} should start at layer {expected})"
+                    )
+                expected = stage.stop
+            if expected != self.num_layers:
+                raise PlanError(f"pipeline {p} stops at layer {expected}, the model has {self.num_layers} layers")
+            seen.extend(pipeline.microbatches)
+        if sorted(seen) != list(range(self.num_microbatches)):
+            raise PlanError(
+                f"the pipelines must process micro-batches 0..{self.num_microbatches - 1} exactly once each "
+                f"between them; they process {sorted(seen)}"
+            )
+        workers = [w for p in self.pipelines for w in p.workers]
+        if len(workers) != len(set(workers)):
+            raise PlanError(f"a worker appears in two stages: {sorted(workers)}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_dict(data: dict) -> Plan:
+        pipelines = tuple(
+            Pipeline(stages=tuple(Stage(**s) for s in p["stages"]), microbatches=tuple(p["microbatches"]))
+            for p in data["pipelines"]
+        )
+        return Plan(**{**data, "pipelines": pipelines})
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        return Plan.from_dict(json.loads(text))
+
+
+def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges of near-equal size, earlier stages taking the remainder."""
+    if num_stages > num_layers:
+        raise PlanError(
+            f"{num_stages} stages for a model of {num_layers} layers: every stage needs at least one layer, "
+            f"use at most {num_layers} stages"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    bounds, start = [], 0
+    for s in range(num_stages):
+        stop = start + base + (1 if s < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def grid_plan(
+    workers: list[int], stages: int, num_layers: int, global_batch: int, micro_batch: int, generation: int = 0, step: int = 0
+) -> Plan:
+    """A homogeneous PP x DP plan: ``len(workers) // stages`` pipelines, micro-batches dealt round-robin.
+
+    Consecutive workers form one pipeline, so a pipeline stays inside a node when the node's workers are adjacent.
+    """
+    if stages <= 0 or len(workers) < stages:
+        raise PlanError(f"{len(workers)} workers cannot form a pipeline of {stages} stages")
+    replicas = len(workers) // stages
+    bounds = even_split(num_layers, stages)
+    num_mb = global_batch // micro_batch if micro_batch > 0 else 0
+    if num_mb < replicas:
+        raise PlanError(
+            f"{num_mb} micro-batches cannot feed {replicas} pipelines: raise train.global_batch or lower "
+            f"train.micro_batch so that global_batch / micro_batch >= {replicas}"
+        )
+    pipelines = tuple(
+        Pipeline(
+            stages=tuple(Stage(workers[r * stages + s], *bounds[s]) for s in range(stages)),
+            microbatches=tuple(range(r, num_mb, replicas)),
+        )
+        for r in range(replicas)
+    )
+    plan = Plan(generation, num_layers, global_batch, micro_batch, pipelines, step=step)
+    plan.validate()
+    return plan

@@ -1,0 +1,332 @@
+"""Abstract execution of a set of instruction programs: correctness check and timeline.
+
+Every producer of programs (the 1F1B scheduler, ReCycle's planner) is checked by executing its programs on an
+abstract machine with the semantics of ``runtime.instructions``:
+
+- sends never block; a receive blocks until the matching send (same kind, micro-batch, sender) has happened;
+- ``ReduceGrads`` is a collective: a worker leaves it once every worker sharing one of its layers has reached its
+  own ``ReduceGrads`` (one group per stage in a grid, which is what lets stages step their optimizers at staggered
+  times);
+- compute needs its inputs on the same worker: a non-first stage's ``ForwardPass`` a received activation, a
+  non-last stage's backward a received gradient, first and last stages a ``LoadMicroBatch``, ``BackwardWeight``
+  a ``BackwardInput``.
+
+Messages carry the layer boundary they belong to, so the checker follows each micro-batch through the layers: it
+must run forward over every layer exactly once, in layer order, then backward exactly once in reverse order, on
+the workers of the pipeline the plan assigns it to. A worker's layers come from the plan; a worker may appear in
+several pipelines (a ReCycle peer serving a rerouted micro-batch) as long as it holds the same layers in all.
+
+The same machine, given durations, yields a timeline; the simulator and the planners' makespan predictions use it.
+Timing rules: compute, loads and collectives occupy their worker for their duration; a send occupies no worker
+time and its message arrives ``durations(sender, send)`` later (the transfer time); a receive ends when its
+message has arrived, plus its own duration (normally zero).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+from runtime import instructions as ins
+from runtime.plan import Plan
+
+Durations = Callable[[int, PipeInstruction], float]
+
+
+class ProgramError(ValueError):
+    """Programs that would deadlock or train wrongly; the message names the workers and instructions at fault."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """One executed instruction: ``index`` is its position in the worker's program."""
+
+    worker: int
+    index: int
+    instruction: PipeInstruction
+    start: float
+    end: float
+
+
+def show(instr: PipeInstruction) -> str:
+    """A readable form of an instruction (DeepSpeed's repr calls the micro-batch a buffer id)."""
+    if isinstance(instr, ins.MicroBatchInstruction):
+        peer = f", peer={instr.peer}" if isinstance(instr, ins.PeerInstruction) else ""  # type: ignore[attr-defined]
+        return f"{type(instr).__name__}(mb={instr.microbatch}{peer})"
+    return repr(instr)
+
+
+_SENDS: dict[type, str] = {ins.SendActivation: "activation", ins.SendGrad: "gradient", ins.SendLayer: "layer"}
+_RECVS: dict[type, str] = {ins.RecvActivation: "activation", ins.RecvGrad: "gradient", ins.RecvLayer: "layer"}
+
+
+def _key(instr: PipeInstruction) -> int:
+    """The micro-batch of a micro-batch transfer, the layer of a layer transfer."""
+    return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.layer  # type: ignore[attr-defined]
+
+
+def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Each worker's layer range ``(start, stop)``; a worker named in several pipelines must hold the same layers."""
+    ranges: dict[int, tuple[int, int]] = {}
+    for p, _, stage in plan.stages():
+        held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
+        if held != (stage.start, stage.stop):
+            raise ProgramError(
+                f"worker {stage.worker} holds layers {held[0]}..{held[1] - 1} in one pipeline and "
+                f"{stage.start}..{stage.stop - 1} in pipeline {p}: a worker holds one layer range"
+            )
+    return ranges
+
+
+def _co_holders(ranges: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, ...]]:
+    """For each worker, the workers (itself included) it all-reduces a layer with."""
+    return {
+        w: tuple(v for v, (a, b) in ranges.items() if a < stop and start < b) for w, (start, stop) in ranges.items()
+    }
+
+
+class _Machine:
+    """Runs programs to completion or deadlock; with a plan it also checks the training semantics."""
+
+    def __init__(self, programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None):
+        self.programs = programs
+        self.durations = durations
+        self.plan = plan
+        self.pc = dict.fromkeys(programs, 0)
+        self.clock = dict.fromkeys(programs, 0.0)
+        # (kind, sender, receiver, micro-batch or layer) -> messages in flight: (arrival time, layer boundary)
+        self.channels: dict[tuple[str, int, int, int], deque[tuple[float, int]]] = defaultdict(deque)
+        self.sent: set[tuple[str, int, int, int]] = set()
+        self.reduce_arrival: dict[int, float] = {}
+        self.events: list[Event] = []
+        if plan is not None:
+            self.ranges = worker_layers(plan)
+            self.groups = _co_holders(self.ranges)
+            self.route = {mb: p for p in plan.pipelines for mb in p.microbatches}
+            # Per worker: what it holds for each micro-batch, in the order the instructions need it.
+            self.loaded: dict[int, set[int]] = defaultdict(set)
+            self.act_in: dict[int, set[int]] = defaultdict(set)
+            self.grad_in: dict[int, set[int]] = defaultdict(set)
+            self.forwarded: dict[int, set[int]] = defaultdict(set)
+            self.input_grad: dict[int, set[int]] = defaultdict(set)
+            self.weight_grad: dict[int, set[int]] = defaultdict(set)
+            # Per (micro-batch, layer): the workers that ran it forward / input-backward / weight-backward.
+            self.fwd_by: dict[tuple[int, int], list[int]] = defaultdict(list)
+            self.bwd_by: dict[tuple[int, int], list[int]] = defaultdict(list)
+            self.wgt_by: dict[tuple[int, int], list[int]] = defaultdict(list)
+
+    # -- execution ---------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for w, program in self.programs.items():
+                while self.pc[w] < len(program) and self._step(w, program[self.pc[w]]):
+                    self.pc[w] += 1
+                    progress = True
+        blocked = {w: p[self.pc[w]] for w, p in self.programs.items() if self.pc[w] < len(p)}
+        if blocked:
+            raise ProgramError("deadlock: no worker can progress; " + "; ".join(
+                f"worker {w} blocks at instruction {self.pc[w]} {show(i)} ({self._why_blocked(w, i)})"
+                for w, i in sorted(blocked.items())
+            ))
+
+    def _why_blocked(self, w: int, instr: PipeInstruction) -> str:
+        if isinstance(instr, ins.ReduceGrads):
+            missing = [v for v in self.groups[w] if v not in self.reduce_arrival]
+            return f"waits for workers {missing} to reach ReduceGrads"
+        return f"waits for the matching send from worker {instr.peer}"  # type: ignore[attr-defined]
+
+    def _step(self, w: int, instr: PipeInstruction) -> bool:
+        """Execute ``instr`` on ``w`` if it can run now; False when it blocks."""
+        start = self.clock[w]
+        cost = self.durations(w, instr)
+        kind = _SENDS.get(type(instr)) or _RECVS.get(type(instr))
+        if type(instr) in _RECVS:
+            queue = self.channels[(kind, instr.peer, w, _key(instr))]  # type: ignore[index,attr-defined]
+            if not queue:
+                return False
+            arrival, boundary = queue.popleft()
+            if self.plan is not None:
+                self._receive(w, instr, boundary)
+            end = max(start, arrival) + cost
+        elif type(instr) in _SENDS:
+            channel = (kind, w, instr.peer, _key(instr))  # type: ignore[attr-defined]
+            if channel in self.sent:
+                self._fail(w, instr, f"sends the same {kind} to worker {instr.peer} twice")  # type: ignore[attr-defined]
+            self.sent.add(channel)  # type: ignore[arg-type]
+            boundary = self._send(w, instr) if self.plan is not None else -1
+            self.channels[channel].append((start + cost, boundary))  # type: ignore[index]
+            end = start  # asynchronous: the worker goes on at once
+        elif isinstance(instr, ins.ReduceGrads) and self.plan is not None:
+            self.reduce_arrival.setdefault(w, start)
+            if any(v not in self.reduce_arrival for v in self.groups[w]):
+                return False
+            self._reduce(w, instr)
+            start = max(self.reduce_arrival[v] for v in self.groups[w])
+            end = start + cost
+        else:
+            if self.plan is not None:
+                self._compute(w, instr)
+            end = start + cost
+        self.events.append(Event(w, self.pc[w], instr, start, end))
+        self.clock[w] = end
+        return True
+
+    # -- semantics (only with a plan) ---------------------------------------------------------------------------
+
+    def _fail(self, w: int, instr: PipeInstruction, why: str) -> None:
+        raise ProgramError(f"worker {w}, instruction {self.pc[w]} {show(instr)}: {why}")
+
+    def _send(self, w: int, instr: PipeInstruction) -> int:
+        """Check that the payload exists; return the layer boundary the message carries."""
+        start, stop = self.ranges[w]
+        if isinstance(instr, ins.SendActivation):
+            if instr.microbatch not in self.forwarded[w]:
+                self._fail(w, instr, "sends an activation before its ForwardPass")
+            if stop == self.plan.num_layers:  # type: ignore[union-attr]
+                self._fail(w, instr, "the last stage has no activation to send")
+            return stop
+        if isinstance(instr, ins.SendGrad):
+            if instr.microbatch not in self.input_grad[w]:
+                self._fail(w, instr, "sends a gradient before its backward pass")
+            if start == 0:
+                self._fail(w, instr, "the first stage has no input gradient to send")
+            return start
+        return instr.layer  # type: ignore[attr-defined]
+
+    def _receive(self, w: int, instr: PipeInstruction, boundary: int) -> None:
+        start, stop = self.ranges[w]
+        if isinstance(instr, ins.RecvActivation):
+            if boundary != start:
+                self._fail(w, instr, f"receives the activation at layer boundary {boundary}, its stage starts at {start}")
+            self._once(w, instr, self.act_in[w], "receives the activation")
+        elif isinstance(instr, ins.RecvGrad):
+            if boundary != stop:
+                self._fail(w, instr, f"receives the gradient at layer boundary {boundary}, its stage stops at {stop}")
+            self._once(w, instr, self.grad_in[w], "receives the gradient")
+
+    def _once(self, w: int, instr: PipeInstruction, done: set[int], what: str) -> None:
+        mb = instr.microbatch  # type: ignore[attr-defined]
+        if mb in done:
+            self._fail(w, instr, f"{what} of micro-batch {mb} a second time")
+        done.add(mb)
+
+    def _compute(self, w: int, instr: PipeInstruction) -> None:
+        if not isinstance(instr, ins.MicroBatchInstruction):
+            return
+        mb, plan = instr.microbatch, self.plan
+        assert plan is not None
+        start, stop = self.ranges[w]
+        layers = range(start, stop)
+        if not 0 <= mb < plan.num_microbatches:
+            self._fail(w, instr, f"micro-batch {mb} is not in the global batch (0..{plan.num_microbatches - 1})")
+        ends = start == 0 or stop == plan.num_layers
+        if isinstance(instr, ins.LoadMicroBatch):
+            if not ends:
+                self._fail(w, instr, "only the first and the last stage load a micro-batch")
+            self._once(w, instr, self.loaded[w], "loads")
+        elif isinstance(instr, ins.ForwardPass):
+            pipeline = self.route.get(mb)
+            if pipeline is not None and not any(
+                (s.worker, s.start, s.stop) == (w, start, stop) for s in pipeline.stages
+            ):
+                self._fail(w, instr, f"micro-batch {mb} belongs to the pipeline of workers {pipeline.workers}")
+            if ends and mb not in self.loaded[w]:
+                self._fail(w, instr, "runs before LoadMicroBatch")
+            if start > 0 and mb not in self.act_in[w]:
+                self._fail(w, instr, "runs before its input activation was received")
+            self._once(w, instr, self.forwarded[w], "runs forward")
+            self._record(w, instr, self.fwd_by, layers, "forward")
+        elif isinstance(instr, (ins.BackwardPass, ins.BackwardInput)):
+            if mb not in self.forwarded[w]:
+                self._fail(w, instr, "runs backward before the forward pass on this worker")
+            if stop < plan.num_layers and mb not in self.grad_in[w]:
+                self._fail(w, instr, "runs before its output gradient was received")
+            self._once(w, instr, self.input_grad[w], "runs backward")
+            self._record(w, instr, self.bwd_by, layers, "backward")
+            if isinstance(instr, ins.BackwardPass):
+                self._record(w, instr, self.wgt_by, layers, "weight-gradient")
+                self.weight_grad[w].add(mb)
+        elif isinstance(instr, ins.BackwardWeight):
+            if mb not in self.input_grad[w] or mb in self.weight_grad[w]:
+                self._fail(w, instr, "needs exactly one BackwardInput of the same micro-batch before it")
+            self.weight_grad[w].add(mb)
+            self._record(w, instr, self.wgt_by, layers, "weight-gradient")
+
+    def _record(self, w: int, instr: PipeInstruction, by: dict, layers: range, what: str) -> None:
+        mb = instr.microbatch  # type: ignore[attr-defined]
+        for layer in layers:
+            if by[(mb, layer)]:
+                self._fail(w, instr, f"micro-batch {mb} already ran {what} through layer {layer} "
+                                     f"on worker {by[(mb, layer)][0]}")
+            by[(mb, layer)].append(w)
+
+    def _reduce(self, w: int, instr: PipeInstruction) -> None:
+        pending = sorted(self.forwarded[w] - self.weight_grad[w])
+        if pending:
+            self._fail(w, instr, f"reduces gradients before the weight gradients of micro-batches {pending}")
+
+    def leftovers(self) -> list[str]:
+        """What is wrong once every program ran to its end: unmatched sends, layers a micro-batch skipped."""
+        problems = [
+            f"worker {src} sends a {kind} for {'layer' if kind == 'layer' else 'micro-batch'} {key} to worker "
+            f"{dst}, which never receives it"
+            for (kind, src, dst, key), queue in sorted(self.channels.items()) if queue
+        ]
+        assert self.plan is not None
+        for mb in range(self.plan.num_microbatches):
+            for what, by in (("forward", self.fwd_by), ("backward", self.bwd_by), ("weight-gradient", self.wgt_by)):
+                skipped = [layer for layer in range(self.plan.num_layers) if not by[(mb, layer)]]
+                if skipped:
+                    problems.append(f"micro-batch {mb} never runs {what} through layers {skipped}")
+        return problems
+
+
+def _check_shape(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) -> None:
+    missing = sorted(set(worker_layers(plan)) - set(programs))
+    extra = sorted(set(programs) - set(worker_layers(plan)))
+    if missing or extra:
+        raise ProgramError(f"programs and plan disagree: no program for workers {missing}, "
+                           f"programs for workers {extra} that the plan does not name")
+    for w, program in programs.items():
+        tail = [type(i) for i in program[-2:]]
+        if tail != [ins.ReduceGrads, ins.OptimizerStep] or any(
+            isinstance(i, (ins.ReduceGrads, ins.OptimizerStep)) for i in program[:-2]
+        ):
+            raise ProgramError(f"worker {w}'s program must end with ReduceGrads(), OptimizerStep() and hold "
+                               f"them nowhere else; it ends with {[show(i) for i in program[-2:]]}")
+
+
+def check_programs(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) -> None:
+    """Raise ProgramError unless the programs run to the end and train every micro-batch exactly once."""
+    _check_shape(plan, programs)
+    machine = _Machine(programs, lambda _w, _i: 1.0, plan)
+    machine.run()
+    problems = machine.leftovers()
+    if problems:
+        raise ProgramError("; ".join(problems))
+
+
+def timeline(
+    programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None = None
+) -> list[Event]:
+    """Every instruction with its start and end time, in an order that respects the dependencies.
+
+    Without a plan, ``ReduceGrads`` is a local instruction and no training semantics are checked; deadlocks raise
+    ProgramError either way.
+    """
+    machine = _Machine(programs, durations, plan)
+    machine.run()
+    return machine.events
+
+
+def simulate(
+    programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None = None
+) -> float:
+    """The makespan: when the last worker finishes its program."""
+    return max((e.end for e in timeline(programs, durations, plan)), default=0.0)

@@ -1,0 +1,289 @@
+"""The coordinator's training loop: plan, configure, run steps, commit, and recover when membership changes.
+
+One iteration is a two-phase commit. Every worker of the plan runs its program up to the optimizer step and reports
+Ready with its gradients reduced; only when all have, the coordinator sends Commit and the workers step their
+optimizers. A failure before that point aborts the iteration everywhere, so no two replicas of a layer are ever at
+different steps and a failure costs at most the iteration in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from policies.base import Change, InPlace, Job, Policy, Restart, SaveCheckpoint, Stop
+from runtime import checkpoint, messages as msg
+from runtime.cluster import Event, LocalCluster
+from runtime.plan import Plan
+
+M = TypeVar("M")
+
+# After the first sign of a failure, wait this long for the rest of it (a node's agent and workers report apart).
+_FAILURE_WINDOW_S = 0.3
+_POLL_S = 0.2
+
+
+class JobStopped(RuntimeError):
+    """The job cannot go on: a policy decided to stop, or a worker crashed. The message says why."""
+
+
+@dataclass
+class Failure:
+    """Members found dead, with the monotonic time each was noticed."""
+
+    nodes: dict[int, float] = field(default_factory=dict)
+    workers: dict[int, float] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.nodes or self.workers)
+
+
+class MembershipChanged(Exception):
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"nodes {sorted(failure.nodes)} and workers {sorted(failure.workers)} failed")
+        self.failure = failure
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    iter_s: float
+    compute_s: float
+
+
+class Trainer:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        policy: Policy,
+        make_job: Callable[[dict[int, tuple[int, ...]]], Job],
+        setup: dict[str, Any],
+        steps: int,
+        heartbeat_timeout_s: float,
+        on_step: Callable[[StepRecord, Plan], None],
+        on_event: Callable[..., None],
+        on_plan: Callable[[Plan], None],
+        before_step: Callable[[int], None] = lambda step: None,
+        on_at_phase: Callable[[int, msg.AtPhase], None] = lambda worker, message: None,
+    ) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.make_job = make_job
+        self.setup = setup
+        self.steps = steps
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_step = on_step
+        self.on_event = on_event
+        self.on_plan = on_plan
+        self.before_step = before_step
+        self.on_at_phase = on_at_phase
+        self.failed_nodes: set[int] = set()
+        self.failed_workers: set[int] = set()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def job(self) -> Job:
+        workers = {
+            node: tuple(w for w in self.cluster.workers_of(node) if w in self.cluster.alive_workers())
+            for node in self.cluster.alive_nodes()
+        }
+        return self.make_job({n: ws for n, ws in workers.items() if ws})
+
+    def run(self, plan: Plan) -> list[StepRecord]:
+        records: list[StepRecord] = []
+        step, restore = plan.step, None
+        configured = False
+        while step < self.steps:
+            try:
+                if not configured:
+                    self._configure(plan, restore)
+                    configured = True
+                self.before_step(step)
+                record = self._run_step(plan, step)
+            except MembershipChanged as changed:
+                plan, restore = self._recover(changed.failure, plan, step)
+                step, configured = plan.step, False
+                continue
+            records.append(record)
+            self.on_step(record, plan)
+            step += 1
+            for action in self.policy.after_step(step, self.job()):
+                self._checkpoint(plan, step, action)
+        return records
+
+    # -- one iteration -----------------------------------------------------------------------------------------
+    def _run_step(self, plan: Plan, step: int) -> StepRecord:
+        started = time.perf_counter()
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.RunStep(step))
+        ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.Commit(step))
+        return StepRecord(
+            step=step,
+            loss=sum(r.loss for r in ready.values()),
+            iter_s=time.perf_counter() - started,
+            compute_s=max(r.compute_s for r in ready.values()),
+        )
+
+    def _configure(self, plan: Plan, restore: str | None) -> None:
+        programs = self.policy.programs(plan)
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.Configure(asdict(plan), programs[worker], self.cluster.store.port, self.setup, restore))
+        self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
+        self.on_plan(plan)
+
+    def _checkpoint(self, plan: Plan, step: int, action: SaveCheckpoint) -> None:
+        started = time.perf_counter()
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.SaveCheckpoint(step, action.directory))
+        saved = self._collect(set(plan.workers), msg.Saved, lambda m: m.step == step)
+        checkpoint.write_manifest(action.directory, step, plan.num_layers, {"generation": plan.generation})
+        checkpoint.prune(action.directory, action.keep)
+        self.on_event("checkpoint", step=step, seconds=time.perf_counter() - started, nbytes=sum(s.nbytes for s in saved.values()))
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def _collect(self, expected: set[int], kind: type[M], accept: Callable[[M], bool]) -> dict[int, M]:
+        """Wait for one ``kind`` message from every expected worker; raise MembershipChanged on any failure."""
+        got: dict[int, M] = {}
+        while set(got) < expected:
+            failure = Failure()
+            event = self._next_event(failure)
+            if failure:
+                raise MembershipChanged(self._gather(failure))
+            if event is None:
+                continue
+            message = event.message
+            if event.role == "worker" and isinstance(message, kind) and accept(message):
+                got[event.ident] = message
+            elif isinstance(message, msg.Failed):
+                # A peer vanished under this worker; the coordinator's own view of who died follows shortly.
+                self.on_event("comm_error", worker=event.ident, error=message.error)
+        return got
+
+    def _next_event(self, failure: Failure) -> Event | None:
+        """The next event, or None after a quiet poll; records failures it sees into ``failure``."""
+        try:
+            event = self.cluster.events.get(timeout=_POLL_S)
+        except queue.Empty:  # a quiet moment: check for hung workers
+            for worker in self.cluster.silent_workers(self.heartbeat_timeout_s):
+                self.on_event("hang_detected", worker=worker, timeout_s=self.heartbeat_timeout_s)
+                self.cluster.kill_worker(worker)  # fence it: a hung worker must never come back
+            return None
+        self._classify(event, failure)
+        return event
+
+    def _classify(self, event: Event, failure: Failure) -> None:
+        message = event.message
+        if isinstance(message, msg.Crashed):
+            raise JobStopped(f"{event.role} {event.ident} crashed:\n{message.error}")
+        if isinstance(message, msg.AtPhase):
+            self.on_at_phase(event.ident, message)
+            return
+        dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
+        if dead_worker:
+            worker = message.worker if isinstance(message, msg.WorkerExited) else event.ident
+            if self.cluster.workers.get(worker) and self.cluster.workers[worker].alive:
+                self.cluster.mark_dead("worker", worker)
+                failure.workers[worker] = event.at
+        elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
+            node = event.ident
+            self.cluster.mark_dead("agent", node)
+            failure.nodes[node] = event.at
+            for worker in self.cluster.workers_of(node):
+                self.cluster.kill_worker(worker)  # a lost node loses all of its workers
+                if self.cluster.workers.get(worker) and self.cluster.workers[worker].alive:
+                    self.cluster.mark_dead("worker", worker)
+                    failure.workers.setdefault(worker, event.at)
+
+    def _gather(self, failure: Failure) -> Failure:
+        """Let the rest of a failure arrive (the other half of a node, simultaneous kills)."""
+        deadline = time.monotonic() + _FAILURE_WINDOW_S
+        while time.monotonic() < deadline:
+            try:
+                event = self.cluster.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._classify(event, failure)
+        return failure
+
+    # -- recovery ----------------------------------------------------------------------------------------------
+    def _abort(self, plan: Plan, failure: Failure) -> int:
+        """Stop the iteration in flight on every survivor; returns the step they are all at."""
+        survivors = set(plan.workers) & set(self.cluster.alive_workers())
+        for worker in survivors:
+            self.cluster.send(worker, msg.Abort(plan.generation))
+        while True:
+            try:
+                done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation)
+                break
+            except MembershipChanged as more:  # a failure during the abort: fold it in, wait for the rest
+                failure.nodes.update(more.failure.nodes)
+                failure.workers.update(more.failure.workers)
+                survivors &= set(self.cluster.alive_workers())
+        steps = {m.step for m in done.values()}
+        assert len(steps) <= 1, f"survivors disagree on the committed step: {steps}"
+        return steps.pop() if steps else plan.step
+
+    def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None]:
+        self.failed_nodes |= set(failure.nodes)
+        self.failed_workers |= set(failure.workers)
+        noticed = min([*failure.nodes.values(), *failure.workers.values()])
+        self.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step, noticed=noticed)
+        committed = self._abort(plan, failure)
+        change = Change(
+            plan=plan,
+            step=committed,
+            failed_nodes=tuple(sorted(failure.nodes)),
+            failed_workers=tuple(sorted(w for w in failure.workers if self.cluster.node_of(w) not in failure.nodes)),
+        )
+        decision = self.policy.on_change(change, self.job())
+        self.on_event("recovery_decision", decision=type(decision).__name__, step=committed)
+        if isinstance(decision, Stop):
+            raise JobStopped(decision.reason)
+        if isinstance(decision, Restart):
+            self._restart_workers()
+            return decision.plan, decision.checkpoint
+        assert isinstance(decision, InPlace)
+        return decision.plan, None
+
+    def _restart_workers(self) -> None:
+        """Checkpoint-restart: end every worker process and start fresh ones on every live node."""
+        for worker in self.cluster.alive_workers():
+            self.cluster.kill_worker(worker)
+            self.cluster.mark_dead("worker", worker)
+        for worker, member in self.cluster.workers.items():
+            _wait_gone(member.pid)
+        self._drain_events()
+        expected: set[int] = set()
+        for node in self.cluster.alive_nodes():
+            workers = tuple(self.cluster.workers_of(node))
+            for worker in workers:
+                self.cluster.workers.pop(worker, None)
+            self.cluster.send_agent(node, msg.SpawnWorkers(workers))
+            expected |= set(workers)
+        self.cluster.wait_for_workers(expected, timeout_s=300)
+
+    def _drain_events(self) -> None:
+        """Drop the closed-connection and exit events of workers this coordinator killed itself."""
+        while not self.cluster.events.empty():
+            event = self.cluster.events.get_nowait()
+            if isinstance(event.message, msg.Crashed):
+                raise JobStopped(f"{event.role} {event.ident} crashed:\n{event.message.error}")
+            if event.role == "agent" and event.message is None:
+                self.cluster.mark_dead("agent", event.ident)
+                self.failed_nodes.add(event.ident)
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)

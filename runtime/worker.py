@@ -1,0 +1,211 @@
+"""The worker process: holds some layers with their optimizer state and runs the programs it is given.
+
+Every decision is the coordinator's. The worker reports an iteration Ready once its gradients are reduced and steps
+its optimizers only on the coordinator's Commit, so an iteration commits on every worker or on none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import queue
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runtime import checkpoint, messages as msg
+from runtime.comm import Aborted, CommError, GenerationComm
+from runtime.data import Batches
+from runtime.executor import Executor
+from runtime.model import ModelConfig, StageModule, build_layer, num_layers
+from runtime.optim import OptimSettings, layer_optimizer, step_all
+from runtime.plan import Plan
+
+
+class Channel:
+    """A control connection that several threads may send on."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class Worker:
+    def __init__(self, channel: Channel, worker: int, heartbeat_s: float) -> None:
+        self.channel = channel
+        self.worker = worker
+        self.heartbeat_s = heartbeat_s
+        self.inbox: queue.Queue[Any] = queue.Queue()
+        self.abort = threading.Event()
+        self.layers: dict[int, torch.nn.Module] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.step = 0  # optimizer steps committed
+        self.setup: dict[str, Any] = {}
+        self.store: dist.TCPStore | None = None
+        self.comm: GenerationComm | None = None
+        self.executor: Executor | None = None
+        self.program: list[Any] = []
+        self.armed: msg.ArmFault | None = None
+
+    # -- threads -----------------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.channel.conn.recv()
+            except (EOFError, OSError):
+                os._exit(3)  # the coordinator is gone: nothing this worker holds is of use any more
+            if isinstance(message, msg.Abort):
+                self.abort.set()  # interrupts a running iteration; the main loop acknowledges
+            self.inbox.put(message)
+
+    def _heartbeat(self) -> None:
+        # A SIGSTOPped worker stops this thread too, which is how a hang is detected.
+        while True:
+            self.channel.send(msg.Heartbeat())
+            time.sleep(self.heartbeat_s)
+
+    # -- main loop ---------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        threading.Thread(target=self._read, daemon=True, name="control-reader").start()
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        while True:
+            message = self.inbox.get()
+            if isinstance(message, msg.Shutdown):
+                return
+            if isinstance(message, msg.Configure):
+                self._configure(message)
+            elif isinstance(message, msg.RunStep):
+                self._run_step(message.step)
+            elif isinstance(message, msg.Abort):
+                self._abort(message.generation)
+            elif isinstance(message, msg.ArmFault):
+                self.armed = message
+            elif isinstance(message, msg.SaveCheckpoint):
+                self._save(message)
+            elif isinstance(message, msg.Commit):
+                pass  # a commit for an iteration this worker already abandoned: ignore
+            else:
+                raise TypeError(f"unexpected control message {message!r}")
+
+    def _configure(self, message: msg.Configure) -> None:
+        if message.setup:
+            self.setup = message.setup
+        plan = Plan.from_dict(message.plan)
+        model: ModelConfig = self.setup["model"]
+        settings: OptimSettings = self.setup["optim"]
+        if self.store is None:
+            self.store = dist.TCPStore(
+                "127.0.0.1", message.store_port, is_master=False, timeout=datetime.timedelta(seconds=self.setup["comm_timeout_s"])
+            )
+        if self.comm is not None:
+            self.comm.retire()
+        self.abort.clear()
+        _, _, stage = plan.stage_of(self.worker)
+        for index in list(self.layers):
+            if index not in stage.layers:
+                del self.layers[index], self.optimizers[index]
+        for index in stage.layers:
+            if index not in self.layers:
+                if plan.step != 0 and message.restore is None:
+                    raise RuntimeError(f"layer {index} is missing at step {plan.step} and nothing provides it")
+                self.layers[index] = build_layer(model, index, self.setup["seed"])
+                self.optimizers[index] = layer_optimizer(self.layers[index], settings)
+                if message.restore is not None:
+                    self._restore(index, Path(message.restore))
+        self.step = plan.step
+        self.comm = GenerationComm(
+            self.store, plan, self.worker, self.abort, self.setup["backend"], self.setup["comm_timeout_s"]
+        )
+        tokens = np.load(self.setup["tokens_path"], mmap_mode="r")
+        batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
+        stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
+        self.executor = Executor(stage_module, num_layers(model), model.hidden, self.comm, batches, self.abort, self._phase)
+        self.program = message.program
+        self.channel.send(msg.Configured(plan.generation, self.step))
+
+    def _run_step(self, step: int) -> None:
+        assert self.executor is not None, "RunStep before Configure"
+        try:
+            result = self.executor.run(self.program, step)
+        except Aborted:
+            return  # the Abort message waiting in the inbox is acknowledged by the main loop
+        except CommError as exc:
+            self.channel.send(msg.Failed(step, str(exc)))
+            return
+        self.channel.send(msg.Ready(step, result.loss, result.compute_s))
+        decision = self.inbox.get()
+        if isinstance(decision, msg.Commit) and decision.step == step:
+            self._phase(step, "optimizer")
+            step_all(self.optimizers, step, self.setup["optim"])
+            self.step = step + 1
+        elif isinstance(decision, msg.Abort):
+            self._abort(decision.generation)
+        else:
+            raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
+
+    def _abort(self, generation: int) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
+        self.channel.send(msg.AbortDone(generation, self.step))
+
+    def _phase(self, step: int, phase: str) -> None:
+        armed = self.armed
+        if armed is not None and armed.step == step and armed.phase == phase:
+            self.channel.send(msg.AtPhase(step, phase))
+            while True:  # the fault injector kills this process now
+                time.sleep(1)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def _save(self, message: msg.SaveCheckpoint) -> None:
+        directory = checkpoint.step_dir(message.directory, message.step)
+        plan = self.comm.plan if self.comm else None
+        nbytes = 0
+        for index, layer in sorted(self.layers.items()):
+            # One writer per layer: the replica holder with the smallest worker id.
+            if plan is not None and plan.holders(index)[0] != self.worker:
+                continue
+            data = checkpoint.encode(checkpoint.layer_state(layer, self.optimizers[index]))
+            self._phase(message.step, "checkpoint")
+            checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
+            nbytes += len(data)
+        self.channel.send(msg.Saved(message.step, nbytes))
+
+    def _restore(self, index: int, directory: Path) -> None:
+        state = checkpoint.decode(checkpoint.layer_path(directory, index).read_bytes())
+        self.layers[index].load_state_dict(state["module"])
+        self.optimizers[index].load_state_dict(state["optimizer"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="ftlab worker (started by a node agent)")
+    parser.add_argument("--coordinator-port", type=int, required=True)
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--worker", type=int, required=True)
+    parser.add_argument("--heartbeat-s", type=float, default=0.5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    conn = Client(("127.0.0.1", args.coordinator_port), authkey=os.environ[msg.SECRET_ENV].encode())
+    channel = Channel(conn)
+    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker))
+    try:
+        Worker(channel, args.worker, args.heartbeat_s).serve()
+    except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
+        channel.send(msg.Crashed(traceback.format_exc()))
+        raise
+
+
+if __name__ == "__main__":
+    main()
