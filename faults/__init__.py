@@ -1,4 +1,4 @@
-"""Fault schedules (what fails, and when) and, later, the injector that makes it happen."""
+"""Fault schedules: what fails, to whom, and when (see schedules.py), and the bundled node-availability traces."""
 
 from faults.schedules import (
     FAULT_KINDS,

@@ -38,7 +38,7 @@ Schedules (``FaultsConfig.schedule``):
   joins at or after ``horizon_s`` are dropped.
 - ``trace``: replays a node-availability trace (see ``faults/trace.py`` for the format). Run time 0 is the trace's
   first timestamp, and trace times are divided by ``time_compression`` (trace seconds per run second). A trace
-  describes a cluster of its own size, usually larger than ours, so the cluster replays the lives of some of the
+  describes a cluster of its own size, usually larger than the run's, so the run replays the lives of some of the
   trace's nodes:
 
   * cluster nodes ``0..N-1`` stand for the first N trace nodes to appear, or for the trace nodes ``node_map`` names.
@@ -48,7 +48,8 @@ Schedules (``FaultsConfig.schedule``):
   * a later ``add`` becomes a join while fewer than ``max_nodes`` (default N) nodes are alive, and is otherwise
     ignored with all that node's events: a small cluster refills to its own size as the trace's replacements arrive.
     With N equal to the trace's initial size and ``max_nodes`` at least its peak, the replay is exact;
-  * a ``remove`` of a node the cluster stands for is a ``node`` fault;
+  * a ``remove`` of a node the cluster stands for is a ``node`` fault. (The synthetic traces remove 15 of their 30
+    nodes, few of the first ones: name the nodes to replay in ``node_map`` to see more of their faults.)
   * ``max_failures`` ends the replay with that fault, ``horizon_s`` (run seconds) at that time.
 
 Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over

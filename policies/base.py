@@ -106,6 +106,10 @@ class Policy(ABC):
     def on_change(self, change: Change, job: Job) -> Recovery: ...
 
     def after_step(self, step: int, job: Job) -> list[Action]:
+        """After ``step`` committed steps: a checkpoint every ``checkpoint_every`` steps, whatever the policy."""
+        every = self.settings.checkpoint_every
+        if every and step % every == 0:
+            return [SaveCheckpoint(self.settings.checkpoint_dir, self.settings.keep_checkpoints)]
         return []
 
 

@@ -59,6 +59,7 @@ class PolicyConfig:
     checkpoint_every: int = 0
     """Steps between checkpoints to storage (0: never)."""
     checkpoint_dir: str = ".ftlab/checkpoints"
+    """Each run writes under <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's checkpoints."""
     keep_checkpoints: int = 2
 
 

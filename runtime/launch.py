@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from faults.schedules import ClusterShape, FaultEvent, build_schedule
 from policies.base import Job, Policy
 from runtime.cluster import LocalCluster
-from runtime.config import JobConfig
+from runtime.config import JobConfig, register
 from runtime.data import tokenize_corpus
 from runtime.model import layer_specs, training_memory_bytes
 from runtime.optim import OptimSettings
@@ -27,6 +27,16 @@ from runtime.plan import Plan, PlanError
 from runtime.progress import ProgressLine
 from runtime.tracking import Tracker
 from runtime.trainer import StepRecord, Trainer
+
+
+CONF_DIR = Path(__file__).parents[1] / "conf"
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The job config that ``ftlab OVERRIDES...`` would run, for tests, benchmarks and notebooks."""
+    register()
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra.compose("config", overrides=overrides or [])
 
 
 class ConfigError(ValueError):
@@ -39,7 +49,7 @@ class JobResult:
     steps: list[StepRecord]
     plans: list[Plan]
     summary: dict[str, float]
-    events: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_dir: str = ""
 
 
 def resolve_backend(requested: str) -> str:
@@ -114,6 +124,7 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
     progress: ProgressLine | None = None
     cluster: LocalCluster | None = None
     try:
+        cfg.policy.checkpoint_dir = str(Path(cfg.policy.checkpoint_dir) / run_id)
         policy, plan, faults, backend, make_job = preflight(cfg)
         tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
         progress = ProgressLine(cfg.train.steps, enabled=cfg.progress)
@@ -123,6 +134,7 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
         cluster.start(cfg.cluster.start_timeout_s)
         result = _train(cfg, tracker, progress, cluster, policy, plan, make_job, backend, tokens)
         result.run_id = run_id
+        result.checkpoint_dir = cfg.policy.checkpoint_dir
         tracker.finish()
         return result
     except BaseException as exc:

@@ -92,9 +92,10 @@ def _matmul_params(module: nn.Module) -> int:
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     """Sizes and costs of every layer; modules are built on the meta device, so nothing is allocated."""
     family = FAMILIES[cfg.family]
+    last = num_layers(cfg) - 1
     with torch.device("meta"):
         # All blocks are alike: construct one of each kind.
-        modules = {"embedding": _construct(cfg, 0), "block": _construct(cfg, 1), "head": _construct(cfg, num_layers(cfg) - 1)}
+        modules = {kind: _construct(cfg, index) for kind, index in (("embedding", 0), ("block", 1), ("head", last))}
     # QK^T and AV over the full [t, t] square, forward: 2 * 2 * seq_len * hidden per token.
     attention_flops = 4 * cfg.seq_len * cfg.hidden
     saved = {

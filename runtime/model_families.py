@@ -205,7 +205,7 @@ FAMILIES: dict[str, Family] = {
         hf_config=_gpt2_config,
         embedding=lambda cfg, hf: Embedding(cfg.vocab_size, cfg.hidden, cfg.seq_len, None),
         block=lambda hf, i: Block(GPT2Block(hf, layer_idx=i)),
-        head=lambda cfg, hf: Head(nn.LayerNorm(cfg.hidden, eps=hf.layer_norm_epsilon), cfg.hidden, cfg.vocab_size, False),
+        head=lambda cfg, hf: Head(nn.LayerNorm(cfg.hidden, hf.layer_norm_epsilon), cfg.hidden, cfg.vocab_size, False),
         residual_projections=("attn.c_proj", "mlp.c_proj"),
         block_saved=_gpt2_block_saved,
         head_saved=_gpt2_head_saved,

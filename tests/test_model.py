@@ -162,7 +162,9 @@ def run_pipeline(cfg: ModelConfig, cuts: list[int], ids: torch.Tensor, labels: t
         x = stage(x)
     loss = stages[-1](x, labels)
     loss.backward()
-    grads = {(i, name): p.grad for s in stages for i in range(s.start, s.stop) for name, p in s.layer(i).named_parameters()}
+    grads = {
+        (i, name): p.grad for s in stages for i in range(s.start, s.stop) for name, p in s.layer(i).named_parameters()
+    }
     return loss.detach(), grads
 
 

@@ -1,0 +1,58 @@
+"""A fast list scheduler for the ReCycle problem: the planner's answer when the MILP is too big, and its warm start.
+
+Non-delay list scheduling: repeatedly start, over all workers, the operation that can start earliest; among
+operations that can start at the same moment the priority is B_input, then F, then B_weight (an input gradient
+unblocks the previous stage, a forward feeds the next one, a weight gradient unblocks nobody and fills whatever
+bubble is left), then the micro-batch that has waited longest. A forward may start only while its worker holds
+fewer than ``memory_limit`` micro-batches' activations.
+
+This never deadlocks: a worker that is full holds micro-batches whose forward is done there, and by induction from
+the last stage (whose B_input needs only its own F) each of them can progress. Operations are appended to their
+worker's timeline, so executing the resulting order as early as possible reproduces the same times exactly.
+"""
+
+from __future__ import annotations
+
+from policies.recycle.problem import Op, Phase, Problem
+
+Schedule = dict[int, list[tuple[Op, float]]]
+"""Per worker, its operations in execution order with their start times."""
+
+
+def list_schedule(problem: Problem) -> Schedule:
+    waiting = {op: len(problem.predecessors(op)) for op in problem.ops}
+    successors: dict[Op, list[tuple[Op, float]]] = {op: [] for op in problem.ops}
+    for op in problem.ops:
+        for pred, lag in problem.predecessors(op):
+            successors[pred].append((op, lag))
+    earliest = dict.fromkeys(problem.ops, 0.0)  # max over finished predecessors of end + lag
+    ready = [op for op, count in waiting.items() if count == 0]
+    free_at = dict.fromkeys(problem.ops_by_worker, 0.0)
+    holding = dict.fromkeys(problem.ops_by_worker, 0)
+    schedule: Schedule = {w: [] for w in problem.ops_by_worker}
+
+    def key(op: Op) -> tuple[float, Phase, float, int, int]:
+        return max(free_at[problem.worker(op)], earliest[op]), op.phase, earliest[op], op.microbatch, op.stage
+
+    while ready:
+        op = min(
+            (op for op in ready if op.phase is not Phase.FORWARD
+             or holding[problem.worker(op)] < problem.memory_limit),
+            key=key,
+        )
+        ready.remove(op)
+        w = problem.worker(op)
+        start = max(free_at[w], earliest[op])
+        free_at[w] = start + problem.duration(op)
+        holding[w] += {Phase.FORWARD: 1, Phase.BACKWARD_WEIGHT: -1}.get(op.phase, 0)
+        schedule[w].append((op, start))
+        for succ, lag in successors[op]:
+            earliest[succ] = max(earliest[succ], free_at[w] + lag)
+            waiting[succ] -= 1
+            if not waiting[succ]:
+                ready.append(succ)
+    return schedule
+
+
+def makespan(problem: Problem, schedule: Schedule) -> float:
+    return max(start + problem.duration(op) for ops in schedule.values() for op, start in ops)

@@ -1,0 +1,96 @@
+"""ReCycle's planner: from a healthy grid and its failed workers to a rerouted plan and every worker's program.
+
+Steps: optionally normalize failures (move survivors between stages so the failures spread as Algorithm 1 says);
+reroute the failed workers' micro-batches to data-parallel peers; schedule the operations, with the MILP when it
+has at most ``max_binaries`` ordering binaries and with the list scheduler otherwise (the list scheduler also
+gives the MILP its horizon and warm start); turn the order into programs; check them and predict the makespan by
+executing them on the abstract machine of ``runtime.program_check``.
+
+The staggered optimizer needs no instruction of its own here: ``ReduceGrads`` synchronises only the workers that
+share a layer (one stage's peers), so each stage reduces and steps as soon as its own work is done. Its other half,
+overlapping one iteration's optimizer step with the next iteration's warm-up, spans iterations and is not
+modelled: programs and makespans are per iteration.
+
+Note for ``runtime.plan``: a rerouted plan names a peer in every pipeline it serves (always with the same layers),
+which ``Plan.validate`` rejects today, and ``Plan.workers`` / ``Plan.holders`` would then list it more than once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from runtime.instructions import Program
+from runtime.plan import Plan
+from runtime.program_check import check_programs, simulate
+
+from policies.recycle import heuristic, milp
+from policies.recycle.normalization import Transfer, normalize_failures, rebalance
+from policies.recycle.problem import Problem, StageCosts, grid_shape
+
+Method = Literal["auto", "milp", "heuristic"]
+
+
+@dataclass(frozen=True)
+class ReCyclePlan:
+    plan: Plan
+    """The plan after rerouting: failed workers removed, peers named in the pipelines they serve."""
+    programs: dict[int, Program]
+    makespan: float
+    """Predicted iteration time: the programs executed on the abstract machine with the given costs."""
+    method: Literal["milp", "heuristic"]
+    optimal: bool
+    """True when HiGHS proved the schedule optimal for the model."""
+    lower_bound: float
+    """A proven lower bound on the model's makespan (MILP bound, or the critical path for the heuristic)."""
+    binaries: int
+    """Ordering binaries the MILP has (or would have) for this instance."""
+    solve_s: float
+    """Seconds spent scheduling (heuristic plus MILP)."""
+    transfers: tuple[Transfer, ...] = ()
+    """Layer copies that failure normalization needs before the plan can run."""
+
+
+def plan_recycle(
+    grid: Plan,
+    failed: Collection[int],
+    costs: StageCosts | Sequence[StageCosts],
+    *,
+    memory_limit: int | None = None,
+    method: Method = "auto",
+    max_binaries: int = 1500,
+    time_limit_s: float = 10.0,
+    normalize: bool = False,
+) -> ReCyclePlan:
+    """Reroute around ``failed`` workers of the healthy PP x DP ``grid`` and schedule one iteration.
+
+    ``costs``: one StageCosts for every stage or one per stage. ``memory_limit``: micro-batches whose activations a
+    worker may hold at once (default: twice the number of stages). ``method="auto"`` uses the MILP up to
+    ``max_binaries`` ordering binaries.
+    """
+    transfers: tuple[Transfer, ...] = ()
+    if normalize:
+        bounds = grid_shape(grid)
+        dead = set(failed)
+        actual = [sum(p.stages[s].worker in dead for p in grid.pipelines) for s in range(len(bounds))]
+        per_pipeline = max(len(p.microbatches) for p in grid.pipelines)
+        target = normalize_failures(len(grid.pipelines), len(bounds), per_pipeline, actual).per_stage
+        grid, transfers = rebalance(grid, failed, target)
+    problem = Problem.build(grid, failed, costs, memory_limit)
+    binaries = len(milp.ordering_pairs(problem))
+    began = time.perf_counter()
+    schedule = heuristic.list_schedule(problem)
+    order = {w: [op for op, _ in ops] for w, ops in schedule.items()}
+    used: Literal["milp", "heuristic"] = "heuristic"
+    optimal, lower_bound = False, problem.critical_path()
+    if method == "milp" or (method == "auto" and binaries <= max_binaries):
+        solution = milp.solve(problem, schedule, heuristic.makespan(problem, schedule), time_limit_s)
+        if solution is not None:
+            order, used, optimal, lower_bound = solution.order, "milp", solution.optimal, solution.lower_bound
+    solve_s = time.perf_counter() - began
+    programs = problem.programs(order)
+    check_programs(problem.plan, programs)
+    makespan = simulate(programs, problem.durations(), problem.plan)
+    return ReCyclePlan(problem.plan, programs, makespan, used, optimal, lower_bound, binaries, solve_s, transfers)

@@ -1,0 +1,265 @@
+"""The scheduling problem ReCycle solves after failures, and the programs a solution becomes.
+
+Rerouting. Each micro-batch keeps its pipeline's surviving workers; at a stage whose worker failed it goes to a
+surviving data-parallel peer of that stage (a worker of the same stage in another pipeline). A failed worker's
+micro-batches are dealt one by one to the peer with the fewest rerouted micro-batches so far, so peers share the
+extra work evenly. The slides' MILP also chooses that assignment (its variables ``s``); we fix it here so that
+the MILP only orders and times the work, which keeps it linear and small.
+
+Representation in a Plan. Micro-batches that follow the same workers form one Pipeline, whose stage list names the
+peer at a failed stage. A peer therefore appears in several pipelines, always with the same layers; the failed
+workers appear nowhere. (``Plan.validate`` rejects a worker in two stages today; see the note in ``planner``.)
+
+Operations. Each (micro-batch, stage) has a forward F, an input-gradient backward B_input and a weight-gradient
+backward B_weight on the micro-batch's worker of that stage. Dependencies, as in the slides: F of stage s+1 after F
+of stage s plus the transfer time; B_input of stage s after B_input of stage s+1 plus the transfer time, and after
+F of the same stage (the last stage's B_input directly after its F); B_weight after B_input. Memory: a worker
+holds a micro-batch's activations from the start of its F to the end of its B_weight, and at most
+``memory_limit`` micro-batches at once (the slides' constraint (6) with F adding one unit, B_weight releasing it
+and B_input keeping it).
+
+Programs. A per-worker order of operations becomes instructions with every receive placed just before the
+compute that needs it and every send just after the compute that produced it; sends never block, so the programs
+are deadlock-free whenever the order is consistent with some feasible timing (both planners guarantee this). A
+B_weight that directly follows its B_input on the first stage is fused into one ``BackwardPass``: there it costs
+no time, while on later stages decoupling lets the gradient leave before the weight gradient is computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from functools import cached_property
+
+from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+from runtime import instructions as ins
+from runtime.plan import Pipeline, Plan, Stage
+from runtime.program_check import Durations
+
+
+class ReCycleError(ValueError):
+    """The failures cannot be handled by rerouting; the message says why and what to do instead."""
+
+
+class Phase(IntEnum):
+    """An operation's kind; the value is the list scheduler's priority (lower first)."""
+
+    BACKWARD_INPUT = 0
+    FORWARD = 1
+    BACKWARD_WEIGHT = 2
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    microbatch: int
+    stage: int
+    phase: Phase
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Durations of one stage's work for one micro-batch (any time unit, the same for every stage)."""
+
+    forward: float
+    backward_input: float
+    backward_weight: float
+    p2p: float = 0.0
+    """Time to move this stage's output activation to the next stage (and the gradient at that boundary back)."""
+
+    def of(self, phase: Phase) -> float:
+        return {Phase.FORWARD: self.forward, Phase.BACKWARD_INPUT: self.backward_input,
+                Phase.BACKWARD_WEIGHT: self.backward_weight}[phase]
+
+
+def grid_shape(grid: Plan) -> list[tuple[int, int]]:
+    """The stage layer bounds shared by every pipeline; ReCycle needs a homogeneous PP x DP grid."""
+    bounds = [(s.start, s.stop) for s in grid.pipelines[0].stages]
+    for p in grid.pipelines:
+        if [(s.start, s.stop) for s in p.stages] != bounds:
+            raise ReCycleError(
+                f"ReCycle reroutes between data-parallel peers of one stage, so every pipeline must split the "
+                f"layers the same way; pipeline {p.workers} does not match {bounds}"
+            )
+    return bounds
+
+
+def reroute(grid: Plan, failed: Collection[int]) -> tuple[Plan, dict[int, tuple[int, ...]]]:
+    """The plan after rerouting, and each micro-batch's worker per stage."""
+    bounds = grid_shape(grid)
+    dead = set(failed)
+    unknown = dead - set(grid.workers)
+    if unknown:
+        raise ReCycleError(f"failed workers {sorted(unknown)} are not in the plan (workers {grid.workers})")
+    peers = [[p.stages[s].worker for p in grid.pipelines if p.stages[s].worker not in dead] for s in range(len(bounds))]
+    for s, alive in enumerate(peers):
+        if not alive:
+            raise ReCycleError(
+                f"every worker of stage {s} (layers {bounds[s][0]}..{bounds[s][1] - 1}) failed, so no data-parallel "
+                f"peer is left to reroute to; restart from a checkpoint (or an in-memory snapshot)"
+            )
+    extra = {w: 0 for stage_peers in peers for w in stage_peers}
+    routes: dict[int, tuple[int, ...]] = {}
+    for pipeline in grid.pipelines:
+        for mb in pipeline.microbatches:
+            route = []
+            for s, stage in enumerate(pipeline.stages):
+                worker = stage.worker
+                if worker in dead:
+                    worker = min(peers[s], key=lambda w: extra[w])  # first of the least loaded, in grid order
+                    extra[worker] += 1
+                route.append(worker)
+            routes[mb] = tuple(route)
+    by_route: dict[tuple[int, ...], list[int]] = {}
+    for mb in sorted(routes):
+        by_route.setdefault(routes[mb], []).append(mb)
+    pipelines = tuple(
+        Pipeline(tuple(Stage(w, *bounds[s]) for s, w in enumerate(route)), tuple(mbs))
+        for route, mbs in by_route.items()
+    )
+    plan = Plan(
+        grid.generation + 1, grid.num_layers, grid.global_batch, grid.micro_batch, pipelines, step=grid.step,
+        notes={"policy": "recycle", "failed": ",".join(map(str, sorted(dead)))},
+    )
+    return plan, routes
+
+
+@dataclass
+class Problem:
+    """Operations, their workers, durations and dependencies for one iteration after rerouting."""
+
+    plan: Plan
+    routes: dict[int, tuple[int, ...]]
+    costs: tuple[StageCosts, ...]
+    memory_limit: int
+    _preds: dict[Op, list[tuple[Op, float]]] = field(default_factory=dict, init=False, repr=False)
+
+    @staticmethod
+    def build(
+        grid: Plan, failed: Collection[int], costs: StageCosts | Sequence[StageCosts], memory_limit: int | None = None
+    ) -> Problem:
+        """``memory_limit`` (micro-batches whose activations a worker may hold) defaults to twice the number of
+        stages: the 1F1B peak of a healthy first stage, plus room for one rerouted stream."""
+        plan, routes = reroute(grid, failed)
+        stages = len(grid.pipelines[0].stages)
+        per_stage = tuple(costs) if isinstance(costs, Sequence) else (costs,) * stages
+        if len(per_stage) != stages:
+            raise ReCycleError(f"costs are given for {len(per_stage)} stages, the plan has {stages}")
+        if any(c.forward <= 0 or c.backward_input <= 0 or c.backward_weight <= 0 or c.p2p < 0 for c in per_stage):
+            raise ReCycleError(f"compute durations must be positive and transfer times non-negative: {per_stage}")
+        limit = 2 * stages if memory_limit is None else memory_limit
+        if limit < 1:
+            raise ReCycleError(f"memory_limit {limit}: a worker must hold at least one micro-batch")
+        return Problem(plan, routes, per_stage, limit)
+
+    @property
+    def stages(self) -> int:
+        return len(self.costs)
+
+    @cached_property
+    def ops(self) -> list[Op]:
+        """Every operation, in an order where each comes after its dependencies."""
+        forward = [Op(mb, s, Phase.FORWARD) for mb in sorted(self.routes) for s in range(self.stages)]
+        backward = [
+            Op(mb, s, phase)
+            for mb in sorted(self.routes)
+            for s in reversed(range(self.stages))
+            for phase in (Phase.BACKWARD_INPUT, Phase.BACKWARD_WEIGHT)
+        ]
+        return forward + backward
+
+    def worker(self, op: Op) -> int:
+        return self.routes[op.microbatch][op.stage]
+
+    def duration(self, op: Op) -> float:
+        return self.costs[op.stage].of(op.phase)
+
+    def predecessors(self, op: Op) -> list[tuple[Op, float]]:
+        """(operation, lag): ``op`` starts no earlier than the predecessor's end plus the lag (a transfer time)."""
+        if op not in self._preds:
+            mb, s = op.microbatch, op.stage
+            if op.phase is Phase.FORWARD:
+                preds = [(Op(mb, s - 1, Phase.FORWARD), self.costs[s - 1].p2p)] if s > 0 else []
+            elif op.phase is Phase.BACKWARD_INPUT:
+                preds = [(Op(mb, s, Phase.FORWARD), 0.0)]
+                if s < self.stages - 1:
+                    preds.append((Op(mb, s + 1, Phase.BACKWARD_INPUT), self.costs[s].p2p))
+            else:
+                preds = [(Op(mb, s, Phase.BACKWARD_INPUT), 0.0)]
+            self._preds[op] = preds
+        return self._preds[op]
+
+    @cached_property
+    def ops_by_worker(self) -> dict[int, list[Op]]:
+        by: dict[int, list[Op]] = {w: [] for w in self.plan.workers}
+        for op in self.ops:
+            by[self.worker(op)].append(op)
+        return by
+
+    def critical_path(self) -> float:
+        """A lower bound on the makespan: the longest chain of one micro-batch, ignoring every other."""
+        end: dict[Op, float] = {}
+        for op in self.ops:
+            end[op] = max((end[p] + lag for p, lag in self.predecessors(op)), default=0.0) + self.duration(op)
+        return max(end.values())
+
+    # -- programs ----------------------------------------------------------------------------------------------
+
+    def programs(self, order: Mapping[int, Sequence[Op]]) -> dict[int, ins.Program]:
+        """Instructions for each worker from its operations in execution order."""
+        last = self.stages - 1
+        programs: dict[int, ins.Program] = {}
+        for w, ops in order.items():
+            program: ins.Program = []
+            fused: set[Op] = set()
+            for i, op in enumerate(ops):
+                mb, s, route = op.microbatch, op.stage, self.routes[op.microbatch]
+                if op in fused:
+                    continue
+                if op.phase is Phase.FORWARD:
+                    if s == 0 or s == last:
+                        program.append(ins.LoadMicroBatch(mb))
+                    if s > 0:
+                        program.append(ins.RecvActivation(mb, route[s - 1]))
+                    program.append(ins.ForwardPass(mb))
+                    if s < last:
+                        program.append(ins.SendActivation(mb, route[s + 1]))
+                elif op.phase is Phase.BACKWARD_INPUT:
+                    if s < last:
+                        program.append(ins.RecvGrad(mb, route[s + 1]))
+                    weight = Op(mb, s, Phase.BACKWARD_WEIGHT)
+                    if s == 0 and i + 1 < len(ops) and ops[i + 1] == weight:
+                        program.append(ins.BackwardPass(mb))
+                        fused.add(weight)
+                    else:
+                        program.append(ins.BackwardInput(mb))
+                    if s > 0:
+                        program.append(ins.SendGrad(mb, route[s - 1]))
+                else:
+                    program.append(ins.BackwardWeight(mb))
+            programs[w] = [*program, ins.ReduceGrads(), ins.OptimizerStep()]
+        return programs
+
+    def durations(self) -> Durations:
+        """Instruction durations for ``runtime.program_check.simulate``, consistent with the operation model."""
+        stage_of = {w: s for route in self.routes.values() for s, w in enumerate(route)}
+
+        def duration(worker: int, instr: PipeInstruction) -> float:
+            c = self.costs[stage_of[worker]]
+            if isinstance(instr, ins.ForwardPass):
+                return c.forward
+            if isinstance(instr, ins.BackwardInput):
+                return c.backward_input
+            if isinstance(instr, ins.BackwardWeight):
+                return c.backward_weight
+            if isinstance(instr, ins.BackwardPass):
+                return c.backward_input + c.backward_weight
+            if isinstance(instr, ins.SendActivation):
+                return c.p2p
+            if isinstance(instr, ins.SendGrad):
+                return self.costs[stage_of[worker] - 1].p2p
+            return 0.0
+
+        return duration
+

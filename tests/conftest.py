@@ -1,0 +1,35 @@
+"""Shared fixtures: every job a test runs gets its own MLflow store and checkpoint directory, and one token cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.data import tokenize_corpus
+from runtime.launch import JobResult, compose_config, run_job
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("tokens")
+    tokenize_corpus(None, 8192, cache)  # the default model's vocabulary: tokenised once per session
+    return cache
+
+
+@pytest.fixture
+def job_overrides(tmp_path: Path, token_cache: Path) -> list[str]:
+    return [
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
+        f"train.cache_dir={token_cache}",
+        f"policy.checkpoint_dir={tmp_path}/checkpoints",
+        "progress=false",
+    ]
+
+
+@pytest.fixture
+def run(job_overrides: list[str]):  # noqa: ANN201 - a callable running one job
+    def run_with(*overrides: str) -> JobResult:
+        return run_job(compose_config([*job_overrides, *overrides]))
+
+    return run_with
