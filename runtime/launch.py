@@ -10,7 +10,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import hydra
 import torch
@@ -20,7 +20,7 @@ from faults.schedules import ClusterShape, FaultEvent, build_schedule
 from policies.base import Job, Policy
 from runtime.cluster import LocalCluster
 from runtime.config import JobConfig, register
-from runtime.data import tokenize_corpus
+from runtime.data import load_tokens, tokenize_corpus
 from runtime.model import layer_specs, training_memory_bytes
 from runtime.optim import OptimSettings
 from runtime.plan import Plan, PlanError
@@ -76,7 +76,7 @@ def check_memory(plan: Plan, job: Job) -> None:
             )
 
 
-def _job_factory(cfg: JobConfig):  # noqa: ANN202 - returns Callable[[dict], Job]
+def _job_factory(cfg: JobConfig) -> Callable[[dict[int, tuple[int, ...]]], Job]:
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * 2**30)
 
@@ -86,7 +86,17 @@ def _job_factory(cfg: JobConfig):  # noqa: ANN202 - returns Callable[[dict], Job
     return make
 
 
-def preflight(cfg: JobConfig) -> tuple[Policy, Plan, list[FaultEvent], str, Any]:
+@dataclass
+class Preflight:
+    policy: Policy
+    plan: Plan
+    faults: list[FaultEvent]
+    backend: str
+    tokens: Path
+    make_job: Callable[[dict[int, tuple[int, ...]]], Job]
+
+
+def preflight(cfg: JobConfig) -> Preflight:
     """Everything checkable before a worker starts. Raises ConfigError with what to change."""
     backend = resolve_backend(cfg.cluster.backend)
     if cfg.cluster.nodes < 1 or cfg.cluster.workers_per_node < 1:
@@ -107,7 +117,13 @@ def preflight(cfg: JobConfig) -> tuple[Policy, Plan, list[FaultEvent], str, Any]
         raise ConfigError(str(exc)) from exc
     check_memory(plan, job)
     faults = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, wpn))
-    return policy, plan, faults, backend, make_job
+    tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
+    if len(load_tokens(tokens)) <= cfg.model.seq_len:
+        raise ConfigError(
+            f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
+            f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
+        )
+    return Preflight(policy, plan, faults, backend, tokens, make_job)
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
@@ -125,14 +141,13 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
     cluster: LocalCluster | None = None
     try:
         cfg.policy.checkpoint_dir = str(Path(cfg.policy.checkpoint_dir) / run_id)
-        policy, plan, faults, backend, make_job = preflight(cfg)
-        tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
+        checked = preflight(cfg)
         progress = ProgressLine(cfg.train.steps, enabled=cfg.progress)
         cluster = LocalCluster(
             cfg.cluster.nodes, cfg.cluster.workers_per_node, cfg.cluster.heartbeat_s, cfg.cluster.threads_per_worker
         )
         cluster.start(cfg.cluster.start_timeout_s)
-        result = _train(cfg, tracker, progress, cluster, policy, plan, make_job, backend, tokens)
+        result = _train(cfg, tracker, progress, cluster, checked)
         result.run_id = run_id
         result.checkpoint_dir = cfg.policy.checkpoint_dir
         tracker.finish()
@@ -152,19 +167,15 @@ def _train(
     tracker: Tracker,
     progress: ProgressLine,
     cluster: LocalCluster,
-    policy: Policy,
-    plan: Plan,
-    make_job: Any,
-    backend: str,
-    tokens: Path,
+    checked: Preflight,
 ) -> JobResult:
     t = cfg.train
     setup = {
         "model": cfg.model,
         "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
         "seed": t.seed,
-        "tokens_path": str(tokens),
-        "backend": backend,
+        "tokens_path": str(checked.tokens),
+        "backend": checked.backend,
         "comm_timeout_s": cfg.cluster.comm_timeout_s,
     }
     records: list[StepRecord] = []
@@ -194,8 +205,8 @@ def _train(
 
     trainer = Trainer(
         cluster=cluster,
-        policy=policy,
-        make_job=make_job,
+        policy=checked.policy,
+        make_job=checked.make_job,
         setup=setup,
         steps=t.steps,
         heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
@@ -203,9 +214,9 @@ def _train(
         on_event=tracker.event,
         on_plan=on_plan,
     )
-    records = trainer.run(plan)
+    records = trainer.run(checked.plan)
     wall = time.perf_counter() - started
-    useful = len(records) * plan.global_batch
+    useful = len(records) * checked.plan.global_batch
     summary = {
         "summary/samples_per_s": useful / wall,
         "summary/steps": float(len(records)),

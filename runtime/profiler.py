@@ -19,7 +19,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -175,10 +174,11 @@ def device_memory_bytes(device: str, workers_per_node: int) -> int:
     return psutil.virtual_memory().total // workers_per_node
 
 
-def _median_time(run: Callable[[], float], repeats: int, warmup: int) -> float:
+def _fastest(run: Callable[[], float], repeats: int, warmup: int) -> float:
+    """The fastest of ``repeats`` runs: other processes on a shared machine only ever add time."""
     for _ in range(warmup):
         run()
-    return statistics.median(run() for _ in range(repeats))
+    return min(run() for _ in range(repeats))
 
 
 def _sync(device: str) -> None:
@@ -233,11 +233,11 @@ def measure_layer(
         _sync(device)
         return middle - start, time.perf_counter() - middle
 
-    fwd = _median_time(timed_forward, repeats, warmup)
-    full = _median_time(timed_full_backward, repeats, warmup)
+    fwd = _fastest(timed_forward, repeats, warmup)
+    full = _fastest(timed_full_backward, repeats, warmup)
     splits = [timed_split_backward() for _ in range(repeats)]
-    bwd_input = statistics.median(s[0] for s in splits)
-    bwd_weight = statistics.median(s[1] for s in splits)
+    bwd_input = min(s[0] for s in splits)
+    bwd_weight = min(s[1] for s in splits)
     # Running the halves separately walks the graph twice; scale them to the full backward so that a schedule
     # without decoupling pays what it really pays, and one with decoupling sees the measured proportion.
     scale = full / (bwd_input + bwd_weight)

@@ -16,8 +16,8 @@ products of assignment and time variables disappear and the model stays linear. 
 - each big-M is the tightest the two start windows allow;
 - micro-batches that follow the same workers are interchangeable, so their forwards on the first stage may be
   taken in id order without losing any schedule (the corresponding binaries are fixed);
-- the makespan's lower bound is the larger of the critical path and every worker's busy time plus its shortest
-  lead-in and lead-out.
+- the makespan is at least the critical path and every worker's one-machine head-body-tail bound (constants),
+  and at least every operation's start plus its duration and tail (constraints that tighten the relaxation).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def ordering_pairs(problem: Problem) -> list[tuple[Op, Op]]:
     ]
 
 
-def _windows(problem: Problem, horizon: float) -> tuple[dict[Op, float], dict[Op, float]]:
-    """Earliest start (head) and latest start (horizon - tail - duration) of every operation."""
+def _windows(problem: Problem) -> tuple[dict[Op, float], dict[Op, float]]:
+    """Each operation's earliest start (head) and the longest chain of work that must follow its end (tail)."""
     head: dict[Op, float] = {}
     for op in problem.ops:
         head[op] = max((head[p] + problem.duration(p) + lag for p, lag in problem.predecessors(op)), default=0.0)
@@ -60,29 +60,31 @@ def _windows(problem: Problem, horizon: float) -> tuple[dict[Op, float], dict[Op
     for op in reversed(problem.ops):
         for p, lag in problem.predecessors(op):
             tail[p] = max(tail[p], lag + problem.duration(op) + tail[op])
-    # The slack absorbs rounding: the warm start's times were summed in another order than head and tail.
-    slack = 1e-6 * max(horizon, 1.0)
-    latest = {op: horizon - tail[op] - problem.duration(op) + slack for op in problem.ops}
-    return head, latest
+    return head, tail
 
 
-def _lower_bound(problem: Problem, head: dict[Op, float], latest: dict[Op, float], horizon: float) -> float:
-    bound = max(head[op] + problem.duration(op) + (horizon - latest[op] - problem.duration(op)) for op in problem.ops)
+def _lower_bound(problem: Problem, head: dict[Op, float], tail: dict[Op, float]) -> float:
+    """The critical path, and for every worker and every release time r: r plus the work of the operations that
+    cannot start before r plus the shortest chain after any of them (the one-machine head-body-tail bound)."""
+    bound = max(head[op] + problem.duration(op) + tail[op] for op in problem.ops)
     for ops in problem.ops_by_worker.values():
-        if ops:
-            lead_out = min(horizon - latest[op] - problem.duration(op) for op in ops)
-            bound = max(bound, min(head[op] for op in ops) + sum(map(problem.duration, ops)) + lead_out)
+        for release in {head[op] for op in ops}:
+            late = [op for op in ops if head[op] >= release]
+            bound = max(bound, release + sum(map(problem.duration, late)) + min(tail[op] for op in late))
     return bound
 
 
 def build_model(problem: Problem, horizon: float) -> tuple[pyo.ConcreteModel, list[tuple[Op, Op]]]:
     ops = problem.ops
     index = {op: i for i, op in enumerate(ops)}
-    head, latest = _windows(problem, horizon)
+    head, tail = _windows(problem)
+    # The slack absorbs rounding: the warm start's times were summed in another order than head and tail.
+    slack = 1e-6 * max(horizon, 1.0)
+    latest = {op: horizon - tail[op] - problem.duration(op) + slack for op in problem.ops}
     pairs = ordering_pairs(problem)
     m = pyo.ConcreteModel()
     m.start = pyo.Var(range(len(ops)), bounds=lambda _, i: (head[ops[i]], max(head[ops[i]], latest[ops[i]])))
-    m.makespan = pyo.Var(bounds=(_lower_bound(problem, head, latest, horizon), horizon * (1 + 1e-6)))
+    m.makespan = pyo.Var(bounds=(_lower_bound(problem, head, tail), horizon + slack))
     m.before = pyo.Var(range(len(pairs)), domain=pyo.Binary)
     m.objective = pyo.Objective(expr=m.makespan, sense=pyo.minimize)
     m.rules = pyo.ConstraintList()
@@ -93,8 +95,8 @@ def build_model(problem: Problem, horizon: float) -> tuple[pyo.ConcreteModel, li
     for op in ops:
         for pred, lag in problem.predecessors(op):
             m.rules.add(start(op) >= start(pred) + problem.duration(pred) + lag)
-        if op.phase is Phase.BACKWARD_WEIGHT:  # every chain ends in a B_weight
-            m.rules.add(m.makespan >= start(op) + problem.duration(op))
+        # Not only the last operations: a late start anywhere delays the chain after it.
+        m.rules.add(m.makespan >= start(op) + problem.duration(op) + tail[op])
 
     before: dict[tuple[Op, Op], object] = {}
     routes = problem.routes

@@ -1,0 +1,208 @@
+"""The reference side of ``experiments.bench_runtime``: DeepSpeed's own ``PipelineEngine`` on ftlab's model and data.
+
+Same layers (``runtime.model.build_layer``, so the same initial weights), same split (DeepSpeed's "uniform"
+partition equals ``runtime.plan.even_split``; checked), same micro-batches (``runtime.data.Batches``: data-parallel
+rank r feeds micro-batches r, r + DP, ... of each step, as ftlab's ``grid_plan`` deals them), same optimizer
+(``torch.optim.AdamW``, foreach off, same betas / weight decay) and the same learning rate schedule
+(``runtime.optim.lr_at``, written into the optimizer before every step), one thread per process, gloo on CPU.
+
+The one adaptation: ftlab's head layer takes (hidden, labels) and returns the loss; a ``PipelineModule`` layer gets
+only the previous layer's output and DeepSpeed calls ``loss_fn(outputs, labels)``. So the last layer here returns
+the head's logits (its norm and vocabulary projection) and ``loss_fn`` is the head's own mean cross-entropy: the same
+operations on the same parameters.
+
+The processes are started here with RANK / WORLD_SIZE / MASTER_* in their environment (not the DeepSpeed launcher);
+rank 0 times ``engine.train_batch()`` and writes the result as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ReferenceJob:
+    model: str
+    global_batch: int
+    micro_batch: int
+    stages: int
+    world: int
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    seed: int
+    tokens_path: str
+    result_path: str
+    threads: int = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
+    """Start ``job.world`` processes, wait for them, return rank 0's result (per-step times and losses)."""
+    spec = Path(job.result_path).with_suffix(".job.json")
+    spec.write_text(json.dumps(asdict(job)))
+    port = _free_port()
+    procs = []
+    for rank in range(job.world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(job.world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_SIZE": str(job.world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(job.threads),
+        }
+        command = [sys.executable, "-m", "experiments.deepspeed_reference", str(spec)]
+        procs.append(subprocess.Popen(command, env=env, cwd=REPO))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, proc in enumerate(procs):
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                raise RuntimeError(f"DeepSpeed reference rank {rank} exited with code {code}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return json.loads(Path(job.result_path).read_text())
+
+
+# -- inside one rank -----------------------------------------------------------------------------------------------
+
+
+def _worker(job: ReferenceJob) -> None:
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(job.threads)  # as ftlab's workers do (cluster.threads_per_worker)
+
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from runtime.data import Batches, load_tokens
+    from runtime.model import build_layer, load_model_config, num_layers
+    from runtime.optim import OptimSettings, lr_at
+    from runtime.plan import even_split
+
+    model = load_model_config(job.model)
+    n_layers = num_layers(model)
+
+    class Layer(nn.Module):
+        """ftlab's layer ``index``, built lazily on the rank that holds it (LayerSpec needs an nn.Module type)."""
+
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.inner = build_layer(model, index, job.seed)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    class HeadLogits(nn.Module):
+        """ftlab's head without its loss: norm, then the vocabulary projection (the loss is ``loss_fn`` below)."""
+
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.inner = build_layer(model, index, job.seed)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner.lm_head(self.inner.norm(x))
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # runtime.model_families.Head.forward's loss, verbatim.
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ["RANK"])
+
+    specs = [LayerSpec(Layer, i) for i in range(n_layers - 1)] + [LayerSpec(HeadLogits, n_layers - 1)]
+    module = PipelineModule(layers=specs, num_stages=job.stages, loss_fn=loss_fn, partition_method="uniform")
+    bounds = [b for b, _ in even_split(n_layers, job.stages)] + [n_layers]
+    if list(module.parts) != bounds:
+        raise RuntimeError(f"DeepSpeed split the layers as {module.parts}, ftlab as {bounds}")
+
+    dp = job.world // job.stages
+    config = {
+        "train_batch_size": job.global_batch,
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "gradient_accumulation_steps": job.global_batch // (job.micro_batch * dp),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": job.lr,
+                "betas": [job.beta1, job.beta2],
+                "eps": 1e-8,
+                "weight_decay": job.weight_decay,
+                "torch_adam": True,  # torch.optim.AdamW (DeepSpeed's FusedAdam is a GPU kernel)
+                "foreach": False,  # as runtime.optim.layer_optimizer
+            },
+        },
+        "zero_optimization": {"stage": 0},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+    settings = OptimSettings(job.lr, job.min_lr, job.warmup_steps, job.steps, job.weight_decay, job.beta1, job.beta2)
+
+    batches = Batches(load_tokens(Path(job.tokens_path)), model.seq_len, job.global_batch, job.micro_batch, job.seed)
+    dp_id = engine.grid.get_data_parallel_id()
+    mine = range(dp_id, batches.num_microbatches, dp)  # ftlab's grid_plan deals micro-batches the same way
+
+    def data(step: int):
+        # Lazy, so loading a micro-batch is inside the timed step as in ftlab's LoadMicroBatch.
+        return (batches.microbatch(step, m) for m in mine)
+
+    times, ends, losses = [], [], []
+    for step in range(job.steps):
+        lr = lr_at(step, settings)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        started = time.perf_counter()
+        loss = engine.train_batch(data_iter=data(step))
+        ends.append(time.perf_counter())
+        times.append(ends[-1] - started)
+        losses.append(float(loss))  # the global-batch mean, broadcast from the last stage to every rank
+    if rank == 0:
+        result = {"iter_s": times, "end_s": ends, "loss": losses, "parts": list(module.parts)}
+        Path(job.result_path).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="one rank of the DeepSpeed reference (started by run_reference)")
+    parser.add_argument("job", help="the ReferenceJob as a JSON file")
+    args = parser.parse_args()
+    _worker(ReferenceJob(**json.loads(Path(args.job).read_text())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What one pipeline stage costs: time per micro-batch and memory per GPU, for every layer range at once.
+
+A stage holds the contiguous layers ``[u, v)`` on ``g`` GPUs of one node. The tables are dense ``(L+1, L+1)``
+numpy arrays indexed ``[u, v]`` so the template search (``mapping.py``) works on whole arrays.
+
+Time of a stage for one micro-batch, forward plus backward (the F + B of the paper's Figure 5):
+- compute: the layers' profiled F + B divided by ``g`` (tensor parallelism inside the node, Megatron style);
+- tensor-parallel all-reduces when ``g > 1``: two per layer in forward and two in backward (attention and MLP
+  outputs), each of the layer's output activation, over the intra-node link;
+- pipeline sends when the stage is not the last: its output activation forward and the gradient of it backward,
+  at the profile's p2p bandwidth (a stage boundary inside a node is charged like one across nodes: we take the
+  slower link so a template never counts on a placement it does not control).
+
+Memory per GPU: weights and optimizer state divided by ``g``, plus the saved activations of every micro-batch in
+flight, also divided by ``g``. Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.profiler import ModelProfile
+
+TP_ALLREDUCES_PER_LAYER = 4
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    num_layers: int
+    capacity: int
+    """Bytes of one GPU."""
+    time: dict[int, np.ndarray]
+    """Tensor-parallel degree -> seconds per micro-batch, ``inf`` where ``v <= u``."""
+    static: dict[int, np.ndarray]
+    """Degree -> bytes per GPU held whatever the schedule: weights, gradients, optimizer state."""
+    activation: dict[int, np.ndarray]
+    """Degree -> bytes per GPU per micro-batch in flight."""
+
+    def max_in_flight(self, degree: int) -> np.ndarray:
+        """How many micro-batches a stage can hold in flight: -1 where not even its weights fit, at most L + 1
+        (no pipeline has more stages than layers, so more is never asked)."""
+        room = self.capacity - self.static[degree]
+        act = self.activation[degree]
+        cap = self.num_layers + 1
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fits = np.where(act > 0, np.floor(room / np.where(act > 0, act, 1.0)), cap)
+        fits = np.where(room < 0, -1, np.minimum(fits, cap))
+        upper = np.triu(np.ones_like(fits, dtype=bool), k=1)
+        return np.where(upper, fits, -1).astype(np.int64)
+
+    def memory(self, start: int, stop: int, degree: int, in_flight: int) -> float:
+        return float(self.static[degree][start, stop] + in_flight * self.activation[degree][start, stop])
+
+
+def _ranges(per_layer: np.ndarray) -> np.ndarray:
+    """[u, v] -> sum of per_layer[u:v] for v > u (0 elsewhere)."""
+    prefix = np.concatenate(([0.0], np.cumsum(per_layer, dtype=np.float64)))
+    return np.triu(prefix[None, :] - prefix[:, None], k=1)
+
+
+def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
+    layers = profile.layers
+    n = len(layers)
+    compute = _ranges(np.array([layer.time_s for layer in layers]))
+    outputs = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
+    output_ranges = _ranges(outputs)
+    static = _ranges(np.array([layer.param_bytes + layer.optimizer_bytes for layer in layers], dtype=np.float64))
+    saved = _ranges(np.array([layer.saved_bytes for layer in layers], dtype=np.float64))
+    # The stage ending at v sends layer v-1's output forward and receives its gradient back; the last sends none.
+    send = np.zeros(n + 1)
+    send[1:n] = 2 * outputs[: n - 1] / profile.p2p_bytes_per_s
+    upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+    time, static_per_gpu, act_per_gpu = {}, {}, {}
+    for g in degrees:
+        ring = 2 * (g - 1) / g  # a ring all-reduce moves 2(g-1)/g of the buffer per GPU
+        tp = TP_ALLREDUCES_PER_LAYER * ring * output_ranges / profile.intra_node_allreduce_bytes_per_s
+        time[g] = np.where(upper, compute / g + tp + send[None, :], np.inf)
+        static_per_gpu[g] = static / g
+        act_per_gpu[g] = saved / g
+    return StageCosts(n, profile.device_memory_bytes, time, static_per_gpu, act_per_gpu)

@@ -1,0 +1,70 @@
+"""Every config in conf/ composes through Hydra's compose API, and the schema rejects wrong types and unknown keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ValidationError
+
+from runtime.config import JobConfig
+from runtime.launch import CONF_DIR, compose_config
+
+GROUPS = ["model", "cluster", "policy", "faults"]
+OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_config_composes_into_the_schema(group: str, option: str) -> None:
+    cfg = compose_config([f"{group}={option}"])
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig)
+    assert cfg[group] is not None and OmegaConf.select(cfg, f"{group}") == cfg[group]
+
+
+def test_the_groups_hold_what_the_readme_promises() -> None:
+    names = {group: {p.stem for p in Path(CONF_DIR, group).glob("*.yaml")} for group in GROUPS}
+    assert {"gpt2-tiny", "gpt2-small", "gpt3-medium", "gpt3-2.7b", "gpt3-6.7b", "bert-large", "llama2-1.3b",
+            "llama2-6.7b"} <= names["model"]  # fmt: skip
+    assert {"local-4", "local-8"} <= names["cluster"]
+    assert {"none"} <= names["policy"] and {"none"} <= names["faults"]
+
+
+def test_defaults_are_the_quick_job() -> None:
+    cfg = compose_config()
+    assert (cfg.model.name, cfg.cluster.name, cfg.policy.name, cfg.faults.schedule) == (
+        "gpt2-tiny", "local-4", "none", "none",
+    )  # fmt: skip
+    assert cfg.tracking.uri == "sqlite:///mlflow.db"
+
+
+def test_a_wrong_type_fails_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["train.steps=many"])
+    assert isinstance(info.value.__cause__, ValidationError)
+    assert "steps" in str(info.value.__cause__)
+
+
+def test_an_unknown_key_fails_at_composition() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["train.stepz=3"])
+    assert isinstance(info.value.__cause__, ConfigAttributeError)
+    assert "stepz" in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize("override", ["model=gpt5-huge", "cluster=moon-base"])
+def test_an_unknown_option_lists_the_available_ones(override: str) -> None:
+    with pytest.raises(MissingConfigException) as info:
+        compose_config([override])
+    assert "Available options" in str(info.value)
+
+
+def test_an_unknown_key_in_a_group_file_fails_at_composition(tmp_path: Path) -> None:
+    """A typo inside a YAML file of a group is caught by the schema too, not only on the command line."""
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "typo.yaml").write_text("name: typo\nnodez: 3\n")
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([f"hydra.searchpath=[file://{tmp_path}]", "cluster=typo"])
+    assert "nodez" in str(info.value.__cause__ or info.value)

@@ -1,0 +1,99 @@
+"""A short real job fills its MLflow run; bad inputs are refused before any worker starts and mark the run FAILED."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from faults.schedules import FaultConfigError
+from runtime import cluster as cluster_module
+from runtime.launch import ConfigError, compose_config, run_job
+from runtime.plan import Pipeline, Plan, PlanError, Stage
+
+METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
+
+
+def only_run(tmp_path: Path):  # noqa: ANN201 - an mlflow Run
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def test_a_short_job_records_metrics_params_tags_and_artifacts(run, tmp_path: Path) -> None:  # noqa: ANN001
+    result = run("train.steps=3")
+    client, record = only_run(tmp_path)
+    assert record.info.status == "FINISHED" and record.info.run_id == result.run_id
+    for name in METRICS:
+        history = client.get_metric_history(record.info.run_id, name)
+        assert [m.step for m in history] == [0, 1, 2], name
+    losses = [m.value for m in client.get_metric_history(record.info.run_id, "train/loss")]
+    assert losses == pytest.approx([s.loss for s in result.steps])
+    assert record.data.params["train.steps"] == "3" and record.data.params["model.hidden"] == "128"
+    assert {k: record.data.tags[k] for k in ("policy", "model", "cluster", "faults")} == {
+        "policy": "none", "model": "gpt2-tiny", "cluster": "local-4", "faults": "none",
+    }  # fmt: skip
+    artifacts = {a.path for a in client.list_artifacts(record.info.run_id)}
+    assert {"config.yaml", "events.jsonl", "plans"} <= artifacts
+    plan_files = [a.path for a in client.list_artifacts(record.info.run_id, "plans")]
+    assert plan_files == ["plans/generation-000.json"]
+    local = Path(client.download_artifacts(record.info.run_id, "plans/generation-000.json", str(tmp_path)))
+    assert Plan.from_json(local.read_text()) == result.plans[0]
+    events = Path(client.download_artifacts(record.info.run_id, "events.jsonl", str(tmp_path))).read_text()
+    assert [json.loads(line)["kind"] for line in events.splitlines()] == ["plan"]
+
+
+@pytest.fixture
+def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if anything tries to start a node: bad input must be refused before that."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a node was started for a job that should have been refused")
+
+    monkeypatch.setattr(cluster_module.LocalCluster, "start_node", refuse)
+
+
+BAD_INPUTS = [
+    (["train.global_batch=15", "train.micro_batch=2"], ConfigError, "multiple of train.micro_batch"),
+    (["cluster.nodes=10", "train.stages=9"], ConfigError, "at most 8 stages"),
+    (["train.stages=8"], ConfigError, "cannot form a pipeline of 8 stages"),
+    (["model=gpt2-small", "cluster.device_memory_gb=0.5"], ConfigError, "raise cluster.device_memory_gb"),
+    (["train.data=/nonexistent/corpus.txt"], FileNotFoundError, "/nonexistent/corpus.txt"),
+    (["faults=single-node", "cluster.nodes=1", "train.stages=1"], FaultConfigError, "node"),
+    (["cluster.backend=nccl"], ConfigError, "cluster.backend=gloo"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "advice"), BAD_INPUTS, ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
+def test_bad_input_is_refused_before_any_worker_and_the_run_is_failed(
+    run, tmp_path: Path, no_workers: None, overrides: list[str], error: type, advice: str  # noqa: ANN001
+) -> None:
+    with pytest.raises(error) as info:
+        run(*overrides)
+    assert advice in str(info.value)
+    _, record = only_run(tmp_path)
+    assert record.info.status == "FAILED"
+    assert advice in record.data.tags["failure_reason"]
+
+
+def test_a_corpus_shorter_than_one_sample_is_refused(run, tmp_path: Path, no_workers: None) -> None:  # noqa: ANN001
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("only a few words here\n")
+    with pytest.raises(ConfigError, match="fewer than one sample"):
+        run(f"train.data={tiny}")
+
+
+def test_a_plan_that_leaves_a_layer_without_replica_is_refused() -> None:
+    short = Pipeline((Stage(0, 0, 3), Stage(1, 3, 6)), tuple(range(8)))
+    with pytest.raises(PlanError, match="stops at layer 6, the model has 8 layers"):
+        Plan(0, 8, 16, 2, (short,)).validate()
+
+
+def test_a_plan_that_drops_a_microbatch_is_refused() -> None:
+    pipeline = Pipeline((Stage(0, 0, 8),), tuple(range(7)))
+    with pytest.raises(PlanError, match="exactly once"):
+        Plan(0, 8, 16, 2, (pipeline,)).validate()
+
