@@ -27,12 +27,18 @@ class Job:
     specs: tuple[LayerSpec, ...]
     train: TrainConfig
     workers_of_node: dict[int, tuple[int, ...]]
-    """Alive nodes and their workers."""
+    """Alive nodes and their alive workers."""
+    slots_of_node: dict[int, tuple[int, ...]]
+    """Alive nodes and every worker they run after a restart (a killed process comes back; a lost node does not)."""
     device_memory_bytes: int
 
     @property
     def workers(self) -> list[int]:
         return sorted(w for ws in self.workers_of_node.values() for w in ws)
+
+    @property
+    def slots(self) -> list[int]:
+        return sorted(w for ws in self.slots_of_node.values() for w in ws)
 
 
 @dataclass(frozen=True)
@@ -65,11 +71,16 @@ class Restart:
 
 
 @dataclass(frozen=True)
+class Continue:
+    """Keep the running plan (e.g. a node that joined waits for the next restart)."""
+
+
+@dataclass(frozen=True)
 class Stop:
     reason: str
 
 
-Recovery = InPlace | Restart | Stop
+Recovery = InPlace | Restart | Continue | Stop
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class LocalCluster:
         # The rendezvous store lives in the coordinator, which outlives every generation of workers.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self._closing = False
+        self.started = False
         threading.Thread(target=self._accept, daemon=True, name="control-accept").start()
 
     def workers_of(self, node: int) -> list[int]:
@@ -93,6 +94,7 @@ class LocalCluster:
             self.start_node(node)
         expected = {w for n in self.node_ids for w in self.workers_of(n)}
         self.wait_for_workers(expected, timeout_s)
+        self.started = True
 
     def wait_for_workers(self, expected: set[int], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -119,6 +121,8 @@ class LocalCluster:
             ident = hello.worker if hello.role == "worker" else hello.node
             member = Member(hello.role, ident, hello.node, hello.pid, conn)
             (self.workers if hello.role == "worker" else self.agents)[ident] = member
+            if self.started:
+                self.events.put(Event(hello.role, ident, hello))  # how the trainer learns of joins and restarts
             threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{hello.role}{ident}").start()
 
     def _read(self, member: Member) -> None:

@@ -164,6 +164,4 @@ def _phase_of(instruction: ds.PipeInstruction) -> str:
         return "backward"
     if isinstance(instruction, ds.ReduceGrads):
         return "reduce"
-    if isinstance(instruction, ds.OptimizerStep):
-        return "optimizer"
-    return ""
+    return ""  # the optimizer phase begins at the coordinator's Commit (runtime.worker)

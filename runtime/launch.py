@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
+from typing import Any
 
 import hydra
 import torch
@@ -26,7 +27,10 @@ from runtime.optim import OptimSettings
 from runtime.plan import Plan, PlanError
 from runtime.progress import ProgressLine
 from runtime.tracking import Tracker
-from runtime.trainer import StepRecord, Trainer
+from runtime.trainer import Hooks, StepRecord, Trainer
+from runtime.fault_ledger import FaultLedger, FaultRecord
+from runtime.timeline import plot_timeline
+from faults.injector import Injector
 
 
 CONF_DIR = Path(__file__).parents[1] / "conf"
@@ -49,6 +53,7 @@ class JobResult:
     steps: list[StepRecord]
     plans: list[Plan]
     summary: dict[str, float]
+    faults: list[FaultRecord]
     checkpoint_dir: str = ""
 
 
@@ -76,12 +81,15 @@ def check_memory(plan: Plan, job: Job) -> None:
             )
 
 
-def _job_factory(cfg: JobConfig) -> Callable[[dict[int, tuple[int, ...]]], Job]:
+JobFactory = Callable[[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]], Job]
+
+
+def _job_factory(cfg: JobConfig) -> JobFactory:
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * 2**30)
 
-    def make(workers_of_node: dict[int, tuple[int, ...]]) -> Job:
-        return Job(cfg.model, specs, cfg.train, workers_of_node, memory)
+    def make(workers_of_node: dict[int, tuple[int, ...]], slots_of_node: dict[int, tuple[int, ...]]) -> Job:
+        return Job(cfg.model, specs, cfg.train, workers_of_node, slots_of_node, memory)
 
     return make
 
@@ -93,7 +101,7 @@ class Preflight:
     faults: list[FaultEvent]
     backend: str
     tokens: Path
-    make_job: Callable[[dict[int, tuple[int, ...]]], Job]
+    make_job: JobFactory
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -105,7 +113,8 @@ def preflight(cfg: JobConfig) -> Preflight:
         raise ConfigError(f"train.steps={cfg.train.steps}: train for at least one step")
     make_job = _job_factory(cfg)
     wpn = cfg.cluster.workers_per_node
-    job = make_job({n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)})
+    everyone = {n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)}
+    job = make_job(everyone, everyone)
     try:
         policy: Policy = hydra.utils.instantiate(OmegaConf.structured(cfg.policy), _convert_="all")
     except Exception as exc:  # noqa: BLE001 - Hydra wraps the real cause
@@ -178,9 +187,18 @@ def _train(
         "backend": checked.backend,
         "comm_timeout_s": cfg.cluster.comm_timeout_s,
     }
-    records: list[StepRecord] = []
     plans: list[Plan] = []
-    started = time.perf_counter()
+    ledger = FaultLedger()
+    injector = Injector(
+        checked.faults, cluster, tracker.event, lambda fired: ledger.fired(fired.event.kind, fired.workers, fired.at)
+    )
+    clock: dict[str, float] = {}
+
+    def before_step(step: int) -> None:
+        if "start" not in clock:
+            clock["start"] = time.monotonic()
+            injector.start()
+        injector.before_step(step)
 
     def on_step(record: StepRecord, current: Plan) -> None:
         samples = current.global_batch / record.iter_s
@@ -203,25 +221,72 @@ def _train(
         tracker.log_text(f"plans/generation-{current.generation:03d}.json", current.to_json())
         tracker.event("plan", generation=current.generation, step=current.step, pipelines=len(current.pipelines))
 
-    trainer = Trainer(
-        cluster=cluster,
-        policy=checked.policy,
-        make_job=checked.make_job,
-        setup=setup,
-        steps=t.steps,
-        heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+    def on_event(kind: str, **fields: Any) -> None:
+        tracker.event(kind, **fields)
+        if kind == "failure_detected":
+            progress.announce(f"failure: nodes {fields['nodes']} workers {fields['workers']} at step {fields['step']}")
+        elif kind == "hang_detected":
+            progress.announce(f"worker {fields['worker']} hung: fenced")
+        elif kind == "nodes_joined":
+            progress.announce(f"nodes {fields['nodes']} joined")
+
+    def on_recovered(records: list[FaultRecord]) -> None:
+        for record in records:
+            index = ledger.records.index(record)
+            metrics = {"ft/detect_s": record.detect_s, "ft/recover_s": record.recover_s, "ft/lost_steps": record.lost_steps}
+            tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, index)
+            tracker.event("recovered", fault=index, fault_kind=record.kind, **{k.split("/")[1]: v for k, v in metrics.items()})
+            progress.announce(f"recovered in {record.recover_s:.2f} s, {record.lost_steps} committed steps lost")
+
+    hooks = Hooks(
         on_step=on_step,
-        on_event=tracker.event,
+        on_event=on_event,
         on_plan=on_plan,
+        on_recovered=on_recovered,
+        before_step=before_step,
+        after_configure=injector.arm,
+        on_at_phase=injector.at_phase,
     )
-    records = trainer.run(checked.plan)
-    wall = time.perf_counter() - started
-    useful = len(records) * checked.plan.global_batch
-    summary = {
+    trainer = Trainer(
+        cluster, checked.policy, checked.make_job, setup, t.steps, cfg.cluster.heartbeat_timeout_s, hooks, ledger
+    )
+    try:
+        records = trainer.run(checked.plan)
+    finally:
+        injector.stop()
+    summary = summarise(records, ledger, checked.plan, clock["start"])
+    tracker.log_metrics(summary, t.steps)
+    _log_timeline(tracker, records, ledger, clock["start"], checked.plan, f"{cfg.policy.name} | {cfg.faults.schedule}")
+    return JobResult(run_id="", steps=records, plans=plans, summary=summary, faults=list(ledger.records))
+
+
+def summarise(records: list[StepRecord], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:
+    """Run figures. Goodput compares useful samples per second (each committed step once, over the whole training
+    time) with the fault-free rate of the same job, taken as the median iteration of the first plan."""
+    wall = records[-1].ended_at - started
+    useful = len({r.step for r in records}) * first.global_batch
+    fault_free_iter = statistics.median(r.iter_s for r in records if r.generation == first.generation)
+    recovered = [r.recover_s for r in ledger.records if r.recover_s is not None]
+    return {
         "summary/samples_per_s": useful / wall,
-        "summary/steps": float(len(records)),
-        "summary/median_iter_s": statistics.median(r.iter_s for r in records),
+        "summary/goodput_ratio": (useful / wall) / (first.global_batch / fault_free_iter),
+        "summary/recovery_s_total": sum(recovered),
+        "summary/failures": float(len([r for r in ledger.records if r.noticed_at is not None])),
+        "summary/median_iter_s": fault_free_iter,
         "summary/final_loss": records[-1].loss,
+        "summary/steps": float(len({r.step for r in records})),
     }
-    tracker.log_metrics(summary, len(records))
-    return JobResult(run_id="", steps=records, plans=plans, summary=summary)
+
+
+def _log_timeline(
+    tracker: Tracker, records: list[StepRecord], ledger: FaultLedger, started: float, plan: Plan, title: str
+) -> None:
+    path = plot_timeline(
+        [r.ended_at - started for r in records],
+        [plan.global_batch / r.iter_s for r in records],
+        [r.fired_at - started for r in ledger.records if r.fired_at is not None],
+        [r.recovered_at - started for r in ledger.records if r.recovered_at is not None],
+        tracker.local / "timeline.png",
+        title,
+    )
+    tracker.log_file(path)

@@ -54,7 +54,7 @@ class Event:
 def show(instr: PipeInstruction) -> str:
     """A readable form of an instruction (DeepSpeed's repr calls the micro-batch a buffer id)."""
     if isinstance(instr, ins.MicroBatchInstruction):
-        peer = f", peer={instr.peer}" if isinstance(instr, ins.PeerInstruction) else ""  # type: ignore[attr-defined]
+        peer = f", peer={_peer(instr)}" if isinstance(instr, ins.PeerInstruction) else ""
         return f"{type(instr).__name__}(mb={instr.microbatch}{peer})"
     return repr(instr)
 
@@ -63,9 +63,13 @@ _SENDS: dict[type, str] = {ins.SendActivation: "activation", ins.SendGrad: "grad
 _RECVS: dict[type, str] = {ins.RecvActivation: "activation", ins.RecvGrad: "gradient", ins.RecvLayer: "layer"}
 
 
+def _peer(instr: PipeInstruction) -> int:
+    return instr.kwargs["peer"]
+
+
 def _key(instr: PipeInstruction) -> int:
     """The micro-batch of a micro-batch transfer, the layer of a layer transfer."""
-    return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.layer  # type: ignore[attr-defined]
+    return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.kwargs["layer"]
 
 
 def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
@@ -103,6 +107,7 @@ class _Machine:
         self.reduce_arrival: dict[int, float] = {}
         self.events: list[Event] = []
         if plan is not None:
+            self.num_layers = plan.num_layers
             self.ranges = worker_layers(plan)
             self.groups = _co_holders(self.ranges)
             self.route = {mb: p for p in plan.pipelines for mb in p.microbatches}
@@ -139,15 +144,14 @@ class _Machine:
         if isinstance(instr, ins.ReduceGrads):
             missing = [v for v in self.groups[w] if v not in self.reduce_arrival]
             return f"waits for workers {missing} to reach ReduceGrads"
-        return f"waits for the matching send from worker {instr.peer}"  # type: ignore[attr-defined]
+        return f"waits for the matching send from worker {_peer(instr)}"
 
     def _step(self, w: int, instr: PipeInstruction) -> bool:
         """Execute ``instr`` on ``w`` if it can run now; False when it blocks."""
         start = self.clock[w]
         cost = self.durations(w, instr)
-        kind = _SENDS.get(type(instr)) or _RECVS.get(type(instr))
         if type(instr) in _RECVS:
-            queue = self.channels[(kind, instr.peer, w, _key(instr))]  # type: ignore[index,attr-defined]
+            queue = self.channels[(_RECVS[type(instr)], _peer(instr), w, _key(instr))]
             if not queue:
                 return False
             arrival, boundary = queue.popleft()
@@ -155,12 +159,12 @@ class _Machine:
                 self._receive(w, instr, boundary)
             end = max(start, arrival) + cost
         elif type(instr) in _SENDS:
-            channel = (kind, w, instr.peer, _key(instr))  # type: ignore[attr-defined]
+            channel = (_SENDS[type(instr)], w, _peer(instr), _key(instr))
             if channel in self.sent:
-                self._fail(w, instr, f"sends the same {kind} to worker {instr.peer} twice")  # type: ignore[attr-defined]
-            self.sent.add(channel)  # type: ignore[arg-type]
+                self._fail(w, instr, f"sends the same {channel[0]} to worker {channel[2]} twice")
+            self.sent.add(channel)
             boundary = self._send(w, instr) if self.plan is not None else -1
-            self.channels[channel].append((start + cost, boundary))  # type: ignore[index]
+            self.channels[channel].append((start + cost, boundary))
             end = start  # asynchronous: the worker goes on at once
         elif isinstance(instr, ins.ReduceGrads) and self.plan is not None:
             self.reduce_arrival.setdefault(w, start)
@@ -188,7 +192,7 @@ class _Machine:
         if isinstance(instr, ins.SendActivation):
             if instr.microbatch not in self.forwarded[w]:
                 self._fail(w, instr, "sends an activation before its ForwardPass")
-            if stop == self.plan.num_layers:  # type: ignore[union-attr]
+            if stop == self.num_layers:
                 self._fail(w, instr, "the last stage has no activation to send")
             return stop
         if isinstance(instr, ins.SendGrad):
@@ -197,21 +201,23 @@ class _Machine:
             if start == 0:
                 self._fail(w, instr, "the first stage has no input gradient to send")
             return start
-        return instr.layer  # type: ignore[attr-defined]
+        return instr.kwargs["layer"]
 
     def _receive(self, w: int, instr: PipeInstruction, boundary: int) -> None:
         start, stop = self.ranges[w]
         if isinstance(instr, ins.RecvActivation):
             if boundary != start:
-                self._fail(w, instr, f"receives the activation at layer boundary {boundary}, its stage starts at {start}")
+                why = f"receives the activation at layer boundary {boundary}, its stage starts at {start}"
+                self._fail(w, instr, why)
             self._once(w, instr, self.act_in[w], "receives the activation")
         elif isinstance(instr, ins.RecvGrad):
             if boundary != stop:
-                self._fail(w, instr, f"receives the gradient at layer boundary {boundary}, its stage stops at {stop}")
+                why = f"receives the gradient at layer boundary {boundary}, its stage stops at {stop}"
+                self._fail(w, instr, why)
             self._once(w, instr, self.grad_in[w], "receives the gradient")
 
-    def _once(self, w: int, instr: PipeInstruction, done: set[int], what: str) -> None:
-        mb = instr.microbatch  # type: ignore[attr-defined]
+    def _once(self, w: int, instr: ins.MicroBatchInstruction, done: set[int], what: str) -> None:
+        mb = instr.microbatch
         if mb in done:
             self._fail(w, instr, f"{what} of micro-batch {mb} a second time")
         done.add(mb)
@@ -258,8 +264,10 @@ class _Machine:
             self.weight_grad[w].add(mb)
             self._record(w, instr, self.wgt_by, layers, "weight-gradient")
 
-    def _record(self, w: int, instr: PipeInstruction, by: dict, layers: range, what: str) -> None:
-        mb = instr.microbatch  # type: ignore[attr-defined]
+    def _record(
+        self, w: int, instr: ins.MicroBatchInstruction, by: dict[tuple[int, int], list[int]], layers: range, what: str
+    ) -> None:
+        mb = instr.microbatch
         for layer in layers:
             if by[(mb, layer)]:
                 self._fail(w, instr, f"micro-batch {mb} already ran {what} through layer {layer} "

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from policies.base import Change, InPlace, Job, Policy, Restart, SaveCheckpoint, Stop
+from policies.base import Change, Continue, InPlace, Job, Policy, Restart, SaveCheckpoint, Stop
 from runtime import checkpoint, messages as msg
 from runtime.cluster import Event, LocalCluster
+from runtime.fault_ledger import FaultLedger, FaultRecord
 from runtime.plan import Plan
 
 M = TypeVar("M")
@@ -54,6 +55,22 @@ class StepRecord:
     loss: float
     iter_s: float
     compute_s: float
+    generation: int
+    ended_at: float
+    """time.monotonic() when the step committed."""
+
+
+@dataclass
+class Hooks:
+    """What the trainer tells the rest of the job (tracking, progress, the fault injector)."""
+
+    on_step: Callable[[StepRecord, Plan], None] = lambda record, plan: None
+    on_event: Callable[..., None] = lambda kind, **fields: None
+    on_plan: Callable[[Plan], None] = lambda plan: None
+    on_recovered: Callable[[list[FaultRecord]], None] = lambda records: None
+    before_step: Callable[[int], None] = lambda step: None
+    after_configure: Callable[[], None] = lambda: None
+    on_at_phase: Callable[[int, msg.AtPhase], None] = lambda worker, message: None
 
 
 class Trainer:
@@ -61,15 +78,12 @@ class Trainer:
         self,
         cluster: LocalCluster,
         policy: Policy,
-        make_job: Callable[[dict[int, tuple[int, ...]]], Job],
+        make_job: Callable[[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]], Job],
         setup: dict[str, Any],
         steps: int,
         heartbeat_timeout_s: float,
-        on_step: Callable[[StepRecord, Plan], None],
-        on_event: Callable[..., None],
-        on_plan: Callable[[Plan], None],
-        before_step: Callable[[int], None] = lambda step: None,
-        on_at_phase: Callable[[int, msg.AtPhase], None] = lambda worker, message: None,
+        hooks: Hooks,
+        ledger: FaultLedger,
     ) -> None:
         self.cluster = cluster
         self.policy = policy
@@ -77,23 +91,20 @@ class Trainer:
         self.setup = setup
         self.steps = steps
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.on_step = on_step
-        self.on_event = on_event
-        self.on_plan = on_plan
-        self.before_step = before_step
-        self.on_at_phase = on_at_phase
-        self.failed_nodes: set[int] = set()
-        self.failed_workers: set[int] = set()
+        self.hooks = hooks
+        self.ledger = ledger
+        self.pending_joins: set[int] = set()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def job(self) -> Job:
-        workers = {
-            node: tuple(w for w in self.cluster.workers_of(node) if w in self.cluster.alive_workers())
-            for node in self.cluster.alive_nodes()
-        }
-        return self.make_job({n: ws for n, ws in workers.items() if ws})
+        alive = set(self.cluster.alive_workers())
+        nodes = [n for n in self.cluster.alive_nodes() if n not in self.pending_joins]
+        workers = {n: tuple(w for w in self.cluster.workers_of(n) if w in alive) for n in nodes}
+        slots = {n: tuple(self.cluster.workers_of(n)) for n in nodes}
+        return self.make_job({n: ws for n, ws in workers.items() if ws}, slots)
 
     def run(self, plan: Plan) -> list[StepRecord]:
+        """Train until ``steps`` steps are committed. Records hold every executed step, re-executed ones too."""
         records: list[StepRecord] = []
         step, restore = plan.step, None
         configured = False
@@ -102,18 +113,41 @@ class Trainer:
                 if not configured:
                     self._configure(plan, restore)
                     configured = True
-                self.before_step(step)
+                grown = self._absorb_joins(plan, step)
+                if grown is not None:
+                    plan, step = grown, grown.step
+                self.hooks.before_step(step)
                 record = self._run_step(plan, step)
+                step += 1
+                records.append(record)
+                self.hooks.on_step(record, plan)
+                recovered = self.ledger.recovered(time.monotonic())
+                if recovered:
+                    self.hooks.on_recovered(recovered)
+                for action in self.policy.after_step(step, self.job()):
+                    self._checkpoint(plan, step, action)
             except MembershipChanged as changed:
                 plan, restore = self._recover(changed.failure, plan, step)
                 step, configured = plan.step, False
-                continue
-            records.append(record)
-            self.on_step(record, plan)
-            step += 1
-            for action in self.policy.after_step(step, self.job()):
-                self._checkpoint(plan, step, action)
         return records
+
+    def _absorb_joins(self, plan: Plan, step: int) -> Plan | None:
+        """Offer nodes that joined (and whose workers all registered) to the policy, at an iteration boundary.
+
+        Returns the new, configured plan, or None when the policy keeps the running one.
+        """
+        alive = set(self.cluster.alive_workers())
+        ready = {n for n in self.pending_joins if set(self.cluster.workers_of(n)) <= alive}
+        if not ready:
+            return None
+        self.pending_joins -= ready
+        self.hooks.on_event("nodes_joined", nodes=sorted(ready), step=step)
+        change = Change(plan=plan, step=step, joined_nodes=tuple(sorted(ready)))
+        new_plan, restore = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
+        if new_plan is plan:
+            return None
+        self._configure(new_plan, restore)
+        return new_plan
 
     # -- one iteration -----------------------------------------------------------------------------------------
     def _run_step(self, plan: Plan, step: int) -> StepRecord:
@@ -128,6 +162,8 @@ class Trainer:
             loss=sum(r.loss for r in ready.values()),
             iter_s=time.perf_counter() - started,
             compute_s=max(r.compute_s for r in ready.values()),
+            generation=plan.generation,
+            ended_at=time.monotonic(),
         )
 
     def _configure(self, plan: Plan, restore: str | None) -> None:
@@ -135,7 +171,8 @@ class Trainer:
         for worker in plan.workers:
             self.cluster.send(worker, msg.Configure(asdict(plan), programs[worker], self.cluster.store.port, self.setup, restore))
         self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
-        self.on_plan(plan)
+        self.hooks.on_plan(plan)
+        self.hooks.after_configure()
 
     def _checkpoint(self, plan: Plan, step: int, action: SaveCheckpoint) -> None:
         started = time.perf_counter()
@@ -144,7 +181,8 @@ class Trainer:
         saved = self._collect(set(plan.workers), msg.Saved, lambda m: m.step == step)
         checkpoint.write_manifest(action.directory, step, plan.num_layers, {"generation": plan.generation})
         checkpoint.prune(action.directory, action.keep)
-        self.on_event("checkpoint", step=step, seconds=time.perf_counter() - started, nbytes=sum(s.nbytes for s in saved.values()))
+        seconds = time.perf_counter() - started
+        self.hooks.on_event("checkpoint", step=step, seconds=seconds, nbytes=sum(s.nbytes for s in saved.values()))
 
     # -- events ------------------------------------------------------------------------------------------------
     def _collect(self, expected: set[int], kind: type[M], accept: Callable[[M], bool]) -> dict[int, M]:
@@ -162,7 +200,7 @@ class Trainer:
                 got[event.ident] = message
             elif isinstance(message, msg.Failed):
                 # A peer vanished under this worker; the coordinator's own view of who died follows shortly.
-                self.on_event("comm_error", worker=event.ident, error=message.error)
+                self.hooks.on_event("comm_error", worker=event.ident, error=message.error)
         return got
 
     def _next_event(self, failure: Failure) -> Event | None:
@@ -171,7 +209,7 @@ class Trainer:
             event = self.cluster.events.get(timeout=_POLL_S)
         except queue.Empty:  # a quiet moment: check for hung workers
             for worker in self.cluster.silent_workers(self.heartbeat_timeout_s):
-                self.on_event("hang_detected", worker=worker, timeout_s=self.heartbeat_timeout_s)
+                self.hooks.on_event("hang_detected", worker=worker, timeout_s=self.heartbeat_timeout_s)
                 self.cluster.kill_worker(worker)  # fence it: a hung worker must never come back
             return None
         self._classify(event, failure)
@@ -182,7 +220,11 @@ class Trainer:
         if isinstance(message, msg.Crashed):
             raise JobStopped(f"{event.role} {event.ident} crashed:\n{message.error}")
         if isinstance(message, msg.AtPhase):
-            self.on_at_phase(event.ident, message)
+            self.hooks.on_at_phase(event.ident, message)
+            return
+        if isinstance(message, msg.Hello):
+            if message.role == "agent":
+                self.pending_joins.add(message.node)
             return
         dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
         if dead_worker:
@@ -230,10 +272,9 @@ class Trainer:
         return steps.pop() if steps else plan.step
 
     def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None]:
-        self.failed_nodes |= set(failure.nodes)
-        self.failed_workers |= set(failure.workers)
         noticed = min([*failure.nodes.values(), *failure.workers.values()])
-        self.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step, noticed=noticed)
+        records = self.ledger.noticed(set(failure.workers), noticed)
+        self.hooks.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step)
         committed = self._abort(plan, failure)
         change = Change(
             plan=plan,
@@ -241,10 +282,17 @@ class Trainer:
             failed_nodes=tuple(sorted(failure.nodes)),
             failed_workers=tuple(sorted(w for w in failure.workers if self.cluster.node_of(w) not in failure.nodes)),
         )
-        decision = self.policy.on_change(change, self.job())
-        self.on_event("recovery_decision", decision=type(decision).__name__, step=committed)
+        new_plan, restore = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
+        self.ledger.resumed(records, committed, new_plan.step)
+        return new_plan, restore
+
+    def _recovery_plan(self, decision: Any, plan: Plan) -> tuple[Plan, str | None]:
+        """Carry out a policy's decision up to the new plan (processes restarted if needed); not yet configured."""
+        self.hooks.on_event("recovery_decision", decision=type(decision).__name__)
         if isinstance(decision, Stop):
             raise JobStopped(decision.reason)
+        if isinstance(decision, Continue):
+            return plan, None
         if isinstance(decision, Restart):
             self._restart_workers()
             return decision.plan, decision.checkpoint

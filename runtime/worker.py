@@ -57,7 +57,7 @@ class Worker:
         self.comm: GenerationComm | None = None
         self.executor: Executor | None = None
         self.program: list[Any] = []
-        self.armed: msg.ArmFault | None = None
+        self.armed: set[tuple[int, str]] = set()
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _read(self) -> None:
@@ -91,7 +91,7 @@ class Worker:
             elif isinstance(message, msg.Abort):
                 self._abort(message.generation)
             elif isinstance(message, msg.ArmFault):
-                self.armed = message
+                self.armed.add((message.step, message.phase))
             elif isinstance(message, msg.SaveCheckpoint):
                 self._save(message)
             elif isinstance(message, msg.Commit):
@@ -161,8 +161,7 @@ class Worker:
         self.channel.send(msg.AbortDone(generation, self.step))
 
     def _phase(self, step: int, phase: str) -> None:
-        armed = self.armed
-        if armed is not None and armed.step == step and armed.phase == phase:
+        if (step, phase) in self.armed:
             self.channel.send(msg.AtPhase(step, phase))
             while True:  # the fault injector kills this process now
                 time.sleep(1)
@@ -177,9 +176,9 @@ class Worker:
             if plan is not None and plan.holders(index)[0] != self.worker:
                 continue
             data = checkpoint.encode(checkpoint.layer_state(layer, self.optimizers[index]))
-            self._phase(message.step, "checkpoint")
             checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
             nbytes += len(data)
+            self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
         self.channel.send(msg.Saved(message.step, nbytes))
 
     def _restore(self, index: int, directory: Path) -> None:

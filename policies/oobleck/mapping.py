@@ -105,27 +105,31 @@ class _Level:
 
 def _node_runs(costs: StageCosts, gpus_per_node: int, degree: int) -> tuple[Parts, np.ndarray, tuple[np.ndarray, ...]]:
     """The best run of M / degree stages of ``degree`` GPUs on each [u, w), built as first stage + shorter run."""
-    time = costs.time[degree]
     fits_one = costs.max_in_flight(degree)
-    time = np.where(fits_one >= 1, time, INF)
-    one = Parts(time, time, np.zeros(time.shape, dtype=np.int64), time)
-    parts, fits, splits = one, fits_one, []
-    rows = np.arange(time.shape[0])[:, None]
-    cols = np.arange(time.shape[0])[None, :]
+    time = np.where(fits_one >= 1, costs.time[degree], INF)
+    parts = Parts(time, time, np.zeros(time.shape, dtype=np.int64), time)
+    fits, splits = fits_one, []
+    u, w = np.indices(time.shape)
     for i in range(2, gpus_per_node // degree + 1):
-        # First stage on [u, x), the best (i - 1)-stage run on [x, w): arrays over (u, x, w).
-        ta, tb = time[:, :, None], parts.slow[None, :, :]
-        later = tb >= ta
-        slow = np.maximum(ta, tb)
-        k = np.where(later, 1 + parts.k[None, :, :], 0)
-        t1 = ta + parts.t1[None, :, :]
-        t3 = np.where(later, parts.t3[None, :, :], t1)
-        run_fits = np.minimum(fits_one[:, :, None], 1 + fits[None, :, :])
-        total = np.where(run_fits >= i, t1 + (3 * i + k - 1) * slow + t3, INF)
-        x = np.argmin(total, axis=1)
-        found = np.isfinite(total[rows, x, cols])
-        parts = Parts(t1[rows, x, cols], slow[rows, x, cols], k[rows, x, cols], t3[rows, x, cols]).where(found)
-        fits = run_fits[rows, x, cols]
+        # First stage on [u, x), the best (i - 1)-stage run on [x, w): arrays over (u, w, x), x last for argmin.
+        # Memory: the first stage holds i micro-batches, the run after it i - 1 (a separable check).
+        c = 3 * i - 1
+        ta = np.where(fits_one >= i, time, INF)
+        tb = parts.slow.T[None]
+        t1 = ta[:, None, :] + np.where(fits >= i - 1, parts.t1, INF).T[None]
+        # T2 + T3 less T1: the run's part (k* weighted in) if it holds the slowest stage, else the first stage's
+        # (k* = 0, T3 = T1).
+        total = t1 + (c * ta)[:, None, :]
+        run_slowest = ((1 + parts.k + c) * parts.slow + parts.t3).T[None]
+        np.copyto(total, np.broadcast_to(run_slowest, total.shape), where=tb >= ta[:, None, :])
+        total += t1
+        x = np.argmin(total, axis=2)
+        found = np.isfinite(total[u, w, x])
+        a, b = time[u, x], Parts(parts.t1[x, w], parts.slow[x, w], parts.k[x, w], parts.t3[x, w])
+        later = b.slow >= a
+        parts = Parts(a + b.t1, np.maximum(a, b.slow), np.where(later, 1 + b.k, 0), np.where(later, b.t3, a + b.t1))
+        parts = parts.where(found)
+        fits = np.minimum(fits_one[u, x], 1 + fits[x, w])
         splits.append(x)
     return parts, fits, tuple(splits)
 
@@ -148,6 +152,7 @@ class StageMapper:
             splits={g: runs[g][2] for g in degrees},
         )
         self.levels: list[_Level] = []
+        self._node_terms: tuple[np.ndarray, np.ndarray] | None = None
 
     def _width(self, nodes: int) -> int:
         return min(self.costs.num_layers, nodes * self.gpus_per_node)
@@ -171,38 +176,53 @@ class StageMapper:
             degree[:, q - 1] = d
         return _Level(parts, total, np.full(shape, n_layers), degree)
 
+    def _prepare(self, width: int) -> None:
+        """The first node's share of the join, which no level changes: arrays over [u, S' - 1, degree, w].
+
+        t1: the node's T1, infinite where its first stage cannot hold the S' micro-batches 1F1B gives it.
+        slowest: T2 + T3 for S' stages when the node holds the slowest stage, less the suffix's part.
+        """
+        if self._node_terms is not None and self._node_terms[0].shape[1] >= width:
+            return
+        a = self.node.parts
+        stages = np.arange(1, width + 1)[None, :, None, None]
+        t1 = np.where(self.node.fits[:, None] >= stages, a.t1[:, None], INF)
+        feasible = np.isfinite(a.slow)
+        rest = np.where(feasible, a.k * np.where(feasible, a.slow, 0.0) + a.t3, INF)
+        slowest = a.slow[:, None] * (3 * stages - 1) + rest[:, None]
+        self._node_terms = (t1, slowest)
+
     def _next_level(self, nodes: int) -> _Level:
         """The best first node (a run of stages on [u, w)) followed by the best suffix of ``nodes - 1`` nodes."""
         node, rest = self.node, self.levels[-1]
         n = self.costs.num_layers + 1
         width = self._width(nodes)
         stages = np.arange(1, width + 1)
-        q = node.stages[:, None]  # (degree, 1)
-        # The suffix after a node of q stages has S' - q of them: column c of this level reads column c - q.
-        source = stages[None, :] - 1 - q  # (degree, S')
-        present = (source >= 0) & (source < rest.total.shape[1])
+        # The suffix after a node of q stages has S' - q of them: column S' - 1 of this level reads S' - q - 1.
+        source = stages[:, None] - 1 - node.stages[None, :]  # [S', degree]
+        present = ((source >= 0) & (source < rest.total.shape[1]))[:, :, None]
         source = np.clip(source, 0, rest.total.shape[1] - 1)
 
         def suffix(array: np.ndarray, fill: float) -> np.ndarray:
-            return np.where(present[:, None, :], array[:, source].transpose(1, 0, 2), fill)  # [degree, w, S']
+            return np.where(present, array.T[source], fill)  # [S', degree, w]
 
         b = Parts(suffix(rest.parts.t1, INF), suffix(rest.parts.slow, INF), suffix(rest.parts.k, 0), suffix(rest.parts.t3, INF))
-        a = node.parts  # [u, degree, w]
+        a = node.parts
+        a_t1, a_slowest = (term[:, :width] for term in self._node_terms)
         # Joining two halves, per the paper: if the suffix holds the slowest stage, k* moves by the node's q
-        # stages and T3 is the suffix's; otherwise T3 is the node's plus the whole suffix (its T1).
-        b_slowest = (3 * stages + q[:, :, None] + b.k - 1) * b.slow + b.t3  # [degree, w, S']
-        feasible = np.isfinite(a.slow)
-        a_rest = np.where(feasible, a.k * np.where(feasible, a.slow, 0.0) + a.t3, INF)
-        a_slowest = a.slow[..., None] * (3 * stages - 1) + a_rest[..., None] + b.t1  # [u, degree, w, S']
-        tail = np.where(b.slow >= a.slow[..., None], b_slowest, a_slowest)
-        total = np.where(node.fits[..., None] >= stages, a.t1[..., None] + b.t1 + tail, INF)
-        flat = total.reshape(n, -1, width)
-        choice = np.argmin(flat, axis=1)  # [u, S']: degree * n + w
-        best = np.take_along_axis(flat, choice[:, None, :], axis=1)[:, 0, :]
+        # stages and T3 is the suffix's; otherwise T3 is the node's plus all of the suffix (its T1).
+        q = node.stages[None, :, None]
+        b_slowest = (3 * stages[:, None, None] + q + b.k - 1) * b.slow + b.t3 + b.t1  # [S', degree, w]
+        total = a_slowest + 2 * b.t1
+        np.copyto(total, np.broadcast_to(b_slowest, total.shape), where=b.slow >= a.slow[:, None])
+        total += a_t1
+        flat = total.reshape(n, width, -1)
+        choice = np.argmin(flat, axis=2)  # [u, S']: degree * n + w
+        u, col = np.indices(choice.shape)
+        best = flat[u, col, choice]
         d, w = np.divmod(choice, n)
-        u, col = np.arange(n)[:, None], np.arange(width)[None, :]
         pa = Parts(a.t1[u, d, w], a.slow[u, d, w], a.k[u, d, w], a.t3[u, d, w])
-        pb = Parts(b.t1[d, w, col], b.slow[d, w, col], b.k[d, w, col], b.t3[d, w, col])
+        pb = Parts(b.t1[col, d, w], b.slow[col, d, w], b.k[col, d, w], b.t3[col, d, w])
         later = pb.slow >= pa.slow
         parts = Parts(
             pa.t1 + pb.t1,
@@ -214,16 +234,22 @@ class StageMapper:
 
     def extend(self, nodes: int) -> None:
         """Fill the tables up to ``nodes`` nodes."""
+        if nodes > 1:
+            self._prepare(self._width(nodes))
         while len(self.levels) < nodes:
             self.levels.append(self._first_level() if not self.levels else self._next_level(len(self.levels) + 1))
 
-    def best(self, nodes: int) -> list[Placement] | None:
-        """The fastest pipeline on ``nodes`` nodes, or None when none fits in memory."""
+    def feasible(self, nodes: int) -> bool:
         self.extend(nodes)
-        row = self.levels[nodes - 1].total[0]
-        if not np.isfinite(row).any():
+        return bool(np.isfinite(self.levels[nodes - 1].total[0]).any())
+
+    def best(self, nodes: int) -> list[Placement] | None:
+        """The pipeline on ``nodes`` nodes with the least time per micro-batch, T(S) / Nb with Nb = 4 S, or None
+        when none fits in memory."""
+        if not self.feasible(nodes):
             return None
-        stages = int(np.argmin(row)) + 1
+        row = self.levels[nodes - 1].total[0]
+        stages = int(np.argmin(row / (4 * np.arange(1, len(row) + 1)))) + 1
         placements: list[Placement] = []
         u = 0
         for j in range(nodes, 0, -1):

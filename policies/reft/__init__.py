@@ -1,0 +1,14 @@
+"""REFT: in-memory checkpoints protected by redundancy across data-parallel peers.
+
+``reliability`` holds the paper's reliability model (Section 5): how long snapshots kept in host memory stay
+recoverable, with and without REFT's protection, and the longest safe interval between checkpoints to storage.
+"""
+
+from policies.reft.reliability import (
+    checkpoint_survival,
+    longest_interval,
+    reft_survival,
+    weibull_survival,
+)
+
+__all__ = ["checkpoint_survival", "longest_interval", "reft_survival", "weibull_survival"]
