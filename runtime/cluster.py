@@ -199,6 +199,7 @@ class LocalCluster:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()  # reap it: no zombie outlives the job
         for member in self.workers.values():
             _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
         self._listener.close()

@@ -1,18 +1,20 @@
 """GPU types the analytic profile and the simulator can reason about without the hardware.
 
-Figures are vendor datasheet numbers: dense (no structured sparsity) fp16/bf16 tensor-core peak, memory as
-``nvidia-smi`` reports it, per-direction link bandwidths. Training never reaches peak, so compute times divide
-by ``peak_flops * UTILISATION``.
+Figures are vendor datasheet numbers: dense (no structured sparsity) fp16/bf16 tensor-core peak, memory size as
+``nvidia-smi`` reports it and its bandwidth, per-direction link bandwidths. Training never reaches peak, so
+compute times divide by ``peak_flops * UTILISATION``; layers with little arithmetic (an embedding lookup) are
+bound by memory bandwidth instead.
 
 Sources:
-- A40: NVIDIA A40 datasheet (149.7 TFLOP/s fp16/bf16 dense, 48 GB GDDR6, PCIe Gen4 x16 = 32 GB/s per
+- A40: NVIDIA A40 datasheet (149.7 TFLOP/s fp16/bf16 dense, 48 GB GDDR6 at 696 GB/s, PCIe Gen4 x16 = 32 GB/s per
   direction; A40 servers rarely bridge more than pairs with NVLink, so PCIe is the intra-node path). Network:
   the 200 Gb/s ConnectX-6 InfiniBand of the Oobleck paper's A40 cluster (SOSP'23, Section 7.1).
-- A100-40GB, A100-80GB (SXM4): NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 40/80 GB HBM2/HBM2e, NVLink 3 at
+- A100-40GB, A100-80GB (SXM4): NVIDIA A100 datasheet (312 TFLOP/s bf16 dense, 40 GB HBM2 at 1555 GB/s or 80 GB HBM2e at
+  2039 GB/s, NVLink 3 at
   600 GB/s bidirectional = 300 GB/s per direction). Network: DGX A100, one 200 Gb/s HDR InfiniBand port per GPU.
-- V100-16GB (SXM2): NVIDIA V100 datasheet (125 TFLOP/s fp16 tensor, 16 GB HBM2, NVLink 2 at 300 GB/s
+- V100-16GB (SXM2): NVIDIA V100 datasheet (125 TFLOP/s fp16 tensor, 16 GB HBM2 at 900 GB/s, NVLink 2 at 300 GB/s
   bidirectional = 150 GB/s per direction). Network: AWS p3.16xlarge, 25 Gb/s per node (shared by its 8 GPUs).
-- H100-80GB (SXM5): NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 80 GB HBM3, NVLink 4 at 900 GB/s
+- H100-80GB (SXM5): NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s
   bidirectional = 450 GB/s per direction). Network: DGX H100, one 400 Gb/s ConnectX-7 port per GPU.
 """
 
@@ -35,6 +37,7 @@ class DeviceSpec:
     peak_flops: float
     """Dense fp16/bf16 tensor-core FLOP/s."""
     memory_bytes: int
+    memory_bytes_per_s: float
     intra_node_bytes_per_s: float
     """GPU to GPU inside a node, one direction (NVLink, or PCIe where there is none)."""
     network_bytes_per_s: float
@@ -48,11 +51,11 @@ class DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
-        DeviceSpec("A40", 149.7e12, 48 * GIB, 32 * GB_S, 200 * GBIT_S),
-        DeviceSpec("A100-40GB", 312e12, 40 * GIB, 300 * GB_S, 200 * GBIT_S),
-        DeviceSpec("A100-80GB", 312e12, 80 * GIB, 300 * GB_S, 200 * GBIT_S),
-        DeviceSpec("V100-16GB", 125e12, 16 * GIB, 150 * GB_S, 25 * GBIT_S / 8),
-        DeviceSpec("H100-80GB", 989e12, 80 * GIB, 450 * GB_S, 400 * GBIT_S),
+        DeviceSpec("A40", 149.7e12, 48 * GIB, 696 * GB_S, 32 * GB_S, 200 * GBIT_S),
+        DeviceSpec("A100-40GB", 312e12, 40 * GIB, 1555 * GB_S, 300 * GB_S, 200 * GBIT_S),
+        DeviceSpec("A100-80GB", 312e12, 80 * GIB, 2039 * GB_S, 300 * GB_S, 200 * GBIT_S),
+        DeviceSpec("V100-16GB", 125e12, 16 * GIB, 900 * GB_S, 150 * GB_S, 25 * GBIT_S / 8),
+        DeviceSpec("H100-80GB", 989e12, 80 * GIB, 3350 * GB_S, 450 * GB_S, 400 * GBIT_S),
     )
 }
 

@@ -9,6 +9,8 @@ itself. Two sources give the same shape:
   under a key of everything that changes them.
 - ``analytic_profile`` derives the same numbers from ``layer_specs`` and a GPU in ``runtime.devices``.
 
+Planners import this module for the dataclasses alone, so torch is imported only where something is measured.
+
 Memory follows ``runtime.model.training_memory_bytes``: fp32 weights (``param_bytes``) and 12 more bytes per
 parameter for the gradient and AdamW's two moments (``optimizer_bytes``).
 """
@@ -27,12 +29,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
-import torch
-import torch.distributed as dist
 
 from runtime.devices import device as device_spec
 
 if TYPE_CHECKING:
+    import torch
+
     from runtime.model import LayerSpec, ModelConfig
 
 FP32 = 4
@@ -91,13 +93,15 @@ class ModelProfile:
 def profile_from_specs(
     model: str, specs: list[LayerSpec], device_name: str, micro_batch: int, seq_len: int
 ) -> ModelProfile:
-    """A profile from per-token FLOPs and bytes: backward is twice forward, split evenly between the input
-    gradient and the weight gradients."""
+    """A profile from per-token FLOPs and bytes: forward is bound by arithmetic or, for layers with little of it
+    (an embedding lookup), by writing its activations to memory; backward is twice forward, split evenly between
+    the input gradient and the weight gradients."""
     gpu = device_spec(device_name)
     tokens = micro_batch * seq_len
     layers = []
     for spec in specs:
-        fwd = spec.fwd_flops_per_token * tokens / gpu.effective_flops
+        written = (spec.output_bytes_per_token + spec.saved_bytes_per_token) * tokens
+        fwd = max(spec.fwd_flops_per_token * tokens / gpu.effective_flops, written / gpu.memory_bytes_per_s)
         layers.append(
             LayerProfile(
                 fwd_s=fwd,
@@ -154,6 +158,8 @@ class ProfileKey:
 
 def device_name(device: str) -> str:
     """A name that tells machines apart: the GPU model, or the CPU model and the host memory."""
+    import torch
+
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     cpu = platform.processor() or platform.machine()
@@ -169,6 +175,8 @@ def device_name(device: str) -> str:
 
 def device_memory_bytes(device: str, workers_per_node: int) -> int:
     """A GPU's own memory, or on a CPU machine the host memory shared by the node's worker processes."""
+    import torch
+
     if device.startswith("cuda"):
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     return psutil.virtual_memory().total // workers_per_node
@@ -182,14 +190,25 @@ def _fastest(run: Callable[[], float], repeats: int, warmup: int) -> float:
 
 
 def _sync(device: str) -> None:
+    import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize(torch.device(device))
 
 
 def measure_layer(
-    cfg: ModelConfig, index: int, micro_batch: int, seq_len: int, dtype: torch.dtype, device: str, repeats: int, warmup: int
+    cfg: ModelConfig,
+    index: int,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: str,
+    repeats: int,
+    warmup: int,
 ) -> LayerProfile:
     """Time one layer alone as a one-layer pipeline stage, with the input it gets in a pipeline."""
+    import torch
+
     from runtime.model import StageModule, build_layer
 
     stage = StageModule(cfg, {index: build_layer(cfg, index, seed=0, device=device)}).to(dtype)
@@ -200,7 +219,9 @@ def measure_layer(
     else:
         x = torch.randn(micro_batch, seq_len, cfg.hidden, generator=generator, dtype=dtype).to(device)
         x.requires_grad_(True)
-    labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device) if stage.is_last else None
+    labels = None
+    if stage.is_last:
+        labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device)
 
     def forward() -> torch.Tensor:
         return stage(x, labels)
@@ -257,6 +278,8 @@ def measure_layer(
 def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
     """Bytes autograd keeps for backward during ``forward()``, each storage counted once and weights left out
     (they are held anyway and counted in param_bytes)."""
+    import torch
+
     weights = {p.untyped_storage().data_ptr() for p in params}
     storages: dict[int, int] = {}
 
@@ -273,6 +296,9 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[tor
 
 def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: mp.Queue) -> None:
     """One of two gloo processes: ping-pong for p2p bandwidth, then all-reduce for bus bandwidth."""
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     buffer = torch.ones(nbytes // 4, dtype=torch.float32)
     dist.barrier()
@@ -335,6 +361,8 @@ def measure_profile(
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
     bandwidths: communication then costs nothing in the planners.
     """
+    import torch
+
     seq_len = cfg.seq_len if seq_len is None else seq_len
     if not 0 < seq_len <= cfg.seq_len:
         raise ValueError(f"seq_len {seq_len} must be in 1..{cfg.seq_len} (the positions of model {cfg.name})")

@@ -97,8 +97,10 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def job(self) -> Job:
+        """Who is alive: workers that are registered and running, and the worker slots of every live node
+        (a node that is still joining counts among the slots, which a restart fills)."""
         alive = set(self.cluster.alive_workers())
-        nodes = [n for n in self.cluster.alive_nodes() if n not in self.pending_joins]
+        nodes = self.cluster.alive_nodes()
         workers = {n: tuple(w for w in self.cluster.workers_of(n) if w in alive) for n in nodes}
         slots = {n: tuple(self.cluster.workers_of(n)) for n in nodes}
         return self.make_job({n: ws for n, ws in workers.items() if ws}, slots)
@@ -295,12 +297,18 @@ class Trainer:
             return plan, None
         if isinstance(decision, Restart):
             self._restart_workers()
+            self.pending_joins -= {self.cluster.node_of(w) for w in decision.plan.workers}
             return decision.plan, decision.checkpoint
         assert isinstance(decision, InPlace)
         return decision.plan, None
 
     def _restart_workers(self) -> None:
-        """Checkpoint-restart: end every worker process and start fresh ones on every live node."""
+        """Checkpoint-restart: end every worker process and start fresh ones on every live node.
+
+        Workers of a node still joining are waited for first, so none is left starting while its slot is refilled.
+        """
+        booting = {w for n in self.pending_joins if n in self.cluster.alive_nodes() for w in self.cluster.workers_of(n)}
+        self.cluster.wait_for_workers(booting, timeout_s=300)
         for worker in self.cluster.alive_workers():
             self.cluster.kill_worker(worker)
             self.cluster.mark_dead("worker", worker)

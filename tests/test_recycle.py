@@ -22,6 +22,7 @@ from runtime.plan import Plan, grid_plan
 from runtime.program_check import check_programs
 
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.1)
+SKEWED = StageCosts(forward=1.0, backward_input=1.5, backward_weight=0.5, p2p=0.2)
 
 
 def grid(stages: int, replicas: int, per_pipeline: int) -> Plan:
@@ -162,25 +163,34 @@ def test_memory_limit_bounds_held_activations(limit: int) -> None:
     for method in ("heuristic", "milp"):
         result = plan_recycle(healthy, [1], UNIT, memory_limit=limit, method=method, time_limit_s=10)
         check_programs(result.plan, result.programs)
+        assert result.method == method  # the list schedule misses the bound here, so the MILP does run
         peaks[method] = max(map(peak_activations, result.programs.values()))
     assert peaks["milp"] <= limit
     assert peaks["heuristic"] == limit  # forwards go first whenever memory allows, so the limit binds
 
 
 @pytest.mark.parametrize(
-    ("stages", "replicas", "failed"),
-    [(2, 2, ()), (2, 2, (0,)), (2, 2, (1,)), (2, 2, (0, 3)), (2, 3, (1,)), (2, 3, (0, 3)), (3, 2, (0, 1))],
+    ("stages", "replicas", "costs", "failed"),
+    [(2, 2, SKEWED, ()), (2, 2, SKEWED, (0, 3)), (2, 3, UNIT, (1, 2)), (3, 2, SKEWED, (1,)), (3, 2, UNIT, (1, 3)),
+     (3, 3, UNIT, (1,)), (3, 3, UNIT, (0, 4)), (3, 3, UNIT, (1, 3))],
 )
 def test_milp_programs_are_correct_and_no_slower_than_the_heuristic(
-    stages: int, replicas: int, failed: tuple[int, ...]
+    stages: int, replicas: int, costs: StageCosts, failed: tuple[int, ...]
 ) -> None:
+    # Instances where the list schedule does not meet the lower bound, so the MILP runs (and here proves optimality).
     healthy = grid(stages, replicas, per_pipeline=2)
-    fast = plan_recycle(healthy, failed, UNIT, method="heuristic")
-    exact = plan_recycle(healthy, failed, UNIT, method="milp", time_limit_s=10)
+    fast = plan_recycle(healthy, failed, costs, method="heuristic")
+    exact = plan_recycle(healthy, failed, costs, method="milp", time_limit_s=10)
     check_programs(exact.plan, exact.programs)
-    assert exact.method == "milp" and exact.optimal
+    assert not fast.optimal and exact.method == "milp" and exact.optimal
     assert exact.makespan <= fast.makespan + 1e-9
-    assert exact.lower_bound <= exact.makespan + 1e-6
+    assert fast.lower_bound <= exact.makespan + 1e-6
+
+
+def test_heuristic_meeting_the_lower_bound_skips_the_milp() -> None:
+    result = plan_recycle(grid(stages=2, replicas=2, per_pipeline=2), (1,), UNIT, method="milp")
+    assert result.method == "heuristic" and result.optimal
+    assert result.makespan == pytest.approx(result.lower_bound)
 
 
 def test_milp_beats_the_heuristic_where_greedy_goes_wrong() -> None:
@@ -203,10 +213,11 @@ def test_decoupled_backward_fills_bubbles() -> None:
 
 
 def test_auto_uses_the_heuristic_when_the_milp_is_too_big() -> None:
-    healthy = grid(stages=2, replicas=2, per_pipeline=2)
-    assert plan_recycle(healthy, (1,), UNIT, max_binaries=10).method == "heuristic"
-    small = plan_recycle(healthy, (1,), UNIT, time_limit_s=10)
-    assert small.method == "milp" and small.binaries > 10
+    healthy = grid(stages=3, replicas=2, per_pipeline=2)
+    big = plan_recycle(healthy, (1, 3), UNIT, max_binaries=10)
+    assert big.method == "heuristic" and not big.optimal
+    small = plan_recycle(healthy, (1, 3), UNIT, max_binaries=big.binaries, time_limit_s=10)
+    assert small.method == "milp" and small.makespan < big.makespan
 
 
 def test_per_stage_costs() -> None:

@@ -73,7 +73,10 @@ class Parts:
     def where(self, keep: np.ndarray) -> Parts:
         """Infeasible (infinite, k* = 0) where ``keep`` is false."""
         return Parts(
-            np.where(keep, self.t1, INF), np.where(keep, self.slow, INF), np.where(keep, self.k, 0), np.where(keep, self.t3, INF)
+            np.where(keep, self.t1, INF),
+            np.where(keep, self.slow, INF),
+            np.where(keep, self.k, 0),
+            np.where(keep, self.t3, INF),
         )
 
 
@@ -206,7 +209,8 @@ class StageMapper:
         def suffix(array: np.ndarray, fill: float) -> np.ndarray:
             return np.where(present, array.T[source], fill)  # [S', degree, w]
 
-        b = Parts(suffix(rest.parts.t1, INF), suffix(rest.parts.slow, INF), suffix(rest.parts.k, 0), suffix(rest.parts.t3, INF))
+        r = rest.parts
+        b = Parts(suffix(r.t1, INF), suffix(r.slow, INF), suffix(r.k, 0), suffix(r.t3, INF))
         a = node.parts
         a_t1, a_slowest = (term[:, :width] for term in self._node_terms)
         # Joining two halves, per the paper: if the suffix holds the slowest stage, k* moves by the node's q

@@ -171,7 +171,10 @@ def _repair(
 
 
 def on_failure(
-    pipelines: Sequence[PipelineInstance], lost_nodes: Iterable[int], templates: TemplateSet, max_pipelines: int | None = None
+    pipelines: Sequence[PipelineInstance],
+    lost_nodes: Iterable[int],
+    templates: TemplateSet,
+    max_pipelines: int | None = None,
 ) -> Reconfigured | Impossible:
     """New pipelines on the surviving nodes and the layer copies that complete them."""
     lost = set(lost_nodes)
@@ -203,8 +206,12 @@ def on_failure(
 
 
 def on_join(
-    pipelines: Sequence[PipelineInstance], joined_nodes: Iterable[int], templates: TemplateSet, max_pipelines: int | None = None
+    pipelines: Sequence[PipelineInstance],
+    joined_nodes: Iterable[int],
+    templates: TemplateSet,
+    max_pipelines: int | None = None,
 ) -> Reconfigured | Impossible:
     """Re-instantiate every node, old and new, from the templates; new nodes receive their layers by copy."""
     nodes = sorted({n for p in pipelines for n in p.nodes} | set(joined_nodes))
-    return _reinstantiate_all(nodes, holdings(pipelines), templates, max_pipelines, f"nodes {sorted(joined_nodes)} joined")
+    why = f"nodes {sorted(joined_nodes)} joined"
+    return _reinstantiate_all(nodes, holdings(pipelines), templates, max_pipelines, why)

@@ -2,10 +2,11 @@
 
 Node specification (4.1.1): ``n0`` is the fewest nodes one pipeline fits in (memory), and there is a template for
 every node count from ``n0`` to ``N - f * n0``: consecutive sizes, so any ``N'`` with ``(f + 1) n0 <= N' <= N``
-is a sum of at least ``f + 1`` template sizes (Theorem A.1). A template needs a layer or more per node, so where
-``N - f * n0`` exceeds what the model can spread over, the range stops at the largest feasible size;
-``generate_templates`` then checks that the cover still holds (it does while the range spans ``n0..2 n0 - 1``)
-and says which node counts it loses if not.
+is a sum of at least ``f + 1`` template sizes (Theorem A.1). We go on to at least ``2 n0 - 1`` (the paper's
+condition ``p > n0 - 1``) even when ``N - f n0`` is smaller, so that a cluster that grows past N by joins is still
+covered. A template needs a layer or more per node, so where the range exceeds what the model can spread over it
+stops at the largest feasible size; ``generate_templates`` then checks that the cover of ``[(f + 1) n0, N]``
+still holds and says which node counts it loses if not.
 
 GPU-to-stage mapping (4.1.2) is ``mapping.StageMapper``. The paper picks the number of stages S minimising
 ``T(S)`` with ``Nb = 4 S``; compared across S that would favour fewer stages merely for counting fewer
@@ -125,14 +126,14 @@ class TemplateSet:
 
 
 def node_specification(num_nodes: int, fault_threshold: int, min_nodes: int) -> range:
-    """Template sizes n0..N - f n0 (Section 4.1.1): the smallest n0 and the largest p."""
+    """Template sizes n0..max(N - f n0, 2 n0 - 1) (Section 4.1.1): the smallest n0 and the largest p."""
     if (fault_threshold + 1) * min_nodes > num_nodes:
         raise ValueError(
             f"{num_nodes} nodes cannot hold f + 1 = {fault_threshold + 1} pipelines of {min_nodes} nodes (the "
             f"fewest a pipeline fits in): use at least {(fault_threshold + 1) * min_nodes} nodes or a lower "
             f"fault threshold"
         )
-    return range(min_nodes, num_nodes - fault_threshold * min_nodes + 1)
+    return range(min_nodes, max(num_nodes - fault_threshold * min_nodes, 2 * min_nodes - 1) + 1)
 
 
 def uncovered_node_counts(sizes: range, num_nodes: int, fault_threshold: int) -> list[int]:
@@ -192,11 +193,7 @@ class TemplatePlanner:
 
     def min_nodes(self, limit: int) -> int | None:
         """n0: the fewest nodes (up to ``limit``) a pipeline fits in."""
-        for nodes in range(1, min(limit, self.profile.num_layers) + 1):
-            self.mapper.extend(nodes)
-            if self.mapper.feasible(nodes):
-                return nodes
-        return None
+        return next((n for n in range(1, min(limit, self.profile.num_layers) + 1) if self.mapper.feasible(n)), None)
 
 
 def generate_templates(

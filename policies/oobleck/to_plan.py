@@ -3,7 +3,8 @@
 The runtime runs one worker process per GPU and one worker per stage, so a template whose stages use several GPUs
 (tensor parallel) has no runtime plan: build runtime templates with ``tensor_parallel=False``. The GPU with local
 index ``i`` of node ``n`` is worker ``workers_of_node[n][i]``. Micro-batch ids are dealt to pipelines in order,
-each pipeline taking a contiguous range as long as its count.
+each pipeline taking a contiguous range as long as its count. Layer copies become worker-to-worker transfers the
+same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from policies.oobleck.instantiate import PipelineInstance
+from policies.oobleck.reconfigure import LayerCopy
 from runtime.plan import Pipeline, Plan, PlanError, Stage
 
 
@@ -53,3 +55,12 @@ def to_plan(
     plan = Plan(generation, num_layers, global_batch, micro_batch, tuple(out), step=step)
     plan.validate()
     return plan
+
+
+def worker_transfers(
+    copies: Sequence[LayerCopy], workers_of_node: Mapping[int, Sequence[int]]
+) -> list[tuple[int, int, int]]:
+    """(layer, source worker, destination worker) for each layer copy."""
+    return [
+        (c.layer, workers_of_node[c.src_node][c.src_gpu], workers_of_node[c.dst_node][c.dst_gpu]) for c in copies
+    ]

@@ -16,8 +16,8 @@ products of assignment and time variables disappear and the model stays linear. 
 - each big-M is the tightest the two start windows allow;
 - micro-batches that follow the same workers are interchangeable, so their forwards on the first stage may be
   taken in id order without losing any schedule (the corresponding binaries are fixed);
-- the makespan is at least the critical path and every worker's one-machine head-body-tail bound (constants),
-  and at least every operation's start plus its duration and tail (constraints that tighten the relaxation).
+- the makespan is at least ``Problem.lower_bound`` (a constant), and at least every operation's start plus its
+  duration and tail (constraints that tighten the relaxation).
 """
 
 from __future__ import annotations
@@ -51,40 +51,17 @@ def ordering_pairs(problem: Problem) -> list[tuple[Op, Op]]:
     ]
 
 
-def _windows(problem: Problem) -> tuple[dict[Op, float], dict[Op, float]]:
-    """Each operation's earliest start (head) and the longest chain of work that must follow its end (tail)."""
-    head: dict[Op, float] = {}
-    for op in problem.ops:
-        head[op] = max((head[p] + problem.duration(p) + lag for p, lag in problem.predecessors(op)), default=0.0)
-    tail = dict.fromkeys(problem.ops, 0.0)
-    for op in reversed(problem.ops):
-        for p, lag in problem.predecessors(op):
-            tail[p] = max(tail[p], lag + problem.duration(op) + tail[op])
-    return head, tail
-
-
-def _lower_bound(problem: Problem, head: dict[Op, float], tail: dict[Op, float]) -> float:
-    """The critical path, and for every worker and every release time r: r plus the work of the operations that
-    cannot start before r plus the shortest chain after any of them (the one-machine head-body-tail bound)."""
-    bound = max(head[op] + problem.duration(op) + tail[op] for op in problem.ops)
-    for ops in problem.ops_by_worker.values():
-        for release in {head[op] for op in ops}:
-            late = [op for op in ops if head[op] >= release]
-            bound = max(bound, release + sum(map(problem.duration, late)) + min(tail[op] for op in late))
-    return bound
-
-
 def build_model(problem: Problem, horizon: float) -> tuple[pyo.ConcreteModel, list[tuple[Op, Op]]]:
     ops = problem.ops
     index = {op: i for i, op in enumerate(ops)}
-    head, tail = _windows(problem)
+    head, tail = problem.heads_and_tails()
     # The slack absorbs rounding: the warm start's times were summed in another order than head and tail.
     slack = 1e-6 * max(horizon, 1.0)
     latest = {op: horizon - tail[op] - problem.duration(op) + slack for op in problem.ops}
     pairs = ordering_pairs(problem)
     m = pyo.ConcreteModel()
     m.start = pyo.Var(range(len(ops)), bounds=lambda _, i: (head[ops[i]], max(head[ops[i]], latest[ops[i]])))
-    m.makespan = pyo.Var(bounds=(_lower_bound(problem, head, tail), horizon + slack))
+    m.makespan = pyo.Var(bounds=(problem.lower_bound(), horizon + slack))
     m.before = pyo.Var(range(len(pairs)), domain=pyo.Binary)
     m.objective = pyo.Objective(expr=m.makespan, sense=pyo.minimize)
     m.rules = pyo.ConstraintList()

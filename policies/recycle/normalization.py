@@ -103,14 +103,14 @@ def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tup
     actual = [sum(row[s] in dead for row in slots) for s in range(len(bounds))]
     holes_per_pipeline = [sum(w in dead for w in row) for row in slots]
     transfers: list[Transfer] = []
-    for j, (have, want) in enumerate(zip(actual, target)):
+    for j in range(len(bounds)):
         sources = [row[j] for row in slots if row[j] not in dead]
-        if have > want and not sources:
+        if actual[j] > target[j] and not sources:
             raise NormalizationError(
                 f"every worker of stage {j} (layers {bounds[j][0]}..{bounds[j][1] - 1}) failed: no peer holds "
                 f"those layers any more, so only a checkpoint can restore them"
             )
-        for _ in range(have - want):
+        for _ in range(actual[j] - target[j]):
             hole = next(d for d, row in enumerate(slots) if row[j] in dead)
             donor_stage = next(i for i in range(len(bounds)) if actual[i] < target[i])
             # A survivor of the hole's own pipeline keeps the other pipelines intact; otherwise take one from the
@@ -121,7 +121,6 @@ def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tup
             slots[hole][j], slots[d][donor_stage] = mover, slots[hole][j]
             holes_per_pipeline[hole] -= 1
             holes_per_pipeline[d] += 1
-            actual[j] -= 1
             actual[donor_stage] += 1
             for layer in range(*bounds[j]):
                 transfers.append(Transfer(layer, sources[len(transfers) % len(sources)], mover))
@@ -129,6 +128,5 @@ def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tup
         Pipeline(tuple(Stage(w, *bounds[s]) for s, w in enumerate(row)), p.microbatches)
         for row, p in zip(slots, grid.pipelines)
     )
-    return Plan(grid.generation, grid.num_layers, grid.global_batch, grid.micro_batch, pipelines, grid.step), tuple(
-        transfers
-    )
+    moved = Plan(grid.generation, grid.num_layers, grid.global_batch, grid.micro_batch, pipelines, grid.step)
+    return moved, tuple(transfers)

@@ -42,9 +42,9 @@ class ReCyclePlan:
     """Predicted iteration time: the programs executed on the abstract machine with the given costs."""
     method: Literal["milp", "heuristic"]
     optimal: bool
-    """True when HiGHS proved the schedule optimal for the model."""
+    """True when the schedule is proven optimal for the model (by HiGHS, or by meeting the lower bound)."""
     lower_bound: float
-    """A proven lower bound on the model's makespan (MILP bound, or the critical path for the heuristic)."""
+    """A proven lower bound on the model's makespan (``Problem.lower_bound``, raised by the MILP's bound)."""
     binaries: int
     """Ordering binaries the MILP has (or would have) for this instance."""
     solve_s: float
@@ -84,11 +84,14 @@ def plan_recycle(
     schedule = heuristic.list_schedule(problem)
     order = {w: [op for op, _ in ops] for w, ops in schedule.items()}
     used: Literal["milp", "heuristic"] = "heuristic"
-    optimal, lower_bound = False, problem.critical_path()
-    if method == "milp" or (method == "auto" and binaries <= max_binaries):
-        solution = milp.solve(problem, schedule, heuristic.makespan(problem, schedule), time_limit_s)
+    lower_bound = problem.lower_bound()
+    makespan = heuristic.makespan(problem, schedule)
+    optimal = makespan <= lower_bound * (1 + 1e-9)  # then no MILP can do better
+    if not optimal and (method == "milp" or (method == "auto" and binaries <= max_binaries)):
+        solution = milp.solve(problem, schedule, makespan, time_limit_s)
         if solution is not None:
-            order, used, optimal, lower_bound = solution.order, "milp", solution.optimal, solution.lower_bound
+            order, used, optimal = solution.order, "milp", solution.optimal
+            lower_bound = max(lower_bound, solution.lower_bound)
     solve_s = time.perf_counter() - began
     programs = problem.programs(order)
     check_programs(problem.plan, programs)

@@ -197,12 +197,28 @@ class Problem:
             by[self.worker(op)].append(op)
         return by
 
-    def critical_path(self) -> float:
-        """A lower bound on the makespan: the longest chain of one micro-batch, ignoring every other."""
-        end: dict[Op, float] = {}
+    def heads_and_tails(self) -> tuple[dict[Op, float], dict[Op, float]]:
+        """Each operation's earliest start from its dependencies (head) and the longest chain that must follow its
+        end (tail), every other micro-batch ignored."""
+        head: dict[Op, float] = {}
         for op in self.ops:
-            end[op] = max((end[p] + lag for p, lag in self.predecessors(op)), default=0.0) + self.duration(op)
-        return max(end.values())
+            head[op] = max((head[p] + self.duration(p) + lag for p, lag in self.predecessors(op)), default=0.0)
+        tail = dict.fromkeys(self.ops, 0.0)
+        for op in reversed(self.ops):
+            for p, lag in self.predecessors(op):
+                tail[p] = max(tail[p], lag + self.duration(op) + tail[op])
+        return head, tail
+
+    def lower_bound(self) -> float:
+        """A makespan no schedule can beat: the critical path, and for every worker and every release time r, r
+        plus the work that cannot start before r plus the shortest tail after it (one-machine head-body-tail)."""
+        head, tail = self.heads_and_tails()
+        bound = max(head[op] + self.duration(op) + tail[op] for op in self.ops)
+        for ops in self.ops_by_worker.values():
+            for release in {head[op] for op in ops}:
+                late = [op for op in ops if head[op] >= release]
+                bound = max(bound, release + sum(map(self.duration, late)) + min(tail[op] for op in late))
+        return bound
 
     # -- programs ----------------------------------------------------------------------------------------------
 

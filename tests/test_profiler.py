@@ -1,0 +1,113 @@
+"""Profiles: the cache key, the cache, analytic profiles from the device table, and a real measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from runtime import profiler
+from runtime.devices import DEVICES
+from runtime.model import layer_specs, load_model_config
+from runtime.profiler import LayerProfile, ProfileKey, analytic_profile, measure_links, measure_profile
+
+TINY = load_model_config("gpt2-tiny")
+
+
+def a_key(**change: object) -> ProfileKey:
+    key = ProfileKey(
+        model=json.dumps(dataclasses.asdict(TINY), sort_keys=True), micro_batch=2, seq_len=64, dtype="float32",
+        device="cpu", torch_version="2.13.0", workers_per_node=1, repeats=3, warmup=1, links=False,
+    )
+    return dataclasses.replace(key, **change)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model", json.dumps(dataclasses.asdict(dataclasses.replace(TINY, hidden=256)), sort_keys=True)),
+        ("micro_batch", 4), ("seq_len", 32), ("dtype", "bfloat16"), ("device", "cuda: A100"),
+        ("torch_version", "2.14.0"), ("workers_per_node", 2), ("repeats", 5), ("warmup", 2), ("links", True),
+    ],
+)
+def test_every_field_changes_the_cache_key(field: str, value: object) -> None:
+    assert {f.name for f in dataclasses.fields(ProfileKey)} >= {field}
+    assert a_key(**{field: value}).digest() != a_key().digest()
+
+
+@pytest.fixture
+def counted_measurements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Replace the per-layer measurement by a fast fake that records (layer, micro-batch) it was asked for."""
+    calls: list[tuple[int, int]] = []
+
+    def fake(cfg, index, micro_batch, seq_len, dtype, device, repeats, warmup) -> LayerProfile:  # noqa: ANN001
+        calls.append((index, micro_batch))
+        return LayerProfile(1e-3 * micro_batch, 1e-3, 1e-3, 4, 12, 8 * micro_batch, 16 * micro_batch)
+
+    monkeypatch.setattr(profiler, "measure_layer", fake)
+    return calls
+
+
+def test_a_cached_profile_is_reused_for_the_same_setting(tmp_path, counted_measurements) -> None:
+    first = measure_profile(TINY, 2, 32, links=False, cache_dir=tmp_path)
+    measured = len(counted_measurements)
+    assert measured == len(first.layers) > 0
+    again = measure_profile(TINY, 2, 32, links=False, cache_dir=tmp_path)
+    assert again == first and len(counted_measurements) == measured
+
+
+def test_a_cached_profile_is_never_used_for_another_setting(tmp_path, counted_measurements) -> None:
+    first = measure_profile(TINY, 2, 32, links=False, cache_dir=tmp_path)
+    other = measure_profile(TINY, 4, 32, links=False, cache_dir=tmp_path)
+    assert other.micro_batch == 4 and other.layers[0].fwd_s == pytest.approx(2 * first.layers[0].fwd_s)
+    assert {mb for _, mb in counted_measurements} == {2, 4}
+
+
+def test_a_cache_file_whose_key_differs_is_ignored(tmp_path, counted_measurements) -> None:
+    measure_profile(TINY, 2, 32, links=False, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    stored = json.loads(path.read_text())
+    stored["key"]["micro_batch"] = 3  # as if another setting had landed on this file name
+    path.write_text(json.dumps(stored))
+    before = len(counted_measurements)
+    measure_profile(TINY, 2, 32, links=False, cache_dir=tmp_path)
+    assert len(counted_measurements) == 2 * before
+
+
+@pytest.mark.parametrize("name", ["A40", "A100-40GB", "A100-80GB", "V100-16GB", "H100-80GB"])
+def test_analytic_profiles_are_positive_and_scale_with_the_micro_batch(name: str) -> None:
+    cfg = load_model_config("gpt3-2.7b")
+    one, two = analytic_profile(cfg, name, 1, 2048), analytic_profile(cfg, name, 2, 2048)
+    assert one.device_memory_bytes == DEVICES[name].memory_bytes > 0
+    assert min(one.p2p_bytes_per_s, one.intra_node_allreduce_bytes_per_s, one.inter_node_allreduce_bytes_per_s) > 0
+    for a, b in zip(one.layers, two.layers):
+        assert min(a.fwd_s, a.bwd_input_s, a.bwd_weight_s, a.param_bytes, a.optimizer_bytes) > 0
+        assert b.fwd_s == pytest.approx(2 * a.fwd_s) and b.saved_bytes == 2 * a.saved_bytes
+        assert b.param_bytes == a.param_bytes and b.bwd_input_s + b.bwd_weight_s == pytest.approx(2 * b.fwd_s)
+    assert one.layers[-1].output_bytes == 0 and one.layers[1].output_bytes == 4 * cfg.hidden * 2048
+
+
+def test_faster_gpus_give_faster_profiles() -> None:
+    cfg = load_model_config("gpt3-medium")
+    v100, h100 = analytic_profile(cfg, "V100-16GB", 1, 2048), analytic_profile(cfg, "H100-80GB", 1, 2048)
+    assert h100.layers[1].fwd_s < v100.layers[1].fwd_s
+
+
+def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
+    profile = measure_profile(TINY, micro_batch=1, seq_len=16, repeats=1, warmup=0, links=False, cache_dir=None)
+    specs = layer_specs(TINY)
+    assert len(profile.layers) == len(specs)
+    for layer, spec in zip(profile.layers, specs):
+        assert layer.fwd_s > 0 and layer.bwd_weight_s > 0
+        assert layer.param_bytes == 4 * spec.params and layer.optimizer_bytes == 12 * spec.params
+    assert all(layer.bwd_input_s > 0 for layer in profile.layers[1:])  # the embedding's input is token ids
+    assert all(layer.output_bytes == 4 * 16 * TINY.hidden for layer in profile.layers[:-1])
+    assert all(layer.saved_bytes > 0 for layer in profile.layers[1:])
+    assert math.isinf(profile.p2p_bytes_per_s)  # links=False: communication not measured
+
+
+def test_link_bandwidths_between_two_gloo_processes_are_positive() -> None:
+    p2p, allreduce = measure_links(nbytes=1 << 20, rounds=2)
+    assert 0 < p2p < math.inf and 0 < allreduce < math.inf

@@ -1,0 +1,122 @@
+"""Real faults against real processes, recovered by checkpoint-restart, checked against a fault-free run.
+
+A node is killed (SIGKILL of its agent and workers) in each phase of an iteration and in the middle of a checkpoint
+write; a worker process is killed; a worker hangs (SIGSTOP); a node joins. Every job must finish with the
+fault-free run's loss at every step (within the equivalence tolerance: a restart may use another grid), and every
+committed checkpoint must load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runtime import checkpoint
+from runtime.launch import JobResult
+from runtime.trainer import JobStopped
+
+STEPS = 8
+LOSS_RTOL = 1e-5
+COMMON = ["policy=checkpoint_restart", "policy.checkpoint_every=3", f"train.steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> list[float]:
+    from runtime.launch import compose_config, run_job
+
+    d = tmp_path_factory.mktemp("fault-free")
+    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"policy.checkpoint_dir={d}",
+                 "progress=false", *COMMON]  # fmt: skip
+    return losses_by_step(run_job(compose_config(overrides)))
+
+
+def losses_by_step(result: JobResult) -> list[float]:
+    """The loss of each step as finally committed (a step re-run after a restart counts once, the last time)."""
+    by_step = {record.step: record.loss for record in result.steps}
+    assert sorted(by_step) == list(range(STEPS))
+    return [by_step[s] for s in range(STEPS)]
+
+
+def events_of(result: JobResult, tmp_path: Path) -> list[dict]:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    local = client.download_artifacts(result.run_id, "events.jsonl", str(tmp_path))
+    return [json.loads(line) for line in Path(local).read_text().splitlines()]
+
+
+def assert_checkpoints_sound(result: JobResult) -> None:
+    committed = [d for d in Path(result.checkpoint_dir).glob("step-*") if (d / checkpoint.MANIFEST).exists()]
+    assert committed, "no committed checkpoint"
+    for directory in committed:
+        manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
+        for layer in range(manifest["num_layers"]):
+            state = checkpoint.decode(checkpoint.layer_path(directory, layer).read_bytes())
+            assert state["module"] and state["optimizer"]["state"], f"{directory} layer {layer} is empty"
+
+
+def explicit(*events: str) -> list[str]:
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "checkpoint"])
+def test_a_node_killed_in_any_phase_is_recovered_on_the_fault_free_curve(
+    run, tmp_path: Path, fault_free: list[float], phase: str  # noqa: ANN001
+) -> None:
+    # Checkpoints are written after steps 3 and 6; "step 6 (checkpoint)" is the writing of the second one.
+    result = run(*COMMON, *explicit(f"{{kind: node, node: 1, at_step: {6 if phase == 'checkpoint' else 5}, phase: {phase}}}"))
+    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    (fault,) = result.faults
+    assert fault.kind == "node" and fault.detect_s is not None and fault.recover_s is not None
+    # Step 5 commits before its optimizer phase; a torn checkpoint 6 is never used: both resume from step 3.
+    assert fault.lost_steps == (3 if phase in ("optimizer", "checkpoint") else 2)
+    assert [len(p.pipelines) for p in result.plans] == [2, 1], "restarted on the 3 surviving nodes"
+    kinds = [e["kind"] for e in events_of(result, tmp_path)]
+    assert kinds.index("fault_injected") < kinds.index("failure_detected") < kinds.index("recovered")
+    assert_checkpoints_sound(result)
+    assert result.summary["summary/failures"] == 1 and 0 < result.summary["summary/goodput_ratio"] < 1
+
+
+def test_a_killed_worker_process_is_recovered_and_its_node_keeps_serving(run, fault_free: list[float]) -> None:  # noqa: ANN001
+    result = run(*COMMON, *explicit("{kind: process, node: 2, worker: 0, at_step: 4}"))
+    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert [len(p.pipelines) for p in result.plans] == [2, 2], "the node survived, so its restarted worker rejoins"
+    assert result.faults[0].kind == "process"
+
+
+def test_a_hung_worker_is_detected_fenced_and_recovered(run, tmp_path: Path, fault_free: list[float]) -> None:  # noqa: ANN001
+    result = run(*COMMON, "cluster.heartbeat_timeout_s=2", *explicit("{kind: hang, node: 3, worker: 0, at_step: 4}"))
+    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    events = events_of(result, tmp_path)
+    hung = next(e for e in events if e["kind"] == "fault_injected")
+    assert any(e["kind"] == "hang_detected" and e["worker"] == 3 for e in events)
+    assert result.faults[0].detect_s is not None and result.faults[0].detect_s >= 2, "noticed by the heartbeat timeout"
+    assert hung["workers"] == [3]
+
+
+def test_a_joined_node_is_absorbed_at_the_next_restart(run, fault_free: list[float]) -> None:  # noqa: ANN001
+    result = run(
+        *COMMON,
+        *explicit("{kind: node, node: 1, at_step: 2}", "{kind: join, node: 4, at_step: 3}", "{kind: process, node: 0, worker: 0, at_step: 6}"),
+    )
+    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    final = result.plans[-1]
+    assert 4 in final.workers and 1 not in final.workers and len(final.pipelines) == 2
+
+
+def test_policy_none_stops_at_the_first_failure_and_marks_the_run_failed(run, tmp_path: Path) -> None:  # noqa: ANN001
+    with pytest.raises(JobStopped, match="policy=none does not recover"):
+        run("train.steps=6", *explicit("{kind: node, node: 2, at_step: 3}"))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (record,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert record.info.status == "FAILED"
+    assert "node 2 failed" in record.data.tags["failure_reason"]
+
+
+def test_no_process_outlives_a_job(run) -> None:  # noqa: ANN001
+    result = run(*COMMON, "train.steps=4", *explicit("{kind: node, node: 3, at_step: 2}"))
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    assert children == [], f"processes left behind by the job: {children}"
+    assert len(result.plans) == 2
