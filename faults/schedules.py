@@ -75,7 +75,8 @@ FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 GENERATED_KINDS: tuple[str, ...] = ("node", "process", "hang")
 WORKER_KINDS: tuple[str, ...] = ("process", "hang")
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint")
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
+"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``."""
 SCHEDULES: tuple[str, ...] = ("none", "explicit", "fixed", "exponential", "weibull", "trace")
 
 # A typo such as horizon_s=1e9 with mtbf_s=1 would otherwise build a list of a billion events before anything runs.

@@ -59,7 +59,8 @@ class InPlace:
     """Survivors keep running: new plan, layers copied between workers, a new process-group generation."""
 
     plan: Plan
-    transfers: tuple[Any, ...] = ()
+    transfers: tuple[tuple[int, int, int], ...] = ()
+    """(layer, source worker, destination worker), each layer with its optimizer state."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class Policy(ABC):
 
     @abstractmethod
     def on_change(self, change: Change, job: Job) -> Recovery: ...
+
+    def configured(self, plan: Plan) -> None:
+        """Every worker of ``plan`` holds its layers: the plan is now the one to recover from."""
 
     def after_step(self, step: int, job: Job) -> list[Action]:
         """After ``step`` committed steps: a checkpoint every ``checkpoint_every`` steps, whatever the policy."""

@@ -114,6 +114,15 @@ class GenerationComm:
         self.wait(self.world.recv([buffer], self._rank[peer], tag))
         return buffer
 
+    def send_bytes(self, data: bytes, peer: int, tag: int) -> None:
+        """A byte string of any length: its size first, then the payload (tags ``tag`` and ``tag + 1``)."""
+        self.send(torch.tensor([len(data)], dtype=torch.int64), peer, tag)
+        self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, tag + 1)
+
+    def recv_bytes(self, peer: int, tag: int) -> bytes:
+        size = int(self.recv((1,), torch.int64, peer, tag).item())
+        return self.recv((size,), torch.uint8, peer, tag + 1).numpy().tobytes()
+
     def flush_sends(self) -> None:
         for work, _ in self._pending_sends:
             self.wait(work)

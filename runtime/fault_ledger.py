@@ -24,6 +24,7 @@ class FaultRecord:
     committed_step: int | None = None
     resumed_step: int | None = None
     recovered_at: float | None = None
+    transfer_bytes: int = 0
 
     @property
     def detect_s(self) -> float | None:
@@ -68,6 +69,13 @@ class FaultLedger:
     def resumed(self, records: list[FaultRecord], committed: int, resumed: int) -> None:
         for record in records:
             record.committed_step, record.resumed_step = committed, resumed
+
+    def transferred(self, nbytes: int) -> None:
+        """Layer bytes copied to recover from the faults now in recovery (split evenly among them)."""
+        with self._lock:
+            open_records = [r for r in self.records if r.noticed_at is not None and r.recovered_at is None]
+            for record in open_records:
+                record.transfer_bytes += nbytes // len(open_records)
 
     def recovered(self, at: float) -> list[FaultRecord]:
         """Mark every fault waiting for a committed step as recovered; returns them."""

@@ -233,7 +233,12 @@ def _train(
     def on_recovered(records: list[FaultRecord]) -> None:
         for record in records:
             index = ledger.records.index(record)
-            metrics = {"ft/detect_s": record.detect_s, "ft/recover_s": record.recover_s, "ft/lost_steps": record.lost_steps}
+            metrics = {
+                "ft/detect_s": record.detect_s,
+                "ft/recover_s": record.recover_s,
+                "ft/lost_steps": record.lost_steps,
+                "ft/transfer_bytes": record.transfer_bytes,
+            }
             tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, index)
             tracker.event("recovered", fault=index, fault_kind=record.kind, **{k.split("/")[1]: v for k, v in metrics.items()})
             progress.announce(f"recovered in {record.recover_s:.2f} s, {record.lost_steps} committed steps lost")

@@ -39,6 +39,8 @@ class Configured:
     generation: int
     step: int
     """The step the worker's layers are at (every optimizer step it has committed)."""
+    received_bytes: int = 0
+    """Layer state received from peers for this configuration."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ class Configure:
     """Model, training and data settings; sent with the first Configure a worker receives."""
     restore: str | None = None
     """A committed checkpoint directory to load the worker's layers from (checkpoint-restart)."""
+    transfers: tuple[tuple[int, int, int], ...] = ()
+    """(layer, source worker, destination worker): layers with their optimizer state copied in place, over the
+    new generation's group, before the worker reports Configured."""
 
 
 @dataclass(frozen=True)

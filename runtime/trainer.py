@@ -25,6 +25,8 @@ M = TypeVar("M")
 
 # After the first sign of a failure, wait this long for the rest of it (a node's agent and workers report apart).
 _FAILURE_WINDOW_S = 0.3
+
+Transfers = tuple[tuple[int, int, int], ...]
 _POLL_S = 0.2
 
 
@@ -108,12 +110,12 @@ class Trainer:
     def run(self, plan: Plan) -> list[StepRecord]:
         """Train until ``steps`` steps are committed. Records hold every executed step, re-executed ones too."""
         records: list[StepRecord] = []
-        step, restore = plan.step, None
+        step, restore, transfers = plan.step, None, ()
         configured = False
         while step < self.steps:
             try:
                 if not configured:
-                    self._configure(plan, restore)
+                    self._configure(plan, restore, transfers)
                     configured = True
                 grown = self._absorb_joins(plan, step)
                 if grown is not None:
@@ -129,7 +131,7 @@ class Trainer:
                 for action in self.policy.after_step(step, self.job()):
                     self._checkpoint(plan, step, action)
             except MembershipChanged as changed:
-                plan, restore = self._recover(changed.failure, plan, step)
+                plan, restore, transfers = self._recover(changed.failure, plan, step)
                 step, configured = plan.step, False
         return records
 
@@ -145,10 +147,10 @@ class Trainer:
         self.pending_joins -= ready
         self.hooks.on_event("nodes_joined", nodes=sorted(ready), step=step)
         change = Change(plan=plan, step=step, joined_nodes=tuple(sorted(ready)))
-        new_plan, restore = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
+        new_plan, restore, transfers = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
         if new_plan is plan:
             return None
-        self._configure(new_plan, restore)
+        self._configure(new_plan, restore, transfers)
         return new_plan
 
     # -- one iteration -----------------------------------------------------------------------------------------
@@ -168,11 +170,18 @@ class Trainer:
             ended_at=time.monotonic(),
         )
 
-    def _configure(self, plan: Plan, restore: str | None) -> None:
+    def _configure(self, plan: Plan, restore: str | None, transfers: tuple[tuple[int, int, int], ...] = ()) -> None:
         programs = self.policy.programs(plan)
+        port = self.cluster.store.port
         for worker in plan.workers:
-            self.cluster.send(worker, msg.Configure(asdict(plan), programs[worker], self.cluster.store.port, self.setup, restore))
-        self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
+            configure = msg.Configure(asdict(plan), programs[worker], port, self.setup, restore, transfers)
+            self.cluster.send(worker, configure)
+        done = self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
+        received = sum(m.received_bytes for m in done.values())
+        if transfers:
+            self.ledger.transferred(received)
+            self.hooks.on_event("layers_copied", copies=len(transfers), nbytes=received, generation=plan.generation)
+        self.policy.configured(plan)
         self.hooks.on_plan(plan)
         self.hooks.after_configure()
 
@@ -273,7 +282,7 @@ class Trainer:
         assert len(steps) <= 1, f"survivors disagree on the committed step: {steps}"
         return steps.pop() if steps else plan.step
 
-    def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None]:
+    def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None, Transfers]:
         noticed = min([*failure.nodes.values(), *failure.workers.values()])
         records = self.ledger.noticed(set(failure.workers), noticed)
         self.hooks.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step)
@@ -284,23 +293,24 @@ class Trainer:
             failed_nodes=tuple(sorted(failure.nodes)),
             failed_workers=tuple(sorted(w for w in failure.workers if self.cluster.node_of(w) not in failure.nodes)),
         )
-        new_plan, restore = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
+        new_plan, restore, transfers = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
         self.ledger.resumed(records, committed, new_plan.step)
-        return new_plan, restore
+        return new_plan, restore, transfers
 
-    def _recovery_plan(self, decision: Any, plan: Plan) -> tuple[Plan, str | None]:
+    def _recovery_plan(self, decision: Any, plan: Plan) -> tuple[Plan, str | None, Transfers]:
         """Carry out a policy's decision up to the new plan (processes restarted if needed); not yet configured."""
         self.hooks.on_event("recovery_decision", decision=type(decision).__name__)
         if isinstance(decision, Stop):
             raise JobStopped(decision.reason)
         if isinstance(decision, Continue):
-            return plan, None
+            return plan, None, ()
         if isinstance(decision, Restart):
             self._restart_workers()
             self.pending_joins -= {self.cluster.node_of(w) for w in decision.plan.workers}
-            return decision.plan, decision.checkpoint
+            return decision.plan, decision.checkpoint, ()
         assert isinstance(decision, InPlace)
-        return decision.plan, None
+        self.pending_joins -= {self.cluster.node_of(w) for w in decision.plan.workers}
+        return decision.plan, None, decision.transfers
 
     def _restart_workers(self) -> None:
         """Checkpoint-restart: end every worker process and start fresh ones on every live node.

@@ -26,8 +26,12 @@ from runtime.comm import Aborted, CommError, GenerationComm
 from runtime.data import Batches
 from runtime.executor import Executor
 from runtime.model import ModelConfig, StageModule, build_layer, num_layers
-from runtime.optim import OptimSettings, layer_optimizer, step_all
+from runtime.optim import layer_optimizer, step_all
 from runtime.plan import Plan
+
+
+# Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
+_TRANSFER_TAG = 1 << 24
 
 
 class Channel:
@@ -104,39 +108,79 @@ class Worker:
             self.setup = message.setup
         plan = Plan.from_dict(message.plan)
         model: ModelConfig = self.setup["model"]
-        settings: OptimSettings = self.setup["optim"]
         if self.store is None:
             self.store = dist.TCPStore(
-                "127.0.0.1", message.store_port, is_master=False, timeout=datetime.timedelta(seconds=self.setup["comm_timeout_s"])
+                "127.0.0.1",
+                message.store_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.setup["comm_timeout_s"]),
             )
         if self.comm is not None:
             self.comm.retire()
         self.abort.clear()
+        self.comm = GenerationComm(
+            self.store, plan, self.worker, self.abort, self.setup["backend"], self.setup["comm_timeout_s"]
+        )
+        try:
+            received = self._transfer(message.transfers)
+        except Aborted:
+            return  # a failure during the reconfiguration: the main loop acknowledges the Abort
+        except CommError as exc:
+            self.channel.send(msg.Failed(plan.step, str(exc)))
+            return
         _, _, stage = plan.stage_of(self.worker)
-        for index in list(self.layers):
-            if index not in stage.layers:
-                del self.layers[index], self.optimizers[index]
         for index in stage.layers:
             if index not in self.layers:
                 if plan.step != 0 and message.restore is None:
                     raise RuntimeError(f"layer {index} is missing at step {plan.step} and nothing provides it")
-                self.layers[index] = build_layer(model, index, self.setup["seed"])
-                self.optimizers[index] = layer_optimizer(self.layers[index], settings)
+                self._add_layer(index)
                 if message.restore is not None:
                     self._restore(index, Path(message.restore))
+        # Layers this stage no longer runs are kept until the plan's first step: should the reconfiguration fail,
+        # they are still where the last confirmed plan put them.
         self.step = plan.step
-        self.comm = GenerationComm(
-            self.store, plan, self.worker, self.abort, self.setup["backend"], self.setup["comm_timeout_s"]
-        )
         tokens = np.load(self.setup["tokens_path"], mmap_mode="r")
         batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
         stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
         self.executor = Executor(stage_module, num_layers(model), model.hidden, self.comm, batches, self.abort, self._phase)
         self.program = message.program
-        self.channel.send(msg.Configured(plan.generation, self.step))
+        self.channel.send(msg.Configured(plan.generation, self.step, received))
+
+    def _add_layer(self, index: int) -> None:
+        self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"])
+        self.optimizers[index] = layer_optimizer(self.layers[index], self.setup["optim"])
+
+    def _transfer(self, transfers: tuple[tuple[int, int, int], ...]) -> int:
+        """Send the layers peers need and receive the ones this worker lacks; returns the bytes received.
+
+        Sends never block, so walking the list in the same order everywhere cannot deadlock.
+        """
+        assert self.comm is not None
+        received = 0
+        for index, (layer, source, destination) in enumerate(transfers):
+            tag = _TRANSFER_TAG + 2 * index
+            if source == self.worker:
+                state = checkpoint.layer_state(self.layers[layer], self.optimizers[layer])
+                self.comm.send_bytes(checkpoint.encode(state), destination, tag)
+            elif destination == self.worker:
+                self._phase(self.step, "transfer")
+                data = self.comm.recv_bytes(source, tag)
+                state = checkpoint.decode(data)
+                self._add_layer(layer)
+                self.layers[layer].load_state_dict(state["module"])
+                self.optimizers[layer].load_state_dict(state["optimizer"])
+                received += len(data)
+        self.comm.flush_sends()
+        return received
+
+    def _drop_stale_layers(self) -> None:
+        assert self.executor is not None
+        for index in [i for i in self.layers if not self.executor.stage.start <= i < self.executor.stage.stop]:
+            del self.layers[index], self.optimizers[index]
 
     def _run_step(self, step: int) -> None:
         assert self.executor is not None, "RunStep before Configure"
+        self._drop_stale_layers()
         try:
             result = self.executor.run(self.program, step)
         except Aborted:

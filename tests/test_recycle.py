@@ -14,9 +14,9 @@ from policies.recycle import (
     normalize_failures,
     plan_recycle,
 )
+from policies.recycle import heuristic
 from policies.recycle.normalization import cost, rebalance
 from policies.recycle.problem import Problem
-from policies.recycle import heuristic
 from runtime import instructions as ins
 from runtime.plan import Plan, grid_plan
 from runtime.program_check import check_programs
@@ -172,7 +172,7 @@ def test_memory_limit_bounds_held_activations(limit: int) -> None:
 @pytest.mark.parametrize(
     ("stages", "replicas", "costs", "failed"),
     [(2, 2, SKEWED, ()), (2, 2, SKEWED, (0, 3)), (2, 3, UNIT, (1, 2)), (3, 2, SKEWED, (1,)), (3, 2, UNIT, (1, 3)),
-     (3, 3, UNIT, (1,)), (3, 3, UNIT, (0, 4)), (3, 3, UNIT, (1, 3))],
+     (3, 3, UNIT, (1,)), (3, 3, UNIT, (0, 4)), (3, 3, UNIT, (1, 3)), (4, 2, SKEWED, (2, 5)), (4, 3, UNIT, (1, 6))],
 )
 def test_milp_programs_are_correct_and_no_slower_than_the_heuristic(
     stages: int, replicas: int, costs: StageCosts, failed: tuple[int, ...]

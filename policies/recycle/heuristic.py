@@ -1,4 +1,5 @@
-"""A fast list scheduler for the ReCycle problem: the planner's answer when the MILP is too big, and its warm start.
+"""A fast list scheduler for the ReCycle problem: the planner's answer when it meets the lower bound or when the
+MILP is too big, and the MILP's warm start otherwise.
 
 Non-delay list scheduling: repeatedly start, over all workers, the operation that can start earliest; among
 operations that can start at the same moment the priority is B_input, then F, then B_weight (an input gradient

@@ -11,8 +11,8 @@ The assignment of rerouted micro-batches to peers is fixed beforehand (``problem
 products of assignment and time variables disappear and the model stays linear. What keeps it tractable:
 
 - every start lies between its earliest start from the dependencies (head) and the horizon minus the longest
-  chain after it (tail); the horizon is the list scheduler's makespan, which is also the warm start, so the MILP
-  answer is never worse than the heuristic's;
+  chain after it (tail), widened by a rounding slack; the horizon is the list scheduler's makespan, which is also
+  the warm start, so the MILP answer is never worse than the heuristic's;
 - each big-M is the tightest the two start windows allow;
 - micro-batches that follow the same workers are interchangeable, so their forwards on the first stage may be
   taken in id order without losing any schedule (the corresponding binaries are fixed);
@@ -26,6 +26,7 @@ import itertools
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
+from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers.highs import Highs
 
 from policies.recycle.heuristic import Schedule
@@ -36,7 +37,6 @@ from policies.recycle.problem import Op, Phase, Problem
 class MilpSolution:
     order: dict[int, list[Op]]
     """Each worker's operations in the order the solution runs them."""
-    makespan: float
     lower_bound: float
     optimal: bool
 
@@ -57,11 +57,12 @@ def build_model(problem: Problem, horizon: float) -> tuple[pyo.ConcreteModel, li
     head, tail = problem.heads_and_tails()
     # The slack absorbs rounding: the warm start's times were summed in another order than head and tail.
     slack = 1e-6 * max(horizon, 1.0)
+    earliest = {op: head[op] - slack for op in problem.ops}
     latest = {op: horizon - tail[op] - problem.duration(op) + slack for op in problem.ops}
     pairs = ordering_pairs(problem)
     m = pyo.ConcreteModel()
-    m.start = pyo.Var(range(len(ops)), bounds=lambda _, i: (head[ops[i]], max(head[ops[i]], latest[ops[i]])))
-    m.makespan = pyo.Var(bounds=(problem.lower_bound(), horizon + slack))
+    m.start = pyo.Var(range(len(ops)), bounds=lambda _, i: (earliest[ops[i]], latest[ops[i]]))
+    m.makespan = pyo.Var(bounds=(problem.lower_bound() - slack, horizon + slack))
     m.before = pyo.Var(range(len(pairs)), domain=pyo.Binary)
     m.objective = pyo.Objective(expr=m.makespan, sense=pyo.minimize)
     m.rules = pyo.ConstraintList()
@@ -81,8 +82,8 @@ def build_model(problem: Problem, horizon: float) -> tuple[pyo.ConcreteModel, li
         y = m.before[k]
         before[(a, b)], before[(b, a)] = y, 1 - y
         # The tightest big-M each direction allows, from the two start windows.
-        m_ab = max(0.0, latest[a] + problem.duration(a) - head[b])
-        m_ba = max(0.0, latest[b] + problem.duration(b) - head[a])
+        m_ab = max(0.0, latest[a] + problem.duration(a) - earliest[b])
+        m_ba = max(0.0, latest[b] + problem.duration(b) - earliest[a])
         m.rules.add(start(b) >= start(a) + problem.duration(a) - m_ab * (1 - y))
         m.rules.add(start(a) >= start(b) + problem.duration(b) - m_ba * y)
         if (a.phase, b.phase, a.stage) == (Phase.FORWARD, Phase.FORWARD, 0) and routes[a.microbatch] == routes[
@@ -130,5 +131,5 @@ def solve(problem: Problem, warm: Schedule, warm_makespan: float, time_limit_s: 
     order = {
         w: sorted(ops, key=lambda op: (starts[op], index[op])) for w, ops in problem.ops_by_worker.items()
     }
-    optimal = results.termination_condition.name == "optimal"
-    return MilpSolution(order, results.best_feasible_objective, results.best_objective_bound or 0.0, optimal)
+    optimal = results.termination_condition == TerminationCondition.optimal
+    return MilpSolution(order, results.best_objective_bound or 0.0, optimal)
