@@ -58,8 +58,12 @@ class Plan:
 
     @property
     def workers(self) -> tuple[int, ...]:
-        """Every worker in the plan, sorted; a worker's index here is its rank in the generation's group."""
-        return tuple(sorted(w for p in self.pipelines for w in p.workers))
+        """Every worker in the plan, sorted; a worker's index here is its rank in the generation's group.
+
+        A worker may serve several pipelines (ReCycle reroutes a failed worker's micro-batches to a data-parallel
+        peer, which then appears at the same stage of another pipeline); it is listed once.
+        """
+        return tuple(sorted({w for p in self.pipelines for w in p.workers}))
 
     def rank_of(self, worker: int) -> int:
         return self.workers.index(worker)
@@ -78,7 +82,7 @@ class Plan:
 
     def holders(self, layer: int) -> tuple[int, ...]:
         """The workers holding a replica of ``layer``, sorted."""
-        return tuple(sorted(st.worker for _, _, st in self.stages() if st.start <= layer < st.stop))
+        return tuple(sorted({st.worker for _, _, st in self.stages() if st.start <= layer < st.stop}))
 
     def reduction_groups(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Layers grouped by the set of workers that hold them: [(holders, layers)], ordered by first layer.
@@ -120,9 +124,14 @@ class Plan:
                 f"the pipelines must process micro-batches 0..{self.num_microbatches - 1} exactly once each "
                 f"between them; they process {sorted(seen)}"
             )
-        workers = [w for p in self.pipelines for w in p.workers]
-        if len(workers) != len(set(workers)):
-            raise PlanError(f"a worker appears in two stages: {sorted(workers)}")
+        ranges: dict[int, tuple[int, int]] = {}
+        for _, _, stage in self.stages():
+            held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
+            if held != (stage.start, stage.stop):
+                raise PlanError(
+                    f"worker {stage.worker} appears with layers {held[0]}..{held[1] - 1} and "
+                    f"{stage.start}..{stage.stop - 1}: a worker serving several pipelines must hold the same layers"
+                )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
