@@ -20,11 +20,20 @@ _USER_ERRORS = (ConfigError, FaultConfigError, JobStopped, FileNotFoundError)
 
 def report(result: JobResult, tracking_uri: str) -> None:
     s = result.summary
-    print(
+    lines = [
         f"\nftlab: {int(s['summary/steps'])} steps, final loss {s['summary/final_loss']:.4f}, "
-        f"{s['summary/samples_per_s']:.1f} samples/s overall\n"
-        f"MLflow run {result.run_id}: mlflow ui --backend-store-uri {tracking_uri}"
-    )
+        f"{s['summary/samples_per_s']:.1f} samples/s overall",
+        f"failures {int(s['summary/failures'])}, recovery {s['summary/recovery_s_total']:.2f} s in all, "
+        f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate",
+    ]
+    for i, fault in enumerate(result.faults):
+        lines.append(
+            f"  fault {i} ({fault.kind}): detected in {fault.detect_s or 0:.3f} s, recovered in "
+            f"{fault.recover_s or 0:.2f} s, {fault.lost_steps} committed steps lost, "
+            f"{fault.transfer_bytes / 2**20:.1f} MiB of layers copied"
+        )
+    lines.append(f"MLflow run {result.run_id}: mlflow ui --backend-store-uri {tracking_uri}")
+    print("\n".join(lines))
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

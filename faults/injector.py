@@ -99,6 +99,9 @@ class Injector:
         with self._lock:
             if event.kind == "join":
                 self.cluster.start_node(event.node)
+                if event.at_step is not None:
+                    # "Joins at step k" means: is up by step k, whatever this machine's start-up time.
+                    self.cluster.wait_for_workers(set(self.cluster.workers_of(event.node)), timeout_s=300)
                 fired = Fired(event, time.monotonic(), ())
             elif event.kind == "node":
                 if event.node not in self.cluster.alive_nodes():

@@ -71,6 +71,18 @@ def latest(root: str | Path) -> tuple[int, Path] | None:
     return committed[-1] if committed else None
 
 
+def find(path: str | Path) -> tuple[int, Path, int] | None:
+    """(step, directory, number of layers) of a committed checkpoint directory, or of the newest one under ``path``."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        manifest = json.loads((path / MANIFEST).read_text())
+        return manifest["step"], path, manifest["num_layers"]
+    newest = latest(path)
+    if newest is None:
+        return None
+    return newest[0], newest[1], json.loads((newest[1] / MANIFEST).read_text())["num_layers"]
+
+
 def prune(root: str | Path, keep: int) -> None:
     """Delete all but the newest ``keep`` committed checkpoints, and torn ones older than the newest."""
     newest = latest(root)

@@ -58,6 +58,8 @@ class LocalCluster:
         self.events: queue.Queue[Event] = queue.Queue()
         self.agents: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
+        self.worker_pids: dict[int, list[int]] = {}
+        """Every process each worker id has had, in order: a restarted worker has several."""
         self._agent_procs: dict[int, subprocess.Popen[bytes]] = {}
         self._listener = Listener(("127.0.0.1", 0), authkey=self.secret.encode())
         self.port = self._listener.address[1]
@@ -119,6 +121,8 @@ class LocalCluster:
                 conn.close()
                 continue
             ident = hello.worker if hello.role == "worker" else hello.node
+            if hello.role == "worker":
+                self.worker_pids.setdefault(ident, []).append(hello.pid)
             member = Member(hello.role, ident, hello.node, hello.pid, conn)
             (self.workers if hello.role == "worker" else self.agents)[ident] = member
             if self.started:

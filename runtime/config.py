@@ -45,6 +45,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     seed: int = 0
+    resume_from: str | None = None
+    """A committed checkpoint directory (``.../step-NNNNNN``) or a directory of them (the newest is taken)."""
     data: str | None = None
     """A local text file (plain or .gz); None: the bundled WikiText-2."""
     cache_dir: str = ".ftlab/cache"

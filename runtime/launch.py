@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from faults.schedules import ClusterShape, FaultEvent, build_schedule
 from policies.base import Job, Policy
+from runtime import checkpoint
 from runtime.cluster import LocalCluster
 from runtime.config import JobConfig, register
 from runtime.data import load_tokens, tokenize_corpus
@@ -54,6 +55,7 @@ class JobResult:
     plans: list[Plan]
     summary: dict[str, float]
     faults: list[FaultRecord]
+    worker_pids: dict[int, list[int]]
     checkpoint_dir: str = ""
 
 
@@ -102,6 +104,8 @@ class Preflight:
     backend: str
     tokens: Path
     make_job: JobFactory
+    restore: str | None
+    """The checkpoint directory the first plan starts from (train.resume_from), if any."""
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -119,8 +123,9 @@ def preflight(cfg: JobConfig) -> Preflight:
         policy: Policy = hydra.utils.instantiate(OmegaConf.structured(cfg.policy), _convert_="all")
     except Exception as exc:  # noqa: BLE001 - Hydra wraps the real cause
         raise ConfigError(f"policy {cfg.policy.name!r} cannot be built from its config: {exc}") from exc
+    resume_step, restore = _resume_point(cfg)
     try:
-        plan = policy.plan(job)
+        plan = policy.plan(job, step=resume_step)
         plan.validate()
     except PlanError as exc:
         raise ConfigError(str(exc)) from exc
@@ -132,7 +137,27 @@ def preflight(cfg: JobConfig) -> Preflight:
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    return Preflight(policy, plan, faults, backend, tokens, make_job)
+    return Preflight(policy, plan, faults, backend, tokens, make_job, restore)
+
+
+def _resume_point(cfg: JobConfig) -> tuple[int, str | None]:
+    if cfg.train.resume_from is None:
+        return 0, None
+    found = checkpoint.find(cfg.train.resume_from)
+    if found is None:
+        raise ConfigError(
+            f"train.resume_from={cfg.train.resume_from} holds no committed checkpoint (a step-NNNNNN directory with "
+            f"a manifest.json): point it at one, or at the directory that holds them"
+        )
+    step, directory, layers = found
+    if layers != len(layer_specs(cfg.model)):
+        raise ConfigError(
+            f"the checkpoint in {directory} has {layers} layers but model {cfg.model.name} has "
+            f"{len(layer_specs(cfg.model))}: resume with the model it was trained with"
+        )
+    if step >= cfg.train.steps:
+        raise ConfigError(f"the checkpoint is at step {step}, not before train.steps={cfg.train.steps}: raise train.steps")
+    return step, str(directory)
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
@@ -256,13 +281,13 @@ def _train(
         cluster, checked.policy, checked.make_job, setup, t.steps, cfg.cluster.heartbeat_timeout_s, hooks, ledger
     )
     try:
-        records = trainer.run(checked.plan)
+        records = trainer.run(checked.plan, checked.restore)
     finally:
         injector.stop()
     summary = summarise(records, ledger, checked.plan, clock["start"])
     tracker.log_metrics(summary, t.steps)
     _log_timeline(tracker, records, ledger, clock["start"], checked.plan, f"{cfg.policy.name} | {cfg.faults.schedule}")
-    return JobResult(run_id="", steps=records, plans=plans, summary=summary, faults=list(ledger.records))
+    return JobResult("", records, plans, summary, list(ledger.records), dict(cluster.worker_pids))
 
 
 def summarise(records: list[StepRecord], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:

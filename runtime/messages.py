@@ -64,6 +64,8 @@ class Failed:
 class AbortDone:
     generation: int
     step: int
+    layers: tuple[int, ...] = ()
+    """Every layer the worker holds (with its optimizer state) at ``step``."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class ArmFault:
 class SaveCheckpoint:
     step: int
     directory: str
+    layers: tuple[int, ...] | None = None
+    """The layers this worker writes; None: those of its stage it is the first holder of."""
 
 
 @dataclass(frozen=True)

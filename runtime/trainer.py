@@ -107,10 +107,10 @@ class Trainer:
         slots = {n: tuple(self.cluster.workers_of(n)) for n in nodes}
         return self.make_job({n: ws for n, ws in workers.items() if ws}, slots)
 
-    def run(self, plan: Plan) -> list[StepRecord]:
+    def run(self, plan: Plan, restore: str | None = None) -> list[StepRecord]:
         """Train until ``steps`` steps are committed. Records hold every executed step, re-executed ones too."""
         records: list[StepRecord] = []
-        step, restore, transfers = plan.step, None, ()
+        step, transfers = plan.step, ()
         configured = False
         while step < self.steps:
             try:
@@ -265,8 +265,8 @@ class Trainer:
         return failure
 
     # -- recovery ----------------------------------------------------------------------------------------------
-    def _abort(self, plan: Plan, failure: Failure) -> int:
-        """Stop the iteration in flight on every survivor; returns the step they are all at."""
+    def _abort(self, plan: Plan, failure: Failure) -> tuple[int, dict[int, tuple[int, ...]]]:
+        """Stop the iteration in flight on every survivor; returns the step they are all at and who holds what."""
         survivors = set(plan.workers) & set(self.cluster.alive_workers())
         for worker in survivors:
             self.cluster.send(worker, msg.Abort(plan.generation))
@@ -280,22 +280,45 @@ class Trainer:
                 survivors &= set(self.cluster.alive_workers())
         steps = {m.step for m in done.values()}
         assert len(steps) <= 1, f"survivors disagree on the committed step: {steps}"
-        return steps.pop() if steps else plan.step
+        return (steps.pop() if steps else plan.step), {w: m.layers for w, m in done.items()}
 
     def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None, Transfers]:
         noticed = min([*failure.nodes.values(), *failure.workers.values()])
         records = self.ledger.noticed(set(failure.workers), noticed)
         self.hooks.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step)
-        committed = self._abort(plan, failure)
+        committed, holdings = self._abort(plan, failure)
         change = Change(
             plan=plan,
             step=committed,
             failed_nodes=tuple(sorted(failure.nodes)),
             failed_workers=tuple(sorted(w for w in failure.workers if self.cluster.node_of(w) not in failure.nodes)),
         )
-        new_plan, restore, transfers = self._recovery_plan(self.policy.on_change(change, self.job()), plan)
+        decision = self.policy.on_change(change, self.job())
+        if isinstance(decision, Stop):
+            raise JobStopped(decision.reason + self._save_survivors(committed, holdings, plan.num_layers))
+        new_plan, restore, transfers = self._recovery_plan(decision, plan)
         self.ledger.resumed(records, committed, new_plan.step)
         return new_plan, restore, transfers
+
+    def _save_survivors(self, step: int, holdings: dict[int, tuple[int, ...]], num_layers: int) -> str:
+        """Before stopping: a checkpoint of the last committed step from the survivors, if they hold every layer."""
+        writer: dict[int, int] = {}
+        for worker, layers in sorted(holdings.items()):
+            for layer in layers:
+                writer.setdefault(layer, worker)
+        missing = sorted(set(range(num_layers)) - set(writer))
+        if missing:
+            return f". Layers {missing} have no live replica, so no checkpoint of step {step} could be written."
+        directory = self.policy.settings.checkpoint_dir
+        chosen = {w: tuple(sorted(layer for layer, ww in writer.items() if ww == w)) for w in set(writer.values())}
+        for worker, layers in chosen.items():
+            self.cluster.send(worker, msg.SaveCheckpoint(step, directory, layers))
+        try:
+            self._collect(set(chosen), msg.Saved, lambda m: m.step == step)
+        except MembershipChanged:
+            return f". A further failure stopped the checkpoint of step {step}."
+        saved = checkpoint.write_manifest(directory, step, num_layers, {"reason": "stop"})
+        return f". The survivors saved step {step} to {saved}: resume with train.resume_from={saved}"
 
     def _recovery_plan(self, decision: Any, plan: Plan) -> tuple[Plan, str | None, Transfers]:
         """Carry out a policy's decision up to the new plan (processes restarted if needed); not yet configured."""

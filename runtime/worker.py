@@ -202,7 +202,7 @@ class Worker:
     def _abort(self, generation: int) -> None:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
-        self.channel.send(msg.AbortDone(generation, self.step))
+        self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
 
     def _phase(self, step: int, phase: str) -> None:
         if (step, phase) in self.armed:
@@ -216,8 +216,11 @@ class Worker:
         plan = self.comm.plan if self.comm else None
         nbytes = 0
         for index, layer in sorted(self.layers.items()):
-            # One writer per layer: the replica holder with the smallest worker id.
-            if plan is not None and plan.holders(index)[0] != self.worker:
+            # One writer per layer: the coordinator's choice, else the replica holder with the smallest worker id.
+            if message.layers is not None:
+                if index not in message.layers:
+                    continue
+            elif plan is not None and plan.holders(index)[0] != self.worker:
                 continue
             data = checkpoint.encode(checkpoint.layer_state(layer, self.optimizers[index]))
             checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
@@ -248,6 +251,9 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise
+    # Retired process groups may still own threads stuck in aborted operations; running their destructors at
+    # interpreter exit would abort the process. Everything worth keeping was committed or checkpointed.
+    os._exit(0)
 
 
 if __name__ == "__main__":
