@@ -1,29 +1,39 @@
 """In-place recovery (Oobleck) against checkpoint-restart, side by side on the same job and the same faults.
 
-    .venv/bin/python -m experiments.bench_recovery                     # both parts, about 10 minutes on 2 cores
-    .venv/bin/python -m experiments.bench_recovery --no-table2         # part 1 only, about 2.5 minutes
-    .venv/bin/python -m experiments.bench_recovery --kills 1@8,4@14 --steps 20 --table2-intervals 16,8,4
+    .venv/bin/python -m experiments.bench_recovery                     # both parts
+    .venv/bin/python -m experiments.bench_recovery --no-table2         # part 1 only
+    .venv/bin/python -m experiments.bench_recovery --kills 1@8,4@14 --steps 20 --table2-every-steps 33,16,8
 
 Part 1, recovery comparison. One job (gpt2-tiny on ``cluster=local-6`` with ``cluster.device_memory_gb=0.04``, so
 Oobleck's pipelines span two nodes and an in-place recovery must copy layers between nodes) runs three times:
 - ``policy=none faults=none``: the fault-free reference (its losses are the oracle; policy=none would stop at the
   first failure, so it only runs without faults);
 - ``policy=checkpoint_restart policy.checkpoint_every=5`` and ``policy=oobleck policy.fault_threshold=1`` under the
-  same explicit node kills (``--kills NODE@STEP,...``, each in the backward phase of that step).
+  same explicit node kills (``--kills NODE@STEP,...``, each in ``--kill-phase`` of that step).
 With 6 nodes, f = 1 and two-node minimum pipelines, Oobleck recovers in place as long as (f + 1) * n0 = 4 nodes
 survive: two kills. A third kill leaves a single pipeline and the policy stops (reported, not hidden).
 Printed per policy: detection and recovery times (median, max), committed steps lost, goodput; then checks that
 Oobleck lost no committed step and that its per-step losses (the last record of each step) equal the fault-free
-run's within rel 1e-5.
+run's within rel 1e-5 (checkpoint-restart's too).
+
+Why kills fire in the ``reduce`` phase by default: a survivor that *posts* a gloo send or recv to a peer whose
+connection is already closed gets a RuntimeError straight from ``ProcessGroup.send``/``recv``, which
+``runtime/comm.py`` does not turn into a CommError, so the worker crashes and the job stops (seen with kills
+mid-backward). In the reduce phase a worker has no point-to-point operation left with the victim; collectives report
+the failure through ``wait``, which is handled. ``--kill-phase backward`` exercises the racy case.
 
 Part 2 (``--table2``, on by default), the shape of Oobleck's Table 2 at this machine's scale: average throughput
 (``summary/samples_per_s``: committed samples over the whole training time) of the fault-free job, checkpoint-restart
-and Oobleck at three failure rates. Time is compressed: a fault every ``interval_s`` seconds of training
-(``faults=fixed``, victims drawn with a seed, the same for both policies) or, with ``--table2-schedule exponential``,
-a Poisson process of mean ``interval_s``. Failures are capped at ``--table2-max-failures`` (2: Oobleck keeps f + 1
-pipelines). Faults fire on wall time, so a policy that recovers slowly runs longer and meets more of the schedule, as
-in the paper. The table and a bar plot are saved under ``.ftlab/bench/`` and logged to an MLflow run in the
-experiment ``ftlab-bench`` (``--bench-tracking-uri``, default the SQLite store ``.ftlab/bench/mlflow.db``).
+and Oobleck at three failure rates, time-compressed to a node kill every K training steps (K in
+``--table2-every-steps``; the table also shows K in seconds of fault-free training), victims drawn with a seed, the
+same kills for both policies, at most ``--table2-max-failures`` (2: Oobleck keeps f + 1 pipelines on 6 nodes).
+Step-clocked faults are kinder to checkpoint-restart than wall-clock ones: a slow restart does not expose it to more
+faults. ``--table2-schedule fixed|exponential`` uses the wall-clock schedules instead (``faults.interval_s`` /
+``faults.mtbf_s`` from ``--table2-every-s``); with intervals shorter than a restart (~25 s here) the second fault
+lands during checkpoint-restart's worker restart, which the runtime does not survive today (ClusterError from
+``Trainer._restart_workers``); such a cell shows "stopped" with the reason in the JSON.
+The table and a bar plot are saved under ``.ftlab/bench/`` and logged to an MLflow run in the experiment
+``ftlab-bench`` (``--bench-tracking-uri``, default the SQLite store ``.ftlab/bench/mlflow.db``).
 
 Each job runs in this process with ``runtime.launch.run_job`` and a temporary MLflow store; the token cache and the
 Oobleck profile live in ``.ftlab/cache`` and are reused between runs. The last line printed is one JSON object keyed
@@ -36,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import shutil
 import statistics
 import sys
@@ -52,6 +63,7 @@ CACHE_DIR = REPO / ".ftlab" / "cache"
 LOSS_RTOL = 1e-5
 
 JOB = [
+    "experiment=plain",  # not the default quick-start preset, whose faults.events would leak into faults=none
     "model=gpt2-tiny",
     "cluster=local-6",
     "cluster.device_memory_gb=0.04",
@@ -182,10 +194,10 @@ def parse_kills(text: str) -> list[tuple[int, int]]:
 
 def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     kills = parse_kills(args.kills)
-    events = ", ".join(f"{{kind: node, node: {n}, at_step: {s}, phase: backward}}" for n, s in kills)
-    faults = ["faults=explicit", f"faults.events=[{events}]"]
+    faults = explicit_kills(kills, args.kill_phase)
     steps = [f"train.steps={args.steps}"]
-    print(f"Part 1: recovery comparison, {args.steps} steps, node kills {kills} (each mid-backward)", flush=True)
+    print(f"Part 1: recovery comparison, {args.steps} steps, node kills (node, step) {kills}, phase {args.kill_phase}",
+          flush=True)  # fmt: skip
     runs = {
         "none": run_one("none", "part1", [*steps, "faults=none"], scratch),
         "checkpoint_restart": run_one("checkpoint_restart", "part1", [*steps, *faults], scratch),
@@ -242,43 +254,87 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
 # -- part 2: Table 2 ---------------------------------------------------------------------------------------------------
 
 
+def step_kills(every: int, steps: int, max_failures: int, seed: int, nodes: int = 6) -> list[tuple[int, int]]:
+    """(node, step) of a node kill every ``every`` steps, victims drawn with ``seed`` among the alive nodes.
+
+    The highest alive node is never drawn after the first kill: checkpoint-restart leaves it idle on five nodes (its
+    grid takes the lowest workers), and a kill armed on a phase of an idle worker would never fire there, so the two
+    policies would not meet the same faults."""
+    rng = random.Random(seed)
+    alive = list(range(nodes))
+    kills = []
+    for k in range(1, max_failures + 1):
+        if every * k >= steps:
+            break
+        candidates = alive if k == 1 else alive[:-1]
+        node = rng.choice(candidates)
+        alive.remove(node)
+        kills.append((node, every * k))
+    return kills
+
+
+def explicit_kills(kills: list[tuple[int, int]], phase: str) -> list[str]:
+    events = ", ".join(f"{{kind: node, node: {n}, at_step: {s}, phase: {phase}}}" for n, s in kills)
+    return ["faults=explicit", f"faults.events=[{events}]"]
+
+
 def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> dict[str, Any]:
-    intervals = [float(x) for x in args.table2_intervals.split(",")]
+    schedule = args.table2_schedule
+    if schedule == "steps":
+        every = [float(int(x)) for x in args.table2_every_steps.split(",")]
+        unit, what = "steps", f"a node kill every K steps (phase {args.kill_phase})"
+    else:
+        every = [float(x) for x in args.table2_every_s.split(",")]
+        unit, what = "s", f"faults={schedule}, a node fault every K s of training (mean for exponential)"
     steps = [f"train.steps={args.table2_steps}"]
     print(
-        f"\nPart 2: Table 2 shape, {args.table2_steps} steps, faults={args.table2_schedule} every "
-        f"{intervals} s of training (at most {args.table2_max_failures}, seed {args.table2_seed})",
+        f"\nPart 2: Table 2 shape, {args.table2_steps} steps, {what}, K in {every}, at most "
+        f"{args.table2_max_failures} failures, seed {args.table2_seed}",
         flush=True,
     )
     free = run_one("none", "table2", [*steps, "faults=none"], scratch)
-    cells: list[dict[str, Any]] = []
-    for interval in intervals:
-        key = "faults.interval_s" if args.table2_schedule == "fixed" else "faults.mtbf_s"
-        faults = [
-            f"faults={args.table2_schedule}",
-            f"{key}={interval}",
-            f"faults.max_failures={args.table2_max_failures}",
-            f"faults.seed={args.table2_seed}",
-        ]
-        for policy in ("checkpoint_restart", "oobleck"):
-            outcome = run_one(policy, f"table2 {interval:g}s", [*steps, *faults], scratch)
-            cells.append(_cell(outcome, interval))
     free_cell = _cell(free, None)
+    iter_s = free.result.summary["summary/median_iter_s"] if free.ok else None
+    cells: list[dict[str, Any]] = []
+    for k in every:
+        if schedule == "steps":
+            kills = step_kills(int(k), args.table2_steps, args.table2_max_failures, args.table2_seed)
+            faults = explicit_kills(kills, args.kill_phase)
+        else:
+            key = "faults.interval_s" if schedule == "fixed" else "faults.mtbf_s"
+            faults = [f"faults={schedule}", f"{key}={k}", f"faults.max_failures={args.table2_max_failures}",
+                      f"faults.seed={args.table2_seed}"]  # fmt: skip
+        for policy in ("checkpoint_restart", "oobleck"):
+            outcome = run_one(policy, f"table2 every {k:g} {unit}", [*steps, *faults], scratch)
+            cells.append(_cell(outcome, k))
 
-    rows = ["fault-free", "checkpoint_restart", "oobleck"]
-    header = f"{'samples/s (faults)':<22}" + "".join(f"{f'every {i:g} s':>18}" for i in intervals)
-    lines = [header]
-    for row in rows:
+    def column(k: float) -> str:
+        approx = f" ~{k * iter_s:.0f}s" if unit == "steps" and iter_s else ""
+        return f"every {k:g} {unit}{approx}"
+
+    width = max(18, *(len(column(k)) + 2 for k in every))
+    lines = [f"{'samples/s (faults)':<22}" + "".join(f"{column(k):>{width}}" for k in every)]
+    for row in ("fault-free", "checkpoint_restart", "oobleck"):
         text = f"{row:<22}"
-        for interval in intervals:
-            c = free_cell if row == "fault-free" else next(x for x in cells if x["policy"] == row and x["interval_s"] == interval)
-            text += f"{_cell_text(c):>18}"
+        for k in every:
+            c = free_cell if row == "fault-free" else next(x for x in cells if x["policy"] == row and x["every"] == k)
+            text += f"{_cell_text(c):>{width}}"
         lines.append(text)
+    for row in ("checkpoint_restart", "oobleck"):
+        ratios = []
+        for k in every:
+            c = next(x for x in cells if x["policy"] == row and x["every"] == k)
+            ok = "samples_per_s" in c and "samples_per_s" in free_cell
+            ratios.append(f"{c['samples_per_s'] / free_cell['samples_per_s']:.2f}" if ok else "-")
+        lines.append(f"{row + ' / fault-free':<22}" + "".join(f"{r:>{width}}" for r in ratios))
     table = "\n".join(lines)
     print("\n" + table)
     out = {
-        "schedule": args.table2_schedule,
-        "intervals_s": intervals,
+        "schedule": schedule,
+        "unit": unit,
+        "every": every,
+        "kill_phase": args.kill_phase if schedule == "steps" else None,
+        "fault_free_iter_s": iter_s,
         "steps": args.table2_steps,
         "max_failures": args.table2_max_failures,
         "seed": args.table2_seed,
@@ -289,8 +345,8 @@ def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> di
     return out
 
 
-def _cell(outcome: Outcome, interval: float | None) -> dict[str, Any]:
-    cell: dict[str, Any] = {"policy": outcome.policy, "interval_s": interval, "wall_s": round(outcome.wall_s, 2)}
+def _cell(outcome: Outcome, every: float | None) -> dict[str, Any]:
+    cell: dict[str, Any] = {"policy": outcome.policy, "every": every, "wall_s": round(outcome.wall_s, 2)}
     if not outcome.ok:
         cell["error"] = outcome.error
         return cell
@@ -327,22 +383,22 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
     table_path.write_text(table + "\n")
     json_path.write_text(json.dumps(out, indent=1, default=str) + "\n")
 
-    intervals = out["intervals_s"]
-    series = {"fault-free": [out["fault_free"]] * len(intervals)}
+    every, unit = out["every"], out["unit"]
+    series = {"fault-free": [out["fault_free"]] * len(every)}
     for policy in ("checkpoint_restart", "oobleck"):
-        series[policy] = [next(c for c in out["cells"] if c["policy"] == policy and c["interval_s"] == i) for i in intervals]
+        series[policy] = [next(c for c in out["cells"] if c["policy"] == policy and c["every"] == k) for k in every]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(series)
     for k, (name, cells) in enumerate(series.items()):
-        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(intervals))]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(every))]
         heights = [c.get("samples_per_s", 0.0) for c in cells]
         bars = ax.bar(xs, heights, width, label=name)
         for bar, c in zip(bars, cells):
-            note = "stopped" if "error" in c else f"{c['failures']}f"
+            note = "stopped" if "error" in c else f"{c['failures']} faults"
             ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(intervals)), [f"a fault every {i:g} s" for i in intervals])
+    ax.set_xticks(range(len(every)), [f"a fault every {k:g} {unit}" for k in every])
     ax.set_ylabel("average samples/s")
-    ax.set_title(f"gpt2-tiny, local-6, {out['steps']} steps, faults={out['schedule']} (<= {out['max_failures']})")
+    ax.set_title(f"gpt2-tiny on local-6, {out['steps']} steps, <= {out['max_failures']} node faults ({out['schedule']})")
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(plot_path, dpi=110)
@@ -364,7 +420,7 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
         client.log_text(rid, json.dumps(part1, indent=1, default=str), "recovery.json")
         for c in [out["fault_free"], *out["cells"]]:
             if "samples_per_s" in c:
-                tag = "fault_free" if c["interval_s"] is None else f"{c['policy']}_every_{c['interval_s']:g}s"
+                tag = "fault_free" if c["every"] is None else f"{c['policy']}_every_{c['every']:g}{unit}"
                 client.log_metric(rid, f"table2/{tag}/samples_per_s", c["samples_per_s"])
         client.set_terminated(rid)
         print(f"logged to MLflow {args.bench_tracking_uri}, experiment ftlab-bench, run {rid}")
@@ -378,11 +434,15 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="part 1: training steps")
-    parser.add_argument("--kills", default="1@8,4@14", help="part 1: node kills NODE@STEP,... (mid-backward)")
+    parser.add_argument("--kills", default="1@8,4@14", help="part 1: node kills NODE@STEP,... (in --kill-phase)")
+    parser.add_argument("--part1", action=argparse.BooleanOptionalAction, default=True, help="run part 1")
     parser.add_argument("--table2", action=argparse.BooleanOptionalAction, default=True, help="run part 2")
-    parser.add_argument("--table2-steps", type=int, default=50)
-    parser.add_argument("--table2-intervals", default="16,8,4", help="seconds of training between faults, one per rate")
-    parser.add_argument("--table2-schedule", choices=("fixed", "exponential"), default="fixed")
+    parser.add_argument("--table2-steps", type=int, default=40)
+    parser.add_argument("--kill-phase", default="reduce", help="phase of the step in which step-armed kills fire")
+    parser.add_argument("--table2-schedule", choices=("steps", "fixed", "exponential"), default="steps",
+                        help="steps: explicit kills every K steps; fixed/exponential: wall-time schedules")
+    parser.add_argument("--table2-every-steps", default="33,16,8", help="steps schedule: K, one per rate")
+    parser.add_argument("--table2-every-s", default="16,8,4", help="fixed/exponential: seconds, one per rate")
     parser.add_argument("--table2-max-failures", type=int, default=2)
     parser.add_argument("--table2-seed", type=int, default=0)
     parser.add_argument("--bench-tracking-uri", default=f"sqlite:///{BENCH_DIR}/mlflow.db")
@@ -394,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-recovery-"))
     started = time.monotonic()
     try:
-        report = recovery_comparison(args, scratch)
+        report = recovery_comparison(args, scratch) if args.part1 else {}
         if args.table2:
             report["table2"] = table2(args, scratch, dict(report))
     finally:

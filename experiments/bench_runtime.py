@@ -107,6 +107,9 @@ def run_ftlab(args: argparse.Namespace, workdir: Path, round_index: int, side: S
 
 def ftlab_overrides(args: argparse.Namespace, workdir: Path, steps: int, round_index: int) -> list[str]:
     return [
+        "experiment=plain",  # the default job is a preset with faults and another policy: pin the plain grid
+        "policy=none",
+        "faults=none",
         f"model={args.model}",
         f"train.steps={steps}",
         "progress=false",
@@ -168,9 +171,15 @@ if _dir and ("runtime.worker" in _argv or "experiments.deepspeed_reference" in _
     _prof = cProfile.Profile()
     _prof.enable()
     def _dump():
-        _prof.disable()
-        _prof.dump_stats(os.path.join(_dir, _tag + ".prof"))
+        if _prof is not None:
+            _prof.disable()
+            _prof.dump_stats(os.path.join(_dir, _tag + ".prof"))
     atexit.register(_dump)
+    _exit = os._exit
+    def _dump_then_exit(code):  # ftlab's workers leave through os._exit, which skips atexit
+        _dump()
+        _exit(code)
+    os._exit = _dump_then_exit
 """
 
 

@@ -1,0 +1,531 @@
+"""``ftlab mode=plan``: what a job would run, and how fast, without starting a worker.
+
+For any model and cluster config the report shows the policy's first plan and a predicted iteration time:
+
+- ``policy=oobleck``: the pipeline templates (nodes, stages with their layers and GPUs, time per micro-batch), the
+  pipelines instantiated from them (how many of each template, on which nodes), the micro-batches each pipeline
+  runs, and the predicted iteration time (the slowest pipeline) and throughput, exactly as the planner computes
+  them. This is the planner the policy runs at the start of training, with the same profile.
+- any other policy: its first plan (for ``none`` and ``checkpoint_restart``, the PP x DP grid of ``train.stages``)
+  and an iteration time predicted by executing its programs on ``runtime.program_check``'s abstract machine with
+  the profile's per-layer costs.
+
+Where the costs come from (``cluster.device``):
+
+- ``cpu`` (the default) or ``cuda``: the model is measured on this machine (``runtime.profiler.measure_profile``,
+  cached under ``<train.cache_dir>/profiles``: the very profile the Oobleck policy plans training with). Templates
+  put one worker on each stage, as the runtime does. Measuring runs every layer forward and backward several times,
+  so it is refused for models too large for this machine (``MEASURE_FLOPS_LIMIT``).
+- a GPU type of ``runtime.devices`` (``A40``, ``A100-80GB``, ...): the analytic profile from FLOPs and datasheet
+  figures, which takes milliseconds at any size, and templates may use tensor parallelism inside a node. A paper
+  scale job (GPT-3 6.7B on 16 x 8 A100) plans in well under a second.
+
+Memory per device is ``cluster.device_memory_gb`` in both cases (a GPU's datasheet memory is only mentioned).
+Predicted times count pipeline compute and activation transfers; gradient all-reduce and the optimizer step are
+left out, as in Oobleck's own cost model. Impossible settings raise ``runtime.launch.ConfigError`` saying which
+setting to change.
+
+``ClusterConfig`` has no ``device`` field yet: it is read with ``getattr(cfg.cluster, "device", "cpu")``, so
+``+cluster.device=A100-80GB`` works on the command line today (``++`` works before and after the field exists), and
+a preset may carry ``device:`` once the field exists.
+
+The text and a JSON form go to MLflow (``plan.txt``, ``plan.json``; for Oobleck ``templates.txt`` with the stages of
+every template, the text details only those in use; ``plans/generation-000.json`` when there is a runtime Plan) with
+metrics ``plan/iteration_s``, ``plan/samples_per_s``, ``plan/tokens_per_s``, ``plan/pipelines`` and
+``plan/planning_s``. ``plan_job`` is the entry point for ``ftlab mode=plan``. Without the Hydra app:
+
+    python -m experiments.plan_report experiment=plain model=gpt3-6.7b policy=oobleck cluster.nodes=16 \\
+        cluster.workers_per_node=8 ++cluster.device=A100-80GB cluster.device_memory_gb=80
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from policies.base import Job, Policy
+from policies.oobleck.batch import BatchError, distribute_batch
+from policies.oobleck.instantiate import InstantiationError, assign_nodes, instantiate
+from policies.oobleck.policy import Oobleck
+from policies.oobleck.templates import PipelineTemplate, generate_templates
+from policies.oobleck.to_plan import to_plan
+from runtime.config import JobConfig
+from runtime.devices import DEVICES, UTILISATION
+from runtime.launch import ConfigError, check_memory
+from runtime.model import layer_specs
+from runtime.plan import Plan, PlanError
+from runtime.profiler import ModelProfile, analytic_profile, measure_profile
+from runtime.scheduler import one_f_one_b
+from runtime.tracking import Tracker
+
+GIB = 2**30
+MEASURED_DEVICES = ("cpu", "cuda")
+MEASURE_FLOPS_LIMIT = 5e10
+"""Forward FLOPs of one micro-batch through the whole model above which measuring is refused: the profiler runs
+each layer about 40 forward-equivalents, and a CPU core pair manages some 10-50 GFLOP/s, so this keeps a first
+(uncached) measurement under a minute or two. gpt2-tiny at micro-batch 2 needs 6e8, gpt2-small 6e11."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+    text: str
+    data: dict[str, Any]
+    """Everything the text says, JSON-serialisable (``plan.json``)."""
+    plan: Plan | None = None
+    """The runtime Plan, where one exists (not for tensor-parallel templates)."""
+    run_id: str | None = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        d = self.data
+        return {
+            "plan/iteration_s": d["iteration_s"],
+            "plan/samples_per_s": d["samples_per_s"],
+            "plan/tokens_per_s": d["tokens_per_s"],
+            "plan/pipelines": float(len(d["pipelines"])),
+            "plan/planning_s": d["planning_s"],
+        }
+
+
+# ------------------------------------------------------------------------------------------------------ entry points
+
+
+def plan_job(dict_cfg: DictConfig) -> PlanReport:
+    """``ftlab mode=plan``: one MLflow run holding the report; FAILED with the reason when the job cannot plan."""
+    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    tracker = Tracker(cfg.tracking)
+    tags = {
+        "mode": "plan",
+        "policy": cfg.policy.name,
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "device": cluster_device(cfg),
+        "faults": cfg.faults.schedule,
+    }
+    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
+    try:
+        report = plan_report(cfg, tracker)
+    except BaseException as exc:
+        tracker.finish(failure=f"{type(exc).__name__}: {exc}")
+        raise
+    tracker.finish()
+    return dataclasses.replace(report, run_id=run_id)
+
+
+def plan_report(cfg: JobConfig, tracker: Tracker | None = None) -> PlanReport:
+    """Build the report and, given a tracker with an open run, log it there."""
+    report = build_report(cfg)
+    if tracker is not None:
+        tracker.log_text("plan.txt", report.text)
+        tracker.log_text("plan.json", json.dumps(report.data, indent=1))
+        if report.data["kind"] == "oobleck":
+            tracker.log_text("templates.txt", render_templates(report.data))
+        if report.plan is not None:
+            tracker.log_text(f"plans/generation-{report.plan.generation:03d}.json", report.plan.to_json())
+        tracker.log_metrics(report.metrics, 0)
+    return report
+
+
+def build_report(cfg: JobConfig) -> PlanReport:
+    _check_shape(cfg)
+    began = time.perf_counter()
+    profile, source = job_profile(cfg)
+    profiled_s = time.perf_counter() - began
+    job = _job(cfg)
+    policy = _policy(cfg)
+    began = time.perf_counter()
+    if isinstance(policy, Oobleck):
+        data, plan = _oobleck(cfg, job, profile, tensor_parallel=cluster_device(cfg) in DEVICES)
+    else:
+        data, plan = _generic(cfg, job, policy, profile)
+    data["planning_s"] = time.perf_counter() - began
+    data["profile"] = {**source, "seconds": profiled_s}
+    data = {**_header(cfg, profile), **data}
+    data["samples_per_s"] = cfg.train.global_batch / data["iteration_s"]
+    data["tokens_per_s"] = data["samples_per_s"] * cfg.model.seq_len
+    return PlanReport(render(data), data, plan)
+
+
+# ---------------------------------------------------------------------------------------------------- the inputs
+
+
+def cluster_device(cfg: JobConfig) -> str:
+    """``cluster.device``: until ClusterConfig has the field, an added key (``+cluster.device=...``) or ``cpu``."""
+    return str(getattr(cfg.cluster, "device", "cpu"))
+
+
+def _check_shape(cfg: JobConfig) -> None:
+    c, t = cfg.cluster, cfg.train
+    if c.nodes < 1 or c.workers_per_node < 1:
+        raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
+    if c.device_memory_gb <= 0:
+        raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
+    if t.micro_batch < 1 or t.global_batch % t.micro_batch:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
+            f"{t.micro_batch}: set train.global_batch to a multiple of train.micro_batch"
+        )
+
+
+def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
+    """The per-layer costs to plan with, and where they come from; memory is ``cluster.device_memory_gb``."""
+    device = cluster_device(cfg)
+    model, micro_batch = cfg.model, cfg.train.micro_batch
+    memory = int(cfg.cluster.device_memory_gb * GIB)
+    if device in DEVICES:
+        profile = analytic_profile(model, device, micro_batch, model.seq_len)
+        source = {"kind": "analytic", "device": device, "utilisation": UTILISATION}
+    elif device.split(":")[0] in MEASURED_DEVICES:
+        _check_measurable(cfg, device)
+        profile = measure_profile(
+            model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
+            cache_dir=Path(cfg.train.cache_dir) / "profiles",
+        )  # fmt: skip -- the Oobleck policy's own call, so both share one cached profile
+        source = {"kind": "measured", "device": profile.device}
+    else:
+        raise ConfigError(
+            f"cluster.device={device!r} is not a device ftlab knows: use cpu (measured here) or a GPU type for an "
+            f"analytic profile: {', '.join(DEVICES)}"
+        )
+    return dataclasses.replace(profile, device_memory_bytes=memory), source
+
+
+def _check_measurable(cfg: JobConfig, device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.device={device} needs CUDA, which this machine lacks: use cpu or a GPU type")
+        return
+    flops = sum(s.fwd_flops_per_token for s in layer_specs(cfg.model)) * cfg.train.micro_batch * cfg.model.seq_len
+    if flops > MEASURE_FLOPS_LIMIT:
+        raise ConfigError(
+            f"measuring {cfg.model.name} on this CPU would take too long ({flops:.1e} FLOPs per forward micro-batch, "
+            f"the limit is {MEASURE_FLOPS_LIMIT:.0e}): plan it with a GPU profile (cluster.device=A100-80GB, or "
+            f"a GPU cluster preset such as cluster=a100-16x8), or use a smaller model or train.micro_batch"
+        )
+
+
+def _job(cfg: JobConfig) -> Job:
+    wpn = cfg.cluster.workers_per_node
+    everyone = {n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)}
+    memory = int(cfg.cluster.device_memory_gb * GIB)
+    return Job(cfg.model, tuple(layer_specs(cfg.model)), cfg.train, everyone, everyone, memory)
+
+
+def _policy(cfg: JobConfig) -> Policy:
+    try:
+        return hydra.utils.instantiate(OmegaConf.structured(cfg.policy), _convert_="all")
+    except Exception as exc:  # noqa: BLE001 - Hydra wraps the real cause
+        raise ConfigError(f"policy {cfg.policy.name!r} cannot be built from its config: {exc}") from exc
+
+
+def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:
+    c, t = cfg.cluster, cfg.train
+    device = cluster_device(cfg)
+    return {
+        "model": {
+            "name": cfg.model.name, "layers": profile.num_layers, "seq_len": cfg.model.seq_len,
+            "parameters": sum(layer.param_bytes for layer in profile.layers) // 4,
+        },
+        "cluster": {
+            "name": c.name, "nodes": c.nodes, "workers_per_node": c.workers_per_node, "device": device,
+            "device_memory_gb": c.device_memory_gb,
+            "datasheet_memory_gb": DEVICES[device].memory_bytes / GIB if device in DEVICES else None,
+        },
+        "policy": {"name": cfg.policy.name, "fault_threshold": cfg.policy.fault_threshold},
+        "batch": {"global": t.global_batch, "micro": t.micro_batch, "microbatches": t.global_batch // t.micro_batch},
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------- Oobleck
+
+
+def _oobleck(cfg: JobConfig, job: Job, profile: ModelProfile, tensor_parallel: bool) -> tuple[dict, Plan | None]:
+    """Templates, instantiation and batch distribution, as ``Oobleck.plan`` runs them at the start of training."""
+    f, nodes, wpn = cfg.policy.fault_threshold, cfg.cluster.nodes, cfg.cluster.workers_per_node
+    t = cfg.train
+    microbatches = t.global_batch // t.micro_batch
+    if f < 0:
+        raise ConfigError(f"policy.fault_threshold={f}: use 0 or more")
+    if nodes < f + 1:
+        raise ConfigError(
+            f"{nodes} nodes cannot hold f + 1 = {f + 1} pipelines: lower policy.fault_threshold to at most "
+            f"{nodes - 1} or raise cluster.nodes to at least {f + 1}"
+        )
+    if microbatches < f + 1:
+        raise ConfigError(
+            f"{microbatches} micro-batches cannot feed f + 1 = {f + 1} pipelines: raise train.global_batch to at "
+            f"least {(f + 1) * t.micro_batch} or lower policy.fault_threshold"
+        )
+    try:
+        templates = generate_templates(profile, nodes, f, wpn, tensor_parallel=tensor_parallel)
+    except ValueError as exc:
+        raise ConfigError(f"policy=oobleck cannot plan {cfg.model.name} on {cfg.cluster.name}: {exc}. "
+                          f"{_fit_advice(cfg, profile)}") from exc  # fmt: skip
+    try:
+        counts = instantiate(templates, nodes, max_pipelines=microbatches)
+        pipelines = assign_nodes(templates, counts, list(range(nodes)))
+        split = distribute_batch([p.template for p in pipelines], t.global_batch, t.micro_batch)
+    except BatchError as exc:
+        raise ConfigError(f"{exc}: set train.global_batch={exc.suggested}") from exc
+    except InstantiationError as exc:
+        raise ConfigError(f"policy=oobleck cannot instantiate pipelines: {exc}; change cluster.nodes, "
+                          f"policy.fault_threshold or train.global_batch") from exc  # fmt: skip
+    data: dict[str, Any] = {
+        "kind": "oobleck",
+        "tensor_parallel": tensor_parallel,
+        "templates": [_template_data(tpl) for tpl in templates.templates],
+        "counts": {str(n): c for n, c in sorted(counts.items())},
+        "pipelines": [
+            {"template_nodes": p.template.num_nodes, "nodes": list(p.nodes), "microbatches": n,
+             "iteration_s": p.template.iteration_time(n)}
+            for p, n in zip(pipelines, split.microbatches)
+        ],  # fmt: skip
+        "iteration_s": split.iteration_s,
+    }
+    plan = None
+    if not tensor_parallel:  # one worker per stage: the runtime Plan training would start from
+        try:
+            plan = to_plan(pipelines, split.microbatches, job.workers_of_node, t.global_batch, t.micro_batch)
+            check_memory(plan, job)
+        except PlanError as exc:
+            raise ConfigError(str(exc)) from exc
+        data["simulated_1f1b_s"] = _simulate(one_f_one_b(plan), plan, profile)
+    return data, plan
+
+
+def _template_data(tpl: PipelineTemplate) -> dict[str, Any]:
+    n = tpl.planning_microbatches
+    return {
+        "nodes": tpl.num_nodes,
+        "stages": [
+            {"layers": [s.start, s.stop], "node": s.node, "gpus": list(s.gpus), "time_s": s.time_s,
+             "memory_gib": s.memory_bytes / GIB}
+            for s in tpl.stages
+        ],  # fmt: skip
+        "per_microbatch_s": tpl.per_microbatch_s,
+        "fixed_s": tpl.fixed_s,
+        "planning_microbatches": n,
+        "planning_iteration_s": tpl.iteration_time(n),
+        "microbatches_per_s": tpl.rate,
+    }
+
+
+def _fit_advice(cfg: JobConfig, profile: ModelProfile) -> str:
+    """What the model needs against what the cluster has, and which settings move either."""
+    c, f = cfg.cluster, cfg.policy.fault_threshold
+    state = sum(layer.param_bytes + layer.optimizer_bytes for layer in profile.layers) / GIB
+    have = c.nodes * c.workers_per_node * c.device_memory_gb
+    lines = [
+        f"The model's weights and optimizer state take {state:.3g} GiB, f + 1 = {f + 1} replicas at least "
+        f"{(f + 1) * state:.3g} GiB before activations; the cluster has {c.nodes} x {c.workers_per_node} x "
+        f"{c.device_memory_gb:g} GiB = {have:.3g} GiB. Change cluster.nodes, cluster.workers_per_node, "
+        f"cluster.device_memory_gb, policy.fault_threshold or train.micro_batch."
+    ]
+    device = cluster_device(cfg)
+    if device in DEVICES and c.device_memory_gb < DEVICES[device].memory_bytes / GIB:
+        lines.append(
+            f"Note: cluster.device_memory_gb={c.device_memory_gb:g} but an {device} has "
+            f"{DEVICES[device].memory_bytes / GIB:g} GiB; an experiment preset (the default quickstart sets 0.04) "
+            f"may have lowered it: add experiment=plain or cluster.device_memory_gb="
+            f"{DEVICES[device].memory_bytes / GIB:g}."
+        )
+    return " ".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- any other policy
+
+
+def _generic(cfg: JobConfig, job: Job, policy: Policy, profile: ModelProfile) -> tuple[dict, Plan]:
+    """The policy's first plan, timed by executing its programs with the profile's costs."""
+    try:
+        plan = policy.plan(job)
+        plan.validate()
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from exc
+    check_memory(plan, job)
+    wpn = cfg.cluster.workers_per_node
+    data = {
+        "kind": "plan",
+        "pipelines": [
+            {"stages": [{"worker": s.worker, "node": s.worker // wpn, "layers": [s.start, s.stop]} for s in p.stages],
+             "microbatches": len(p.microbatches)}
+            for p in plan.pipelines
+        ],  # fmt: skip
+        "iteration_s": _simulate(policy.programs(plan), plan, profile),
+    }
+    return data, plan
+
+
+def _simulate(programs: dict, plan: Plan, profile: ModelProfile) -> float:
+    """The makespan of ``programs`` on the abstract machine: compute from the profile, sends at its p2p bandwidth,
+    loads, gradient reduction and the optimizer step free."""
+    from runtime import instructions as ins
+    from runtime.program_check import simulate, worker_layers
+
+    layers = worker_layers(plan)
+    ranges = {w: profile.layers[a:b] for w, (a, b) in layers.items()}
+
+    def duration(worker: int, instr: object) -> float:
+        mine = ranges[worker]
+        if isinstance(instr, ins.ForwardPass):
+            return sum(x.fwd_s for x in mine)
+        if isinstance(instr, ins.BackwardPass):
+            return sum(x.bwd_input_s + x.bwd_weight_s for x in mine)
+        if isinstance(instr, ins.BackwardInput):
+            return sum(x.bwd_input_s for x in mine)
+        if isinstance(instr, ins.BackwardWeight):
+            return sum(x.bwd_weight_s for x in mine)
+        if isinstance(instr, ins.SendActivation):
+            return mine[-1].output_bytes / profile.p2p_bytes_per_s
+        if isinstance(instr, ins.SendGrad):  # the gradient of the previous stage's output
+            return profile.layers[layers[worker][0] - 1].output_bytes / profile.p2p_bytes_per_s
+        return 0.0
+
+    return simulate(programs, duration, plan)
+
+
+# ---------------------------------------------------------------------------------------------------------- text
+
+
+def _span(values: Sequence[int]) -> str:
+    """Sorted integers as ranges: [0, 1, 2, 5] -> '0-2,5'."""
+    out, values = [], sorted(values)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def render(d: dict[str, Any]) -> str:
+    m, c, p, b = d["model"], d["cluster"], d["policy"], d["batch"]
+    src = d["profile"]
+    if src["kind"] == "analytic":
+        source = f"analytic: {src['device']} datasheet figures at {src['utilisation']:.0%} of peak"
+    else:
+        when = "from the cache" if src["seconds"] < 0.5 else f"in {src['seconds']:.1f} s, now cached"
+        source = f"measured on {src['device']} ({when})"
+    memory = f"{c['device_memory_gb']:g} GiB each"
+    if c["datasheet_memory_gb"] is not None and c["datasheet_memory_gb"] != c["device_memory_gb"]:
+        memory += f" (cluster.device_memory_gb; an {c['device']} has {c['datasheet_memory_gb']:g})"
+    policy = p["name"] + (f", fault threshold f = {p['fault_threshold']}" if d["kind"] == "oobleck" else "")
+    lines = [
+        f"ftlab plan: {m['name']} on {c['name']}, policy {p['name']}",
+        f"  model     {m['layers']} layers, {m['parameters'] / 1e9:.3g} B parameters, {m['seq_len']} tokens a sample",
+        f"  cluster   {c['nodes']} nodes x {c['workers_per_node']} {c['device']} = "
+        f"{c['nodes'] * c['workers_per_node']} workers, {memory}",
+        f"  profile   {source}",
+        f"  batch     {b['global']} samples = {b['microbatches']} micro-batches of {b['micro']}",
+        f"  policy    {policy}",
+        "",
+    ]
+    lines += _render_oobleck(d) if d["kind"] == "oobleck" else _render_plan(d)
+    lines += [
+        "",
+        f"Predicted iteration: {d['iteration_s']:.4g} s, {d['samples_per_s']:.4g} samples/s, "
+        f"{d['tokens_per_s']:,.0f} tokens/s",
+        "  (pipeline compute and activation transfers; gradient all-reduce and optimizer step not included)",
+    ]
+    if "simulated_1f1b_s" in d:
+        lines.append(f"  1F1B programs of this plan on the abstract machine: {d['simulated_1f1b_s']:.4g} s")
+    lines.append(f"Planned in {d['planning_s']:.3f} s.")
+    return "\n".join(lines) + "\n"
+
+
+def _render_oobleck(d: dict[str, Any], every_template: bool = False) -> list[str]:
+    templates = d["templates"]
+    sizes = f"{templates[0]['nodes']}..{templates[-1]['nodes']}"
+    tp = "tensor parallel inside a node" if d["tensor_parallel"] else "one worker per stage"
+    lines = [
+        f"Pipeline templates ({len(templates)}, for {sizes} nodes; {tp})",
+        f"  {'nodes':>5} {'stages':>6} {'s/micro-batch':>14} {'fixed s':>9} {'Nb':>4} {'iteration s':>12}"
+        f" {'micro-batches/s':>16}",
+    ]
+    for t in templates:
+        lines.append(
+            f"  {t['nodes']:>5} {len(t['stages']):>6} {t['per_microbatch_s']:>14.4g} {t['fixed_s']:>9.4g}"
+            f" {t['planning_microbatches']:>4} {t['planning_iteration_s']:>12.4g} {t['microbatches_per_s']:>16.4g}"
+        )
+    lines.append("  (iteration time = fixed + Nb x s/micro-batch at Oobleck's planning batch Nb = 4 x stages)")
+    used = {p["template_nodes"] for p in d["pipelines"]}
+    for t in templates:
+        if every_template or t["nodes"] in used:
+            lines += ["", *_render_stages(t)]
+    if not every_template and len(used) < len(templates):
+        lines += ["", "(stages of the other templates: templates.txt and plan.json)"]
+    counts = ", ".join(f"{c} x {n} node{'s' if int(n) > 1 else ''}" for n, c in d["counts"].items())
+    lines += [
+        "",
+        f"Chosen pipelines: {len(d['pipelines'])} ({counts})",
+        f"  {'pipeline':>8} {'template':>8} {'nodes':>12} {'micro-batches':>13} {'iteration s':>12}",
+    ]
+    for i, p in enumerate(d["pipelines"]):
+        lines.append(
+            f"  {i:>8} {p['template_nodes']:>8} {_span(p['nodes']):>12} {p['microbatches']:>13}"
+            f" {p['iteration_s']:>12.4g}"
+        )
+    return lines
+
+
+def _render_stages(t: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Template of {t['nodes']} node{'s' if t['nodes'] > 1 else ''}:",
+        f"  {'stage':>5} {'layers':>9} {'node':>4} {'GPUs':>6} {'s/micro-batch':>14} {'GiB/GPU':>8}",
+    ]
+    for i, s in enumerate(t["stages"]):
+        layers = f"{s['layers'][0]}..{s['layers'][1] - 1}"
+        lines.append(
+            f"  {i:>5} {layers:>9} {s['node']:>4} {_span(s['gpus']):>6} {s['time_s']:>14.4g} {s['memory_gib']:>8.3g}"
+        )
+    return lines
+
+
+def render_templates(d: dict[str, Any]) -> str:
+    """Every template with its stages (``templates.txt``); the report itself details the templates in use."""
+    lines: list[str] = []
+    for t in d["templates"]:
+        lines += [*_render_stages(t), ""]
+    return "\n".join(lines)
+
+
+def _render_plan(d: dict[str, Any]) -> list[str]:
+    pipelines = d["pipelines"]
+    stages = {len(p["stages"]) for p in pipelines}
+    shape = f"{stages.pop()} stages x {len(pipelines)} pipelines" if len(stages) == 1 else f"{len(pipelines)} pipelines"
+    lines = [f"Plan: {shape}", f"  {'pipeline':>8} {'micro-batches':>13}  stages (worker@node: layers)"]
+    for i, p in enumerate(pipelines):
+        parts = "  ".join(f"{s['worker']}@{s['node']}: {s['layers'][0]}..{s['layers'][1] - 1}" for s in p["stages"])
+        lines.append(f"  {i:>8} {p['microbatches']:>13}  {parts}")
+    lines.append("  (iteration time: the policy's programs executed with the profile's costs)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
+    from runtime.launch import compose_config
+
+    overrides = sys.argv[1:] if argv is None else argv
+    try:
+        report = plan_job(compose_config(["mode=plan", *overrides]))
+    except ConfigError as exc:
+        print(f"ftlab: {exc}", file=sys.stderr)
+        sys.exit(1)
+    print(report.text, end="")
+    print(f"MLflow run {report.run_id}")
+
+
+if __name__ == "__main__":
+    main()
