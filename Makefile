@@ -24,9 +24,14 @@ test: setup
 test-slow: setup
 	$(PYTHON) -m pytest -m slow
 
+# A short fault-injection scenario (a node killed mid-run) for every policy in conf/policy, with its invariants.
+fault-ci: setup
+	$(PYTHON) -m experiments.fault_ci
+
 bench: setup
 	$(PYTHON) -m experiments.bench_runtime
 	$(PYTHON) -m experiments.bench_planner
+	$(PYTHON) -m experiments.bench_recovery
 
 clean:
 	rm -rf $(VENV) .ftlab outputs multirun mlflow.db mlruns

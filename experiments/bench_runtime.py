@@ -4,8 +4,9 @@
     .venv/bin/python -m experiments.bench_runtime --model gpt2-small --rounds 1 --steps 10
 
 Both sides train from the same initial weights (``runtime.model.build_layer``) on the same micro-batches, so their
-losses must agree (step 0 to float rounding; later steps drift only by the order of floating-point sums). Rounds
-alternate ftlab, DeepSpeed, ftlab, DeepSpeed... so a drift in machine load (this machine is shared) hits both alike.
+losses must agree (step 0 to float rounding; later steps drift only by the order of floating-point sums). Each
+system runs alone on the machine; rounds go in ABBA order (ftlab, DeepSpeed | DeepSpeed, ftlab | ...) so that a drift
+in machine load (this machine is shared) hits both alike.
 
 Throughput is measured after ``--warmup`` iterations, two ways:
 - wall: measured iterations x global batch / wall-clock time from the end of the last warm-up iteration to the end of
@@ -203,8 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3, help="iterations left out of the measurement")
-    parser.add_argument("--steps", type=int, default=15, help="measured iterations per round")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating (ftlab, DeepSpeed) rounds")
+    parser.add_argument("--steps", type=int, default=20, help="measured iterations per round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, each running both sides (ABBA order)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile .prof files of every worker here")
     args = parser.parse_args(argv)
     if args.world % args.stages:
@@ -234,13 +235,16 @@ def main(argv: list[str] | None = None) -> dict:
 
     ftlab, deepspeed = Side("ftlab"), Side("deepspeed")
     round_ratios = []
+    runners = {
+        "ftlab": lambda r: run_ftlab(args, workdir, r, ftlab),
+        "deepspeed": lambda r: run_deepspeed(args, workdir, r, deepspeed, tokens, train),
+    }
     for r in range(args.rounds):
-        t = time.perf_counter()
-        run_ftlab(args, workdir, r, ftlab)
-        print(f"  round {r}: ftlab done in {time.perf_counter() - t:.0f} s", flush=True)
-        t = time.perf_counter()
-        run_deepspeed(args, workdir, r, deepspeed, tokens, train)
-        print(f"  round {r}: deepspeed done in {time.perf_counter() - t:.0f} s", flush=True)
+        # ABBA: ftlab, deepspeed | deepspeed, ftlab | ... so a steady drift in machine load favours neither side.
+        for name in ("ftlab", "deepspeed") if r % 2 == 0 else ("deepspeed", "ftlab"):
+            t = time.perf_counter()
+            runners[name](r)
+            print(f"  round {r}: {name} done in {time.perf_counter() - t:.0f} s", flush=True)
         f_tp = args.steps * args.global_batch / ftlab.elapsed_s[-1]
         d_tp = args.steps * args.global_batch / deepspeed.elapsed_s[-1]
         round_ratios.append(f_tp / d_tp)

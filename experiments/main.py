@@ -7,6 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from experiments.plan_report import plan_job
 from faults.schedules import FaultConfigError
 from runtime.config import register
 from runtime.launch import ConfigError, JobResult, run_job
@@ -39,6 +40,13 @@ def report(result: JobResult, tracking_uri: str) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        if cfg.mode == "plan":
+            planned = plan_job(cfg)
+            print(planned.text, end="")
+            print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+            return
+        if cfg.mode != "train":
+            raise ConfigError(f"mode={cfg.mode}: use mode=train (run the job) or mode=plan (show its plan)")
         result = run_job(cfg)
     except _USER_ERRORS as exc:
         print(f"ftlab: {exc}", file=sys.stderr)

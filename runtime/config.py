@@ -21,6 +21,9 @@ class ClusterConfig:
     workers_per_node: int = 1
     backend: str = "auto"
     """auto: NCCL when CUDA is present, gloo otherwise."""
+    device: str = "cpu"
+    """cpu (or cuda): costs measured on this machine; a GPU type of runtime.devices (A40, A100-80GB, ...): an
+    analytic profile, for planning at paper scale (mode=plan)."""
     device_memory_gb: float = 2.0
     """Memory of one simulated device; a plan whose stage needs more is refused before any worker starts."""
     heartbeat_s: float = 0.5
@@ -81,7 +84,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     mode: str = "train"
-    """train: run the job; plan: print and log the plan only."""
+    """train: run the job; plan: print and log the plan only, starting no worker."""
     progress: bool = True
 
 

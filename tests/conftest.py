@@ -20,6 +20,7 @@ def token_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def job_overrides(tmp_path: Path, token_cache: Path) -> list[str]:
     return [
+        "experiment=plain",  # the groups' defaults, not the quick-start preset
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
         f"train.cache_dir={token_cache}",
         f"policy.checkpoint_dir={tmp_path}/checkpoints",

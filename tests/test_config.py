@@ -12,7 +12,7 @@ from omegaconf.errors import ConfigAttributeError, ValidationError
 from runtime.config import JobConfig
 from runtime.launch import CONF_DIR, compose_config
 
-GROUPS = ["model", "cluster", "policy", "faults"]
+GROUPS = ["model", "cluster", "policy", "faults", "experiment"]
 OPTIONS = [(group, path.stem) for group in GROUPS for path in sorted((CONF_DIR / group).glob("*.yaml"))]
 
 
@@ -21,7 +21,8 @@ def test_every_config_composes_into_the_schema(group: str, option: str) -> None:
     cfg = compose_config([f"{group}={option}"])
     job = OmegaConf.to_object(cfg)
     assert isinstance(job, JobConfig)
-    assert cfg[group] is not None and OmegaConf.select(cfg, f"{group}") == cfg[group]
+    if group != "experiment":  # experiment presets write into the whole config, not a node of their own
+        assert OmegaConf.select(cfg, f"{group}.name" if group != "faults" else "faults.schedule") is not None
 
 
 def test_the_groups_hold_what_the_readme_promises() -> None:
@@ -32,12 +33,20 @@ def test_the_groups_hold_what_the_readme_promises() -> None:
     assert {"none"} <= names["policy"] and {"none"} <= names["faults"]
 
 
-def test_defaults_are_the_quick_job() -> None:
+def test_the_default_job_is_the_quick_start_experiment() -> None:
     cfg = compose_config()
+    assert (cfg.model.name, cfg.cluster.name, cfg.policy.name, cfg.faults.schedule) == (
+        "gpt2-tiny", "local-6", "oobleck", "explicit",
+    )  # fmt: skip
+    assert cfg.policy.fault_threshold == 1 and [e.kind for e in cfg.faults.events] == ["node"]
+    assert cfg.tracking.uri == "sqlite:///mlflow.db"
+
+
+def test_the_plain_experiment_is_the_groups_defaults() -> None:
+    cfg = compose_config(["experiment=plain"])
     assert (cfg.model.name, cfg.cluster.name, cfg.policy.name, cfg.faults.schedule) == (
         "gpt2-tiny", "local-4", "none", "none",
     )  # fmt: skip
-    assert cfg.tracking.uri == "sqlite:///mlflow.db"
 
 
 def test_a_wrong_type_fails_at_composition() -> None:

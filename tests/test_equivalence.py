@@ -37,6 +37,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> dict
 
     base_dir = tmp_path_factory.mktemp("equivalence")
     common = [
+        "experiment=plain",
         f"tracking.uri=sqlite:///{base_dir}/mlflow.db",
         f"train.cache_dir={token_cache}",
         f"policy.checkpoint_dir={base_dir}/checkpoints",

@@ -21,7 +21,7 @@ from runtime.trainer import JobStopped
 
 STEPS = 8
 LOSS_RTOL = 1e-5
-COMMON = ["policy=checkpoint_restart", "policy.checkpoint_every=3", f"train.steps={STEPS}"]
+COMMON = ["experiment=plain", "policy=checkpoint_restart", "policy.checkpoint_every=3", f"train.steps={STEPS}"]
 
 
 @pytest.fixture(scope="module")
