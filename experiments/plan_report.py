@@ -24,18 +24,6 @@ Memory per device is ``cluster.device_memory_gb`` in both cases (a GPU's datashe
 Predicted times count pipeline compute and activation transfers; gradient all-reduce and the optimizer step are
 left out, as in Oobleck's own cost model. Impossible settings raise ``runtime.launch.ConfigError`` saying which
 setting to change.
-
-``ClusterConfig`` has no ``device`` field yet: it is read with ``getattr(cfg.cluster, "device", "cpu")``, so
-``+cluster.device=A100-80GB`` works on the command line today (``++`` works before and after the field exists), and
-a preset may carry ``device:`` once the field exists.
-
-The text and a JSON form go to MLflow (``plan.txt``, ``plan.json``; for Oobleck ``templates.txt`` with the stages of
-every template, the text details only those in use; ``plans/generation-000.json`` when there is a runtime Plan) with
-metrics ``plan/iteration_s``, ``plan/samples_per_s``, ``plan/tokens_per_s``, ``plan/pipelines`` and
-``plan/planning_s``. ``plan_job`` is the entry point for ``ftlab mode=plan``. Without the Hydra app:
-
-    python -m experiments.plan_report experiment=plain model=gpt3-6.7b policy=oobleck cluster.nodes=16 \\
-        cluster.workers_per_node=8 ++cluster.device=A100-80GB cluster.device_memory_gb=80
 """
 
 from __future__ import annotations
@@ -107,7 +95,7 @@ def plan_job(dict_cfg: DictConfig) -> PlanReport:
         "policy": cfg.policy.name,
         "model": cfg.model.name,
         "cluster": cfg.cluster.name,
-        "device": cluster_device(cfg),
+        "device": cfg.cluster.device,
         "faults": cfg.faults.schedule,
     }
     run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
@@ -143,7 +131,7 @@ def build_report(cfg: JobConfig) -> PlanReport:
     policy = _policy(cfg)
     began = time.perf_counter()
     if isinstance(policy, Oobleck):
-        data, plan = _oobleck(cfg, job, profile, tensor_parallel=cluster_device(cfg) in DEVICES)
+        data, plan = _oobleck(cfg, job, profile, tensor_parallel=cfg.cluster.device in DEVICES)
     else:
         data, plan = _generic(cfg, job, policy, profile)
     data["planning_s"] = time.perf_counter() - began
@@ -155,11 +143,6 @@ def build_report(cfg: JobConfig) -> PlanReport:
 
 
 # ---------------------------------------------------------------------------------------------------- the inputs
-
-
-def cluster_device(cfg: JobConfig) -> str:
-    """``cluster.device``: until ClusterConfig has the field, an added key (``+cluster.device=...``) or ``cpu``."""
-    return str(getattr(cfg.cluster, "device", "cpu"))
 
 
 def _check_shape(cfg: JobConfig) -> None:
@@ -177,7 +160,7 @@ def _check_shape(cfg: JobConfig) -> None:
 
 def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
     """The per-layer costs to plan with, and where they come from; memory is ``cluster.device_memory_gb``."""
-    device = cluster_device(cfg)
+    device = cfg.cluster.device
     model, micro_batch = cfg.model, cfg.train.micro_batch
     memory = int(cfg.cluster.device_memory_gb * GIB)
     if device in DEVICES:
@@ -230,7 +213,7 @@ def _policy(cfg: JobConfig) -> Policy:
 
 def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:
     c, t = cfg.cluster, cfg.train
-    device = cluster_device(cfg)
+    device = cfg.cluster.device
     return {
         "model": {
             "name": cfg.model.name, "layers": profile.num_layers, "seq_len": cfg.model.seq_len,
@@ -331,7 +314,7 @@ def _fit_advice(cfg: JobConfig, profile: ModelProfile) -> str:
         f"{c.device_memory_gb:g} GiB = {have:.3g} GiB. Change cluster.nodes, cluster.workers_per_node, "
         f"cluster.device_memory_gb, policy.fault_threshold or train.micro_batch."
     ]
-    device = cluster_device(cfg)
+    device = cfg.cluster.device
     if device in DEVICES and c.device_memory_gb < DEVICES[device].memory_bytes / GIB:
         lines.append(
             f"Note: cluster.device_memory_gb={c.device_memory_gb:g} but an {device} has "

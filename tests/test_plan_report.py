@@ -15,7 +15,7 @@ from experiments.plan_report import plan_job, plan_report
 from policies.base import Job
 from policies.oobleck.policy import Oobleck
 from runtime import cluster as cluster_module
-from runtime.config import ClusterConfig, JobConfig, TrackingConfig
+from runtime.config import JobConfig, TrackingConfig
 from runtime.launch import ConfigError, compose_config
 from runtime.model import layer_specs
 from runtime.plan import Plan
@@ -23,9 +23,8 @@ from runtime.tracking import Tracker
 
 PAPER_SCALE = [
     "experiment=plain", "model=gpt3-6.7b", "policy=oobleck", "cluster.nodes=16", "cluster.workers_per_node=8",
-    "++cluster.device=A100-80GB", "cluster.device_memory_gb=80",
+    "cluster.device=A100-80GB", "cluster.device_memory_gb=80",
 ]  # fmt: skip
-HAS_DEVICE_FIELD = "device" in {f.name for f in dataclasses.fields(ClusterConfig)}
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +108,6 @@ def test_paper_scale_plans_from_the_analytic_profile(job_overrides: list[str], t
     assert "A100-80GB" in report.text
 
 
-@pytest.mark.skipif(not HAS_DEVICE_FIELD, reason="ClusterConfig has no device field yet")
 def test_gpu_cluster_preset_plans(job_overrides: list[str]) -> None:
     cfg = job_config(job_overrides, "experiment=plain", "cluster=a100-16x8", "model=gpt3-6.7b", "policy=oobleck")
     assert plan_report(cfg).data["profile"]["kind"] == "analytic"
@@ -133,7 +131,7 @@ IMPOSSIBLE = [
     (["experiment=plain", "policy=oobleck", "policy.fault_threshold=3", "train.global_batch=6"],
      ["train.global_batch"]),
     (["experiment=plain", "model=gpt2-small"], ["cluster.device=A100-80GB"]),  # too big to measure here
-    (["experiment=plain", "++cluster.device=TPU-v9"], ["A100-80GB"]),
+    (["experiment=plain", "cluster.device=TPU-v9"], ["A100-80GB"]),
     (["experiment=plain", "train.global_batch=15"], ["multiple of train.micro_batch"]),
 ]
 
