@@ -73,7 +73,6 @@ def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
             "MASTER_PORT": str(port),
             "DS_ACCELERATOR": "cpu",
             "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": str(job.threads),
         }
         command = [sys.executable, "-m", "experiments.deepspeed_reference", str(spec)]
         procs.append(subprocess.Popen(command, env=env, cwd=REPO))

@@ -142,24 +142,10 @@ class LocalCluster:
 
     def send(self, worker: int, message: object) -> bool:
         """Send to a worker; False if its connection is already gone (the failure arrives as an event)."""
-        member = self.workers.get(worker)
-        if member is None or not member.alive:
-            return False
-        try:
-            member.conn.send(message)
-            return True
-        except OSError:
-            return False
+        return _send(self.workers.get(worker), message)
 
     def send_agent(self, node: int, message: object) -> bool:
-        member = self.agents.get(node)
-        if member is None or not member.alive:
-            return False
-        try:
-            member.conn.send(message)
-            return True
-        except OSError:
-            return False
+        return _send(self.agents.get(node), message)
 
     # -- membership --------------------------------------------------------------------------------------------
     def alive_workers(self) -> list[int]:
@@ -207,6 +193,16 @@ class LocalCluster:
         for member in self.workers.values():
             _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
         self._listener.close()
+
+
+def _send(member: Member | None, message: object) -> bool:
+    if member is None or not member.alive:
+        return False
+    try:
+        member.conn.send(message)
+        return True
+    except OSError:
+        return False
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -124,6 +124,10 @@ class Plan:
                 f"the pipelines must process micro-batches 0..{self.num_microbatches - 1} exactly once each "
                 f"between them; they process {sorted(seen)}"
             )
+        self.layer_ranges()
+
+    def layer_ranges(self) -> dict[int, tuple[int, int]]:
+        """Each worker's layers ``(start, stop)``; a worker serving several pipelines must hold the same ones."""
         ranges: dict[int, tuple[int, int]] = {}
         for _, _, stage in self.stages():
             held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
@@ -132,6 +136,7 @@ class Plan:
                     f"worker {stage.worker} appears with layers {held[0]}..{held[1] - 1} and "
                     f"{stage.start}..{stage.stop - 1}: a worker serving several pipelines must hold the same layers"
                 )
+        return ranges
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from runtime import instructions as ins
-from runtime.plan import Plan
+from runtime.plan import Plan, PlanError
 
 Durations = Callable[[int, PipeInstruction], float]
 
@@ -74,15 +74,10 @@ def _key(instr: PipeInstruction) -> int:
 
 def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
     """Each worker's layer range ``(start, stop)``; a worker named in several pipelines must hold the same layers."""
-    ranges: dict[int, tuple[int, int]] = {}
-    for p, _, stage in plan.stages():
-        held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
-        if held != (stage.start, stage.stop):
-            raise ProgramError(
-                f"worker {stage.worker} holds layers {held[0]}..{held[1] - 1} in one pipeline and "
-                f"{stage.start}..{stage.stop - 1} in pipeline {p}: a worker holds one layer range"
-            )
-    return ranges
+    try:
+        return plan.layer_ranges()
+    except PlanError as exc:
+        raise ProgramError(str(exc)) from exc
 
 
 def _co_holders(ranges: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, ...]]:
