@@ -308,27 +308,6 @@ def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> di
             outcome = run_one(policy, f"table2 every {k:g} {unit}", [*steps, *faults], scratch)
             cells.append(_cell(outcome, k))
 
-    def column(k: float) -> str:
-        approx = f" ~{k * iter_s:.0f}s" if unit == "steps" and iter_s else ""
-        return f"every {k:g} {unit}{approx}"
-
-    width = max(18, *(len(column(k)) + 2 for k in every))
-    lines = [f"{'samples/s (faults)':<22}" + "".join(f"{column(k):>{width}}" for k in every)]
-    for row in ("fault-free", "checkpoint_restart", "oobleck"):
-        text = f"{row:<22}"
-        for k in every:
-            c = free_cell if row == "fault-free" else next(x for x in cells if x["policy"] == row and x["every"] == k)
-            text += f"{_cell_text(c):>{width}}"
-        lines.append(text)
-    for row in ("checkpoint_restart", "oobleck"):
-        ratios = []
-        for k in every:
-            c = next(x for x in cells if x["policy"] == row and x["every"] == k)
-            ok = "samples_per_s" in c and "samples_per_s" in free_cell
-            ratios.append(f"{c['samples_per_s'] / free_cell['samples_per_s']:.2f}" if ok else "-")
-        lines.append(f"{row + ' / fault-free':<22}" + "".join(f"{r:>{width}}" for r in ratios))
-    table = "\n".join(lines)
-    print("\n" + table)
     out = {
         "schedule": schedule,
         "unit": unit,
@@ -341,8 +320,44 @@ def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> di
         "fault_free": free_cell,
         "cells": cells,
     }
+    table = format_table2(out)
+    print("\n" + table)
     _save_and_log(out, table, args, part1)
     return out
+
+
+def format_table2(out: dict[str, Any]) -> str:
+    """Average samples/s per (policy, rate), with the faults that landed; then ratios, goodput and recovery times."""
+    every, unit, free = out["every"], out["unit"], out["fault_free"]
+
+    def column(k: float) -> str:
+        approx = f" ~{k * out['fault_free_iter_s']:.0f}s" if unit == "steps" and out["fault_free_iter_s"] else ""
+        return f"every {k:g} {unit}{approx}"
+
+    def cell(policy: str, k: float) -> dict[str, Any]:
+        return free if policy == "none" else next(c for c in out["cells"] if c["policy"] == policy and c["every"] == k)
+
+    def row(title: str, policy: str, text) -> str:  # noqa: ANN001 - cell -> str
+        return f"{title:<36}" + "".join(f"{text(cell(policy, k)):>{width}}" for k in every)
+
+    def number(key: str, spec: str):  # noqa: ANN202
+        return lambda c: "-" if c.get(key) is None else format(c[key], spec)
+
+    width = max(18, *(len(column(k)) + 2 for k in every))
+    names = {"none": "fault-free", "checkpoint_restart": "checkpoint_restart", "oobleck": "oobleck"}
+    lines = [f"{'samples/s (faults landed)':<36}" + "".join(f"{column(k):>{width}}" for k in every)]
+    lines += [row(names[p], p, _cell_text) for p in names]
+    for p in ("checkpoint_restart", "oobleck"):
+        ok = "samples_per_s" in free
+        lines.append(row(f"{p} / fault-free", p, lambda c: f"{c['samples_per_s'] / free['samples_per_s']:.2f}"
+                         if ok and "samples_per_s" in c else "-"))  # fmt: skip
+    for p in ("checkpoint_restart", "oobleck"):
+        lines.append(row(f"{p} goodput_ratio", p, number("goodput_ratio", ".3f")))
+    for p in ("checkpoint_restart", "oobleck"):
+        lines.append(row(f"{p} recover_s median", p, number("recover_s_median", ".2f")))
+    for p in ("checkpoint_restart", "oobleck"):
+        lines.append(row(f"{p} lost steps", p, number("lost_steps", "d")))
+    return "\n".join(lines)
 
 
 def _cell(outcome: Outcome, every: float | None) -> dict[str, Any]:

@@ -107,14 +107,14 @@ class Injector:
                 if event.node not in self.cluster.alive_nodes():
                     self.record("fault_skipped", reason="node already dead", fault=event.to_dict())
                     return
-                self.cluster.kill_node(event.node)
                 fired = Fired(event, time.monotonic(), tuple(self.cluster.workers_of(event.node)))
+                self.cluster.kill_node(event.node)
             else:
                 worker = self._target_worker(event)
                 if worker not in self.cluster.alive_workers():
                     self.record("fault_skipped", reason="worker already dead", fault=event.to_dict())
                     return
-                self.cluster.kill_worker(worker, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
                 fired = Fired(event, time.monotonic(), (worker,))
+                self.cluster.kill_worker(worker, signal.SIGSTOP if event.kind == "hang" else signal.SIGKILL)
             self.record("fault_injected", workers=list(fired.workers), fault=event.to_dict())
         self.on_fault(fired)

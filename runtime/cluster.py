@@ -29,6 +29,14 @@ class ClusterError(RuntimeError):
     pass
 
 
+class NodeLost(ClusterError):
+    """A node's agent died while the coordinator waited for its workers."""
+
+    def __init__(self, node: int, returncode: int | None) -> None:
+        super().__init__(f"the agent of node {node} exited with code {returncode} while its workers started")
+        self.node = node
+
+
 @dataclass(frozen=True)
 class Event:
     role: str  # "agent" | "worker"
@@ -103,7 +111,7 @@ class LocalCluster:
         while not expected <= {w for w, m in self.workers.items() if m.alive}:
             for node, proc in self._agent_procs.items():
                 if proc.poll() is not None and node in {self.node_of(w) for w in expected}:
-                    raise ClusterError(f"the agent of node {node} exited with code {proc.returncode} while starting")
+                    raise NodeLost(node, proc.returncode)
             if time.monotonic() > deadline:
                 missing = sorted(expected - set(self.workers))
                 raise ClusterError(f"workers {missing} did not register within {timeout_s:.0f} s")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import datetime
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,15 @@ class Aborted(Exception):
 
 class CommError(RuntimeError):
     """A peer failed in the middle of an operation (connection reset, timeout)."""
+
+
+@contextmanager
+def _peer_errors() -> Iterator[None]:
+    """Gloo raises at once, while issuing, when a peer's connection is already closed: that is a CommError too."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CommError(str(exc)) from exc
 
 
 def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
@@ -98,20 +108,22 @@ class GenerationComm:
 
     @staticmethod
     def _raise_if_failed(work: dist.Work) -> None:
-        try:
+        with _peer_errors():
             work.wait()
-        except RuntimeError as exc:
-            raise CommError(str(exc)) from exc
 
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Asynchronous: the tensor is kept alive until ``flush_sends``."""
         tensor = tensor.detach().contiguous()
-        self._pending_sends.append((self.world.send([tensor], self._rank[peer], tag), tensor))
+        with _peer_errors():
+            work = self.world.send([tensor], self._rank[peer], tag)
+        self._pending_sends.append((work, tensor))
 
     def recv(self, shape: Iterable[int], dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self.wait(self.world.recv([buffer], self._rank[peer], tag))
+        with _peer_errors():
+            work = self.world.recv([buffer], self._rank[peer], tag)
+        self.wait(work)
         return buffer
 
     def send_bytes(self, data: bytes, peer: int, tag: int) -> None:
@@ -139,7 +151,8 @@ class GenerationComm:
         for layers, group in self.reduce_groups:
             tensors = [g for layer in layers for g in grads_of[layer]]
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            started.append((group.allreduce([flat]), flat, tensors))
+            with _peer_errors():
+                started.append((group.allreduce([flat]), flat, tensors))
         for work, flat, tensors in started:
             self.wait(work)
             offset = 0

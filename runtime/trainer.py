@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from policies.base import Change, Continue, InPlace, Job, Policy, Restart, SaveCheckpoint, Stop
 from runtime import checkpoint, messages as msg
-from runtime.cluster import Event, LocalCluster
+from runtime.cluster import Event, LocalCluster, NodeLost
 from runtime.fault_ledger import FaultLedger, FaultRecord
 from runtime.plan import Plan
 
@@ -131,7 +131,7 @@ class Trainer:
                 for action in self.policy.after_step(step, self.job()):
                     self._checkpoint(plan, step, action)
             except MembershipChanged as changed:
-                plan, restore, transfers = self._recover(changed.failure, plan, step)
+                plan, restore, transfers = self._recover_until_stable(changed.failure, plan, step)
                 step, configured = plan.step, False
         return records
 
@@ -265,8 +265,8 @@ class Trainer:
         return failure
 
     # -- recovery ----------------------------------------------------------------------------------------------
-    def _abort(self, plan: Plan, failure: Failure) -> tuple[int, dict[int, tuple[int, ...]]]:
-        """Stop the iteration in flight on every survivor; returns the step they are all at and who holds what."""
+    def _abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
+        """Stop the iteration in flight on every survivor; returns who holds which layers."""
         survivors = set(plan.workers) & set(self.cluster.alive_workers())
         for worker in survivors:
             self.cluster.send(worker, msg.Abort(plan.generation))
@@ -278,15 +278,27 @@ class Trainer:
                 failure.nodes.update(more.failure.nodes)
                 failure.workers.update(more.failure.workers)
                 survivors &= set(self.cluster.alive_workers())
-        steps = {m.step for m in done.values()}
-        assert len(steps) <= 1, f"survivors disagree on the committed step: {steps}"
-        return (steps.pop() if steps else plan.step), {w: m.layers for w, m in done.items()}
+        # The invariant every policy relies on: no two replicas of a layer at different steps. (Workers restarted
+        # a moment ago hold no layer yet.)
+        behind = {w: m.step for w, m in done.items() if m.layers and m.step != committed}
+        assert not behind, f"workers {behind} are not at the committed step {committed}"
+        return {w: m.layers for w, m in done.items()}
+
+    def _recover_until_stable(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None, Transfers]:
+        """Recover, and recover again if more members fail while recovering (e.g. a node dies during a restart)."""
+        while True:
+            try:
+                return self._recover(failure, plan, step)
+            except MembershipChanged as more:
+                failure = more.failure
 
     def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None, Transfers]:
+        """``step`` is the number of committed steps: what every survivor holding layers is at."""
         noticed = min([*failure.nodes.values(), *failure.workers.values()])
         records = self.ledger.noticed(set(failure.workers), noticed)
         self.hooks.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step)
-        committed, holdings = self._abort(plan, failure)
+        holdings = self._abort(plan, failure, step)
+        committed = step
         change = Change(
             plan=plan,
             step=committed,
@@ -341,7 +353,7 @@ class Trainer:
         Workers of a node still joining are waited for first, so none is left starting while its slot is refilled.
         """
         booting = {w for n in self.pending_joins if n in self.cluster.alive_nodes() for w in self.cluster.workers_of(n)}
-        self.cluster.wait_for_workers(booting, timeout_s=300)
+        self._wait_for(booting)
         for worker in self.cluster.alive_workers():
             self.cluster.kill_worker(worker)
             self.cluster.mark_dead("worker", worker)
@@ -355,7 +367,16 @@ class Trainer:
                 self.cluster.workers.pop(worker, None)
             self.cluster.send_agent(node, msg.SpawnWorkers(workers))
             expected |= set(workers)
-        self.cluster.wait_for_workers(expected, timeout_s=300)
+        self._wait_for(expected)
+
+    def _wait_for(self, workers: set[int]) -> None:
+        """Wait for workers to register; a node that dies meanwhile is a further failure to recover from."""
+        try:
+            self.cluster.wait_for_workers(workers, timeout_s=300)
+        except NodeLost as lost:
+            self.cluster.mark_dead("agent", lost.node)
+            self.hooks.on_event("node_lost_while_starting", node=lost.node)
+            raise MembershipChanged(Failure(nodes={lost.node: time.monotonic()})) from lost
 
     def _drain_events(self) -> None:
         """Drop the closed-connection and exit events of workers this coordinator killed itself."""
@@ -365,7 +386,6 @@ class Trainer:
                 raise JobStopped(f"{event.role} {event.ident} crashed:\n{event.message.error}")
             if event.role == "agent" and event.message is None:
                 self.cluster.mark_dead("agent", event.ident)
-                self.failed_nodes.add(event.ident)
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
