@@ -312,8 +312,7 @@ def _log_timeline(
     tracker: Tracker, records: list[StepRecord], ledger: FaultLedger, started: float, plan: Plan, title: str
 ) -> None:
     path = plot_timeline(
-        [r.ended_at - started for r in records],
-        [plan.global_batch / r.iter_s for r in records],
+        [(r.ended_at - r.iter_s - started, r.ended_at - started, plan.global_batch / r.iter_s) for r in records],
         [r.fired_at - started for r in ledger.records if r.fired_at is not None],
         [r.recovered_at - started for r in ledger.records if r.recovered_at is not None],
         tracker.local / "timeline.png",

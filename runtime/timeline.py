@@ -10,11 +10,25 @@ matplotlib.use("Agg")  # no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def throughput_curve(steps: list[tuple[float, float, float]]) -> tuple[list[float], list[float]]:
+    """(start, end, samples/s) of each step -> a curve that holds each step's rate over its own interval and drops
+    to zero wherever no step ran (detection, recovery, restarts), so an outage shows as the gap it was."""
+    times: list[float] = []
+    rates: list[float] = []
+    for start, end, rate in sorted(steps):
+        if times and start > times[-1]:
+            times += [times[-1], start]
+            rates += [0.0, 0.0]
+        times += [start, end]
+        rates += [rate, rate]
+    return times, rates
+
+
 def plot_timeline(
-    ends_s: list[float], samples_per_s: list[float], faults_s: list[float], recoveries_s: list[float], path: Path, title: str
+    steps: list[tuple[float, float, float]], faults_s: list[float], recoveries_s: list[float], path: Path, title: str
 ) -> Path:
     fig, ax = plt.subplots(figsize=(9, 3.2))
-    ax.plot(ends_s, samples_per_s, marker=".", linewidth=1, label="samples/s per step")
+    ax.plot(*throughput_curve(steps), linewidth=1, label="samples/s")
     for i, t in enumerate(faults_s):
         ax.axvline(t, color="tab:red", linestyle="--", linewidth=1, label="fault" if i == 0 else None)
     for i, t in enumerate(recoveries_s):

@@ -97,3 +97,11 @@ def test_a_plan_that_drops_a_microbatch_is_refused() -> None:
     with pytest.raises(PlanError, match="exactly once"):
         Plan(0, 8, 16, 2, (pipeline,)).validate()
 
+
+
+def test_the_timeline_shows_an_outage_as_zero_throughput() -> None:
+    from runtime.timeline import throughput_curve
+
+    times, rates = throughput_curve([(0.0, 1.0, 10.0), (1.0, 2.0, 12.0), (5.0, 6.0, 11.0)])
+    assert times == [0.0, 1.0, 1.0, 2.0, 2.0, 5.0, 5.0, 6.0]
+    assert rates == [10.0, 10.0, 12.0, 12.0, 0.0, 0.0, 11.0, 11.0]
