@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+import torch
 
-from experiments.plan_report import plan_job
-from faults.schedules import FaultConfigError
-from runtime.config import register
-from runtime.launch import ConfigError, JobResult, run_job
-from runtime.trainer import JobStopped
+# DeepSpeed probes for an accelerator, and warns in every process that imports it, unless told which one it is.
+# The runtime uses only its pipeline-schedule classes; the agents pass this on to the workers.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from experiments.plan_report import plan_job  # noqa: E402
+from faults.schedules import FaultConfigError  # noqa: E402
+from runtime.config import register  # noqa: E402
+from runtime.launch import ConfigError, JobResult, run_job  # noqa: E402
+from runtime.trainer import JobStopped  # noqa: E402
 
 register()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from runtime import messages as msg
@@ -85,7 +86,13 @@ class LocalCluster:
 
     # -- starting ----------------------------------------------------------------------------------------------
     def start_node(self, node: int) -> None:
-        env = {**os.environ, msg.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            msg.SECRET_ENV: self.secret,
+            "PYTHONUNBUFFERED": "1",
+            # Workers import DeepSpeed for its schedule classes only: name the accelerator so it does not probe.
+            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu"),
+        }
         command = [
             sys.executable, "-m", "runtime.agent",
             "--coordinator-port", str(self.port),
