@@ -8,31 +8,30 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from faults.injector import Injector
 from faults.schedules import ClusterShape, FaultEvent, build_schedule
 from policies.base import Job, Policy
 from runtime import checkpoint
 from runtime.cluster import LocalCluster
 from runtime.config import JobConfig, register
 from runtime.data import load_tokens, tokenize_corpus
+from runtime.fault_ledger import FaultLedger, FaultRecord
 from runtime.model import layer_specs, training_memory_bytes
 from runtime.optim import OptimSettings
 from runtime.plan import Plan, PlanError
 from runtime.progress import ProgressLine
+from runtime.timeline import plot_timeline
 from runtime.tracking import Tracker
 from runtime.trainer import Hooks, StepRecord, Trainer
-from runtime.fault_ledger import FaultLedger, FaultRecord
-from runtime.timeline import plot_timeline
-from faults.injector import Injector
-
 
 CONF_DIR = Path(__file__).parents[1] / "conf"
 

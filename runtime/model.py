@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runtime.model_families import FAMILIES, ffn_hidden, kv_heads
+from runtime.model_families import FAMILIES
 
 MODEL_CONF_DIR = Path(__file__).parents[1] / "conf" / "model"
 INIT_STD = 0.02  # GPT-2's initialisation, used for every family

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from policies.base import Change, Continue, InPlace, Job, Policy, Restart, SaveCheckpoint, Stop
-from runtime import checkpoint, messages as msg
+from runtime import checkpoint
+from runtime import messages as msg
 from runtime.cluster import Event, LocalCluster, NodeLost
 from runtime.fault_ledger import FaultLedger, FaultRecord
 from runtime.plan import Plan

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from faults.schedules import FaultConfigError
 from runtime import cluster as cluster_module
-from runtime.launch import ConfigError, compose_config, run_job
+from runtime.launch import ConfigError
 from runtime.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
