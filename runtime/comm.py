@@ -6,7 +6,9 @@ flight blocks for the whole timeout. Hence:
 
 - every generation gets fresh groups on ``PrefixStore(f"gen{g}/...", store)``, built without any global default
   group, so survivors can form the next generation while the old one still has operations stuck in it;
-- operations are issued asynchronously and waited for by a helper thread, while the caller polls an abort event;
+- operations are issued asynchronously and waited for by the generation's waiter thread, while the caller polls
+  an abort event (gloo point-to-point work never reports completion before ``wait()``, so every receive needs the
+  waiter; one long-lived thread avoids starting a thread per operation, which costs milliseconds on a busy host);
 - a generation that was aborted is never destroyed, only dropped into ``_RETIRED`` (its stuck threads time out on
   their own).
 """
@@ -14,6 +16,7 @@ flight blocks for the whole timeout. Hence:
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -25,6 +28,29 @@ from runtime.plan import Plan
 
 _POLL_S = 0.05
 _RETIRED: list[GenerationComm] = []
+
+
+class _Waiter:
+    """A thread that waits on work items in order and signals each completion. One per generation: a wait stuck in
+    an aborted generation stays behind with it and never delays the next."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[dist.Work, threading.Event, list[BaseException]]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="comm-waiter").start()
+
+    def _run(self) -> None:
+        while True:
+            work, done, failure = self._jobs.get()
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                failure.append(exc)
+            done.set()
+
+    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
+        done, failure = threading.Event(), []
+        self._jobs.put((work, done, failure))
+        return done, failure
 
 
 class Aborted(Exception):
@@ -82,6 +108,7 @@ class GenerationComm:
                 group = _new_group(store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s)
                 self.reduce_groups.append((layers, group))
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._waiter = _Waiter()
 
     # -- waiting -------------------------------------------------------------------------------------------------
     def wait(self, work: dist.Work) -> None:
@@ -89,17 +116,7 @@ class GenerationComm:
         if work.is_completed():
             self._raise_if_failed(work)
             return
-        done = threading.Event()
-        failure: list[BaseException] = []
-
-        def waiter() -> None:
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                failure.append(exc)
-            done.set()
-
-        threading.Thread(target=waiter, daemon=True, name="comm-wait").start()
+        done, failure = self._waiter.submit(work)
         while not done.wait(_POLL_S):
             if self.abort.is_set():
                 raise Aborted()
