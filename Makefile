@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-slow fault-ci bench clean
+.PHONY: setup run test fault-ci bench clean
 
 # Pinned dependencies from requirements.lock, then the project itself (editable, so conf/ edits apply at once).
 $(STAMP): pyproject.toml requirements.lock
@@ -19,10 +19,6 @@ run: setup
 
 test: setup
 	$(PYTHON) -m pytest
-
-# Long fault-injection scenarios, left out of `make test`.
-test-slow: setup
-	$(PYTHON) -m pytest -m slow
 
 # A short fault-injection scenario (a node killed mid-run) for every policy in conf/policy, with its invariants.
 fault-ci: setup
