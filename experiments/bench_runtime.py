@@ -74,10 +74,10 @@ def _step_end_times():
     ends: dict[int, float] = {}
 
     @functools.wraps(original)
-    def timed(self, plan, step):  # noqa: ANN001, ANN202
-        record = original(self, plan, step)
+    def timed(self, plan, step, meanwhile):  # noqa: ANN001, ANN202
+        result = original(self, plan, step, meanwhile)
         ends[step] = time.perf_counter()
-        return record
+        return result
 
     Trainer._run_step = timed
     try:

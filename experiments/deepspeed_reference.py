@@ -3,7 +3,7 @@
 Same layers (``runtime.model.build_layer``, so the same initial weights), same split (DeepSpeed's "uniform"
 partition equals ``runtime.plan.even_split``; checked), same micro-batches (``runtime.data.Batches``: data-parallel
 rank r feeds micro-batches r, r + DP, ... of each step, as ftlab's ``grid_plan`` deals them), same optimizer
-(``torch.optim.AdamW``, foreach off, same betas / weight decay) and the same learning rate schedule
+(fused ``torch.optim.AdamW``, same betas / weight decay) and the same learning rate schedule
 (``runtime.optim.lr_at``, written into the optimizer before every step), one thread per process, gloo on CPU.
 
 The one adaptation: ftlab's head layer takes (hidden, labels) and returns the loss; a ``PipelineModule`` layer gets
@@ -169,7 +169,7 @@ def _worker(job: ReferenceJob) -> None:
                 "eps": 1e-8,
                 "weight_decay": job.weight_decay,
                 "torch_adam": True,  # torch.optim.AdamW (DeepSpeed's FusedAdam is a GPU kernel)
-                "foreach": False,  # as runtime.optim.layer_optimizer
+                "fused": True,  # the fused kernel, as runtime.optim.layer_optimizer uses
             },
         },
         "zero_optimization": {"stage": 0},

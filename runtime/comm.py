@@ -6,51 +6,31 @@ flight blocks for the whole timeout. Hence:
 
 - every generation gets fresh groups on ``PrefixStore(f"gen{g}/...", store)``, built without any global default
   group, so survivors can form the next generation while the old one still has operations stuck in it;
-- operations are issued asynchronously and waited for by the generation's waiter thread, while the caller polls
-  an abort event (gloo point-to-point work never reports completion before ``wait()``, so every receive needs the
-  waiter; one long-lived thread avoids starting a thread per operation, which costs milliseconds on a busy host);
-- a generation that was aborted is never destroyed, only dropped into ``_RETIRED`` (its stuck threads time out on
-  their own).
+- the worker's main thread waits for its operations directly, as DeepSpeed's engine does: a receive completes with
+  no thread hand-off between the data arriving and the computation that needs it;
+- an abort comes from the worker's control thread, which calls ``interrupt``: it closes every connection of the
+  generation on purpose (a receive with a 1 ms timeout from each peer, whose timeout closes that pair), so any wait
+  in the main thread fails at once, on this worker and on the peers waiting for it;
+- a generation that was aborted is never destroyed, only dropped into ``_RETIRED``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import queue
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from runtime.plan import Plan
 
-_POLL_S = 0.05
 _RETIRED: list[GenerationComm] = []
-
-
-class _Waiter:
-    """A thread that waits on work items in order and signals each completion. One per generation: a wait stuck in
-    an aborted generation stays behind with it and never delays the next."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[dist.Work, threading.Event, list[BaseException]]] = queue.SimpleQueue()
-        threading.Thread(target=self._run, daemon=True, name="comm-waiter").start()
-
-    def _run(self) -> None:
-        while True:
-            work, done, failure = self._jobs.get()
-            try:
-                work.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                failure.append(exc)
-            done.set()
-
-    def submit(self, work: dist.Work) -> tuple[threading.Event, list[BaseException]]:
-        done, failure = threading.Event(), []
-        self._jobs.put((work, done, failure))
-        return done, failure
+# No message is ever sent with this tag: a receive on it only exists to time out and close its connection.
+_INTERRUPT_TAG = 1 << 30
+_INTERRUPT_TIMEOUT = datetime.timedelta(milliseconds=1)
 
 
 class Aborted(Exception):
@@ -61,13 +41,16 @@ class CommError(RuntimeError):
     """A peer failed in the middle of an operation (connection reset, timeout)."""
 
 
-@contextmanager
-def _peer_errors() -> Iterator[None]:
-    """Gloo raises at once, while issuing, when a peer's connection is already closed: that is a CommError too."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise CommError(str(exc)) from exc
+def _close_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
+    """Close this worker's connection to every peer in ``group``: a gloo receive that times out closes its pair."""
+    probes = []
+    for peer in range(size):
+        if peer != rank:
+            with contextlib.suppress(RuntimeError):  # that connection is closed already
+                probes.append(group.recv([torch.empty(1)], peer, _INTERRUPT_TAG))
+    for probe in probes:
+        with contextlib.suppress(RuntimeError):  # the timeout, which is the point
+            probe.wait(_INTERRUPT_TIMEOUT)
 
 
 def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
@@ -80,6 +63,17 @@ def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: st
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
+@dataclass
+class PostedRecv:
+    comm: GenerationComm
+    work: dist.Work
+    buffer: torch.Tensor
+
+    def result(self) -> torch.Tensor:
+        self.comm.wait(self.work)
+        return self.buffer
+
+
 class GenerationComm:
     """The process groups of one plan generation, as seen by one worker."""
 
@@ -88,18 +82,20 @@ class GenerationComm:
         store: dist.Store,
         plan: Plan,
         worker: int,
-        abort: threading.Event,
         backend: str = "gloo",
         timeout_s: float = 120.0,
     ) -> None:
         self.plan = plan
         self.worker = worker
-        self.abort = abort
+        self.aborted = threading.Event()
+        self._interrupting = threading.Lock()
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         workers = plan.workers
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
         self.world = _new_group(store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s)
+        # (group, this worker's rank in it, its size) for every group, which ``interrupt`` closes.
+        self._groups = [(self.world, self._rank[worker], len(workers))]
         # One group per distinct replica set; every member builds the groups in the same order.
         self.reduce_groups: list[tuple[tuple[int, ...], dist.ProcessGroup]] = []
         for holders, layers in plan.reduction_groups():
@@ -107,41 +103,56 @@ class GenerationComm:
                 key = "-".join(map(str, holders))
                 group = _new_group(store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s)
                 self.reduce_groups.append((layers, group))
+                self._groups.append((group, holders.index(worker), len(holders)))
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._waiter = _Waiter()
+        self._buckets: list[tuple[torch.Tensor, dist.ProcessGroup]] = []
 
-    # -- waiting -------------------------------------------------------------------------------------------------
+    # -- waiting and aborting ------------------------------------------------------------------------------------
     def wait(self, work: dist.Work) -> None:
-        """Block until ``work`` completes, raising Aborted as soon as the abort event is set."""
-        if work.is_completed():
-            self._raise_if_failed(work)
-            return
-        done, failure = self._waiter.submit(work)
-        while not done.wait(_POLL_S):
-            if self.abort.is_set():
-                raise Aborted()
-        if failure:
-            raise CommError(str(failure[0])) from failure[0]
-
-    @staticmethod
-    def _raise_if_failed(work: dist.Work) -> None:
-        with _peer_errors():
+        """Block until ``work`` completes; Aborted if ``interrupt`` ended it, CommError if a peer failed."""
+        with self._failures():
             work.wait()
+
+    @contextlib.contextmanager
+    def _failures(self) -> Iterator[None]:
+        """Issuing or waiting: Aborted once ``interrupt`` was called, else a gloo error is a peer's failure."""
+        if self.aborted.is_set():
+            raise Aborted()
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.aborted.is_set():
+                raise Aborted() from exc
+            raise CommError(str(exc)) from exc
+
+    def interrupt(self) -> None:
+        """Abort this generation: every operation in flight or issued later fails at once. Safe to call from another
+        thread than the one waiting, and more than once."""
+        self.aborted.set()
+        with self._interrupting:
+            for group, rank, size in self._groups:
+                if self.device.type == "cuda":
+                    group.abort()  # NCCL aborts its communicators itself (gloo's abort() leaves waits blocked)
+                else:
+                    _close_connections(group, rank, size)
 
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Asynchronous: the tensor is kept alive until ``flush_sends``."""
         tensor = tensor.detach().contiguous()
-        with _peer_errors():
+        with self._failures():
             work = self.world.send([tensor], self._rank[peer], tag)
         self._pending_sends.append((work, tensor))
 
-    def recv(self, shape: Iterable[int], dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
+    def post_recv(self, shape: Iterable[int], dtype: torch.dtype, peer: int, tag: int) -> PostedRecv:
+        """Post a receive now, to be waited for later (``PostedRecv.result``)."""
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        with _peer_errors():
+        with self._failures():
             work = self.world.recv([buffer], self._rank[peer], tag)
-        self.wait(work)
-        return buffer
+        return PostedRecv(self, work, buffer)
+
+    def recv(self, shape: Iterable[int], dtype: torch.dtype, peer: int, tag: int) -> torch.Tensor:
+        return self.post_recv(shape, dtype, peer, tag).result()
 
     def send_bytes(self, data: bytes, peer: int, tag: int) -> None:
         """A byte string of any length: its size first, then the payload (tags ``tag`` and ``tag + 1``)."""
@@ -158,24 +169,33 @@ class GenerationComm:
         self._pending_sends.clear()
 
     # -- collectives -----------------------------------------------------------------------------------------------
-    def all_reduce_layers(self, grads_of: dict[int, list[torch.Tensor]]) -> None:
+    def bucket_gradients(self, layers: dict[int, torch.nn.Module]) -> None:
+        """Make the gradients of each replica set's layers views into one flat buffer, which ``all_reduce_gradients``
+        reduces in place: no copy in or out (DDP's ``gradient_as_bucket_view``). Autograd accumulates into the views
+        and the optimizers zero them in place, so they stay views for the whole generation."""
+        self._buckets = []
+        for group_layers, group in self.reduce_groups:
+            params = [p for index in group_layers for p in layers[index].parameters()]
+            (dtype,) = {p.dtype for p in params}
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=self.device)
+            offset = 0
+            for p in params:
+                p.grad = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self._buckets.append((flat, group))
+
+    def all_reduce_gradients(self) -> None:
         """Sum each layer's gradients over every replica of the layer, in place.
 
         All groups' all-reduces are issued before any is waited for: gloo runs them on its own threads, so a worker
         that sits in several replica sets never waits on one group while a peer waits on another.
         """
         started = []
-        for layers, group in self.reduce_groups:
-            tensors = [g for layer in layers for g in grads_of[layer]]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            with _peer_errors():
-                started.append((group.allreduce([flat]), flat, tensors))
-        for work, flat, tensors in started:
+        for flat, group in self._buckets:
+            with self._failures():
+                started.append(group.allreduce([flat]))
+        for work in started:
             self.wait(work)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
 
     def retire(self) -> None:
         """Keep this generation's groups alive forever: destroying one with work in flight blocks (see above)."""

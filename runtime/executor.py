@@ -7,21 +7,25 @@ over replicas (``ReduceGrads``) is its gradient, whatever the layout.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from runtime import instructions as ins
-from runtime.comm import Aborted, GenerationComm
+from runtime.comm import Aborted, GenerationComm, PostedRecv
 from runtime.data import Batches
 from runtime.model import StageModule
 
 # p2p tags: one stream of activations and one of gradients per micro-batch.
 _ACTIVATION, _GRADIENT = 0, 1
+# Receives posted ahead of the one being waited for. A gloo send to a peer that has not posted its receive yet waits
+# for the peer's "ready" notice and then goes out from the sender's communication thread, which on a busy host
+# waits for a CPU behind the sender's own computation; posted early, the receive is there when the sender sends.
+_RECEIVES_AHEAD = 2
 
 
 def _tag(microbatch: int, stream: int) -> int:
@@ -43,6 +47,34 @@ class _Buffers:
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+class _Receives:
+    """The iteration's activation and gradient receives, in program order, each posted ``_RECEIVES_AHEAD`` receives
+    before the instruction that needs it."""
+
+    def __init__(self, comm: GenerationComm, program: ins.Program, shape: tuple[int, ...]) -> None:
+        self.comm = comm
+        self.shape = shape
+        self.upcoming = deque(i for i in program if isinstance(i, (ins.RecvActivation, ins.RecvGrad)))
+        self.posted: dict[tuple[int, int], PostedRecv] = {}
+        self._post_ahead()
+
+    def take(self, instruction: ins.RecvActivation | ins.RecvGrad) -> torch.Tensor:
+        posted = self.posted.pop(_key(instruction))
+        self._post_ahead()  # before waiting: the next one may arrive meanwhile
+        return posted.result()
+
+    def _post_ahead(self) -> None:
+        while self.upcoming and len(self.posted) <= _RECEIVES_AHEAD:
+            instruction = self.upcoming.popleft()
+            tag = _key(instruction)
+            self.posted[tag] = self.comm.post_recv(self.shape, torch.float32, instruction.peer, _tag(*tag))
+
+
+def _key(instruction: ins.RecvActivation | ins.RecvGrad) -> tuple[int, int]:
+    stream = _ACTIVATION if isinstance(instruction, ins.RecvActivation) else _GRADIENT
+    return instruction.microbatch, stream
+
+
 class Executor:
     def __init__(
         self,
@@ -51,7 +83,6 @@ class Executor:
         hidden: int,
         comm: GenerationComm,
         batches: Batches,
-        abort: threading.Event,
         on_phase: Callable[[int, str], None] = lambda step, phase: None,
     ) -> None:
         self.stage = stage
@@ -59,7 +90,6 @@ class Executor:
         self.last = stage.stop == num_layers
         self.comm = comm
         self.batches = batches
-        self.abort = abort
         self.on_phase = on_phase
         plan = comm.plan
         self.loss_scale = plan.micro_batch / plan.global_batch
@@ -68,11 +98,12 @@ class Executor:
     def run(self, program: ins.Program, step: int) -> StepResult:
         """Everything up to and including ReduceGrads; OptimizerStep is the caller's commit point."""
         buffers = _Buffers()
+        receives = _Receives(self.comm, program, self.activation_shape)
         loss = 0.0
         compute = 0.0
         phase = ""
         for instruction in program:
-            if self.abort.is_set():
+            if self.comm.aborted.is_set():
                 raise Aborted()
             new_phase = _phase_of(instruction)
             if new_phase and new_phase != phase:
@@ -81,12 +112,12 @@ class Executor:
             started = time.perf_counter()
             if isinstance(instruction, ins.OptimizerStep):
                 break
-            loss += self._execute(instruction, buffers, step)
+            loss += self._execute(instruction, buffers, receives, step)
             if isinstance(instruction, (ds.ForwardPass, ds.BackwardPass, ins.BackwardInput, ins.BackwardWeight)):
                 compute += time.perf_counter() - started
         return StepResult(loss=loss, compute_s=compute)
 
-    def _execute(self, instruction: ds.PipeInstruction, b: _Buffers, step: int) -> float:
+    def _execute(self, instruction: ds.PipeInstruction, b: _Buffers, receives: _Receives, step: int) -> float:
         """Run one instruction; returns its contribution to the reported loss."""
         if isinstance(instruction, ins.LoadMicroBatch):
             tokens, labels = self.batches.microbatch(step, instruction.microbatch)
@@ -105,15 +136,12 @@ class Executor:
         elif isinstance(instruction, ins.SendActivation):
             self.comm.send(b.outputs[instruction.microbatch], instruction.peer, _tag(instruction.microbatch, _ACTIVATION))
         elif isinstance(instruction, ins.RecvActivation):
-            received = self.comm.recv(self.activation_shape, torch.float32, instruction.peer, _tag(instruction.microbatch, _ACTIVATION))
-            b.inputs[instruction.microbatch] = received.requires_grad_()
+            b.inputs[instruction.microbatch] = receives.take(instruction).requires_grad_()
         elif isinstance(instruction, ins.SendGrad):
             grad = b.input_grads.pop(instruction.microbatch)
             self.comm.send(grad, instruction.peer, _tag(instruction.microbatch, _GRADIENT))
         elif isinstance(instruction, ins.RecvGrad):
-            b.output_grads[instruction.microbatch] = self.comm.recv(
-                self.activation_shape, torch.float32, instruction.peer, _tag(instruction.microbatch, _GRADIENT)
-            )
+            b.output_grads[instruction.microbatch] = receives.take(instruction)
         elif isinstance(instruction, ins.ReduceGrads):
             self.comm.flush_sends()
             self._reduce()
@@ -147,14 +175,10 @@ class Executor:
         b.output_grads.pop(mb, None)
 
     def _reduce(self) -> None:
-        grads_of: dict[int, list[torch.Tensor]] = {}
-        for index in range(self.stage.start, self.stage.stop):
-            params = list(self.stage.layer(index).parameters())
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads_of[index] = [p.grad for p in params]
-        self.comm.all_reduce_layers(grads_of)
+        for p in self.stage.parameters():
+            if p.grad is None:  # a parameter no micro-batch used: every replica must still step it alike
+                p.grad = torch.zeros_like(p)
+        self.comm.all_reduce_gradients()
 
 
 def _phase_of(instruction: ds.PipeInstruction) -> str:

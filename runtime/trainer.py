@@ -111,6 +111,13 @@ class Trainer:
     def run(self, plan: Plan, restore: str | None = None) -> list[StepRecord]:
         """Train until ``steps`` steps are committed. Records hold every executed step, re-executed ones too."""
         records: list[StepRecord] = []
+        unreported: list[tuple[StepRecord, Plan]] = []
+
+        def report() -> None:
+            for record, ran_on in unreported:
+                self._report(record, ran_on)
+            unreported.clear()
+
         step, transfers = plan.step, ()
         configured = False
         while step < self.steps:
@@ -122,19 +129,26 @@ class Trainer:
                 if grown is not None:
                     plan, step = grown, grown.step
                 self.hooks.before_step(step)
-                record = self._run_step(plan, step)
+                # The previous step is reported while the workers compute this one: metrics and progress cost the
+                # iteration nothing.
+                record, actions = self._run_step(plan, step, meanwhile=report)
                 step += 1
                 records.append(record)
-                self.hooks.on_step(record, plan)
-                recovered = self.ledger.recovered(time.monotonic())
-                if recovered:
-                    self.hooks.on_recovered(recovered)
-                for action in self.policy.after_step(step, self.job()):
+                unreported.append((record, plan))
+                for action in actions:
                     self._checkpoint(plan, step, action)
             except MembershipChanged as changed:
+                report()
                 plan, restore, transfers = self._recover_until_stable(changed.failure, plan, step)
                 step, configured = plan.step, False
+        report()
         return records
+
+    def _report(self, record: StepRecord, plan: Plan) -> None:
+        self.hooks.on_step(record, plan)
+        recovered = self.ledger.recovered(record.ended_at)  # the first step committed after a fault
+        if recovered:
+            self.hooks.on_recovered(recovered)
 
     def _absorb_joins(self, plan: Plan, step: int) -> Plan | None:
         """Offer nodes that joined (and whose workers all registered) to the policy, at an iteration boundary.
@@ -155,14 +169,20 @@ class Trainer:
         return new_plan
 
     # -- one iteration -----------------------------------------------------------------------------------------
-    def _run_step(self, plan: Plan, step: int) -> StepRecord:
+    def _run_step(
+        self, plan: Plan, step: int, meanwhile: Callable[[], None]
+    ) -> tuple[StepRecord, list[SaveCheckpoint]]:
+        """One iteration, and what the policy wants done after it. Both the policy's decision and ``meanwhile`` run
+        while the workers compute, so the next RunStep can follow Commit at once."""
         started = time.perf_counter()
         for worker in plan.workers:
             self.cluster.send(worker, msg.RunStep(step))
+        meanwhile()
+        actions = self.policy.after_step(step + 1, self.job())
         ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
         for worker in plan.workers:
             self.cluster.send(worker, msg.Commit(step))
-        return StepRecord(
+        record = StepRecord(
             step=step,
             loss=sum(r.loss for r in ready.values()),
             iter_s=time.perf_counter() - started,
@@ -170,6 +190,7 @@ class Trainer:
             generation=plan.generation,
             ended_at=time.monotonic(),
         )
+        return record, actions
 
     def _configure(self, plan: Plan, restore: str | None, transfers: tuple[tuple[int, int, int], ...] = ()) -> None:
         programs = self.policy.programs(plan)

@@ -52,7 +52,9 @@ class Worker:
         self.worker = worker
         self.heartbeat_s = heartbeat_s
         self.inbox: queue.Queue[Any] = queue.Queue()
-        self.abort = threading.Event()
+        # The control thread aborts the main thread's communication; this lock orders it with a generation change.
+        self._comm_lock = threading.Lock()
+        self._aborted_generation = -1
         self.layers: dict[int, torch.nn.Module] = {}
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.step = 0  # optimizer steps committed
@@ -71,8 +73,15 @@ class Worker:
             except (EOFError, OSError):
                 os._exit(3)  # the coordinator is gone: nothing this worker holds is of use any more
             if isinstance(message, msg.Abort):
-                self.abort.set()  # interrupts a running iteration; the main loop acknowledges
+                self._interrupt(message.generation)  # the main loop acknowledges, once its waits have failed
             self.inbox.put(message)
+
+    def _interrupt(self, generation: int) -> None:
+        """Make every wait of ``generation`` fail now, even one that was not yet issued."""
+        with self._comm_lock:
+            self._aborted_generation = max(self._aborted_generation, generation)
+            if self.comm is not None and self.comm.plan.generation == generation:
+                self.comm.interrupt()
 
     def _heartbeat(self) -> None:
         # A SIGSTOPped worker stops this thread too, which is how a hang is detected.
@@ -117,10 +126,11 @@ class Worker:
             )
         if self.comm is not None:
             self.comm.retire()
-        self.abort.clear()
-        self.comm = GenerationComm(
-            self.store, plan, self.worker, self.abort, self.setup["backend"], self.setup["comm_timeout_s"]
-        )
+        comm = GenerationComm(self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"])
+        with self._comm_lock:
+            self.comm = comm
+            if self._aborted_generation >= plan.generation:  # the Abort overtook this Configure
+                comm.interrupt()
         try:
             received = self._transfer(message.transfers)
         except Aborted:
@@ -142,7 +152,8 @@ class Worker:
         tokens = np.load(self.setup["tokens_path"], mmap_mode="r")
         batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
         stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
-        self.executor = Executor(stage_module, num_layers(model), model.hidden, self.comm, batches, self.abort, self._phase)
+        comm.bucket_gradients(self.layers)
+        self.executor = Executor(stage_module, num_layers(model), model.hidden, comm, batches, self._phase)
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received))
 
