@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Client
 
 from runtime import messages as msg
 
@@ -31,7 +30,7 @@ def die_with_parent() -> None:
 class Agent:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.conn = Client(("127.0.0.1", args.coordinator_port), authkey=os.environ[msg.SECRET_ENV].encode())
+        self.conn = msg.connect(args.coordinator_port)
         self._send_lock = threading.Lock()
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
 

@@ -55,6 +55,8 @@ class Member:
     conn: Connection
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    aborts: Connection | None = None
+    """A worker's second connection, on which Aborts are repeated (see ``abort``)."""
 
 
 class LocalCluster:
@@ -67,6 +69,8 @@ class LocalCluster:
         self.events: queue.Queue[Event] = queue.Queue()
         self.agents: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
+        # By pid: workers whose second connection has not arrived yet, with their Hello.
+        self._connecting: dict[int, tuple[Member, msg.Hello]] = {}
         self.worker_pids: dict[int, list[int]] = {}
         """Every process each worker id has had, in order: a restarted worker has several."""
         self._agent_procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -128,21 +132,30 @@ class LocalCluster:
     def _accept(self) -> None:
         while not self._closing:
             try:
-                conn = self._listener.accept()
+                conn = msg.no_delay(self._listener.accept())
                 hello = conn.recv()
             except (OSError, EOFError):
                 continue  # a peer that failed authentication or vanished while connecting
             if not isinstance(hello, msg.Hello):
                 conn.close()
                 continue
-            ident = hello.worker if hello.role == "worker" else hello.node
             if hello.role == "worker":
-                self.worker_pids.setdefault(ident, []).append(hello.pid)
-            member = Member(hello.role, ident, hello.node, hello.pid, conn)
-            (self.workers if hello.role == "worker" else self.agents)[ident] = member
+                # A worker counts once its second connection is there too: an Abort must reach it at any time.
+                self._connecting[hello.pid] = Member(hello.role, hello.worker, hello.node, hello.pid, conn), hello
+                continue
+            if hello.role == "aborts":
+                if hello.pid not in self._connecting:
+                    conn.close()
+                    continue
+                member, hello = self._connecting.pop(hello.pid)
+                member.aborts = conn
+                self.worker_pids.setdefault(member.ident, []).append(member.pid)
+            else:
+                member = Member(hello.role, hello.node, hello.node, hello.pid, conn)
+            (self.workers if member.role == "worker" else self.agents)[member.ident] = member
             if self.started:
-                self.events.put(Event(hello.role, ident, hello))  # how the trainer learns of joins and restarts
-            threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{hello.role}{ident}").start()
+                self.events.put(Event(member.role, member.ident, hello))  # how the trainer learns of joins and restarts
+            threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{member.role}{member.ident}").start()
 
     def _read(self, member: Member) -> None:
         while True:
@@ -158,6 +171,18 @@ class LocalCluster:
     def send(self, worker: int, message: object) -> bool:
         """Send to a worker; False if its connection is already gone (the failure arrives as an event)."""
         return _send(self.workers.get(worker), message)
+
+    def abort(self, worker: int, message: object) -> None:
+        """An Abort goes on both connections: the second fails the worker's communication at once, even in the
+        middle of a wait; the control connection keeps it in order with every other message, for the worker to
+        acknowledge."""
+        member = self.workers.get(worker)
+        if member is not None and member.alive and member.aborts is not None:
+            try:
+                member.aborts.send(message)
+            except OSError:
+                pass  # the worker is gone: its failure arrives as an event
+        self.send(worker, message)
 
     def send_agent(self, node: int, message: object) -> bool:
         return _send(self.agents.get(node), message)

@@ -8,7 +8,7 @@ flight blocks for the whole timeout. Hence:
   group, so survivors can form the next generation while the old one still has operations stuck in it;
 - the worker's main thread waits for its operations directly, as DeepSpeed's engine does: a receive completes with
   no thread hand-off between the data arriving and the computation that needs it;
-- an abort comes from the worker's control thread, which calls ``interrupt``: it closes every connection of the
+- an abort comes from the worker's abort thread, which calls ``interrupt``: it closes every connection of the
   generation on purpose (a receive with a 1 ms timeout from each peer, whose timeout closes that pair), so any wait
   in the main thread fails at once, on this worker and on the peers waiting for it;
 - a generation that was aborted is never destroyed, only dropped into ``_RETIRED``.

@@ -149,10 +149,11 @@ def _resume_point(cfg: JobConfig) -> tuple[int, str | None]:
             f"a manifest.json): point it at one, or at the directory that holds them"
         )
     step, directory, layers = found
-    if layers != len(layer_specs(cfg.model)):
+    model_layers = len(layer_specs(cfg.model))
+    if layers != model_layers:
         raise ConfigError(
-            f"the checkpoint in {directory} has {layers} layers but model {cfg.model.name} has "
-            f"{len(layer_specs(cfg.model))}: resume with the model it was trained with"
+            f"the checkpoint in {directory} has {layers} layers but model {cfg.model.name} has {model_layers}: "
+            "resume with the model it was trained with"
         )
     if step >= cfg.train.steps:
         raise ConfigError(f"the checkpoint is at step {step}, not before train.steps={cfg.train.steps}: raise train.steps")

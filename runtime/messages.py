@@ -6,16 +6,37 @@ the per-job secret before a single message is read, and carries pickled dataclas
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 SECRET_ENV = "FTLAB_SECRET"
 
 
+def no_delay(conn: Connection) -> Connection:
+    """Switch Nagle's algorithm off on a control connection.
+
+    Control messages are small and often follow each other closely (Commit then RunStep, a heartbeat then Ready).
+    With Nagle the second one waits for the acknowledgement of the first, which the receiver delays by up to 40 ms:
+    measured, one iteration in three stalled 10-40 ms at its commit before this.
+    """
+    # fromfd duplicates the descriptor: closing the duplicate leaves the connection open.
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
+def connect(port: int) -> Connection:
+    """A control connection to the coordinator's server on 127.0.0.1, authenticated with the job's secret."""
+    return no_delay(Client(("127.0.0.1", port), authkey=os.environ[SECRET_ENV].encode()))
+
+
 # -- sent to the coordinator ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hello:
-    role: str  # "agent" | "worker"
+    role: str  # "agent" | "worker" | "aborts" (a worker's second connection, which carries only Aborts)
     node: int
     pid: int
     worker: int | None = None

@@ -262,18 +262,21 @@ class Trainer:
         dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
         if dead_worker:
             worker = message.worker if isinstance(message, msg.WorkerExited) else event.ident
-            if self.cluster.workers.get(worker) and self.cluster.workers[worker].alive:
-                self.cluster.mark_dead("worker", worker)
-                failure.workers[worker] = event.at
+            self._lose_worker(worker, event.at, failure)
         elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
             node = event.ident
             self.cluster.mark_dead("agent", node)
             failure.nodes[node] = event.at
             for worker in self.cluster.workers_of(node):
                 self.cluster.kill_worker(worker)  # a lost node loses all of its workers
-                if self.cluster.workers.get(worker) and self.cluster.workers[worker].alive:
-                    self.cluster.mark_dead("worker", worker)
-                    failure.workers.setdefault(worker, event.at)
+                self._lose_worker(worker, event.at, failure)
+
+    def _lose_worker(self, worker: int, at: float, failure: Failure) -> None:
+        """Record a worker's death once, the first time any sign of it arrives."""
+        member = self.cluster.workers.get(worker)
+        if member is not None and member.alive:
+            self.cluster.mark_dead("worker", worker)
+            failure.workers[worker] = at
 
     def _gather(self, failure: Failure) -> Failure:
         """Let the rest of a failure arrive (the other half of a node, simultaneous kills)."""
@@ -291,7 +294,7 @@ class Trainer:
         """Stop the iteration in flight on every survivor; returns who holds which layers."""
         survivors = set(plan.workers) & set(self.cluster.alive_workers())
         for worker in survivors:
-            self.cluster.send(worker, msg.Abort(plan.generation))
+            self.cluster.abort(worker, msg.Abort(plan.generation))
         while True:
             try:
                 done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation)
@@ -314,13 +317,14 @@ class Trainer:
             except MembershipChanged as more:
                 failure = more.failure
 
-    def _recover(self, failure: Failure, plan: Plan, step: int) -> tuple[Plan, str | None, Transfers]:
-        """``step`` is the number of committed steps: what every survivor holding layers is at."""
+    def _recover(self, failure: Failure, plan: Plan, committed: int) -> tuple[Plan, str | None, Transfers]:
+        """``committed`` is the number of committed steps: what every survivor holding layers is at."""
         noticed = min([*failure.nodes.values(), *failure.workers.values()])
         records = self.ledger.noticed(set(failure.workers), noticed)
-        self.hooks.on_event("failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=step)
-        holdings = self._abort(plan, failure, step)
-        committed = step
+        self.hooks.on_event(
+            "failure_detected", nodes=sorted(failure.nodes), workers=sorted(failure.workers), step=committed
+        )
+        holdings = self._abort(plan, failure, committed)
         change = Change(
             plan=plan,
             step=committed,

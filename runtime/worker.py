@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import queue
 import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +46,12 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, channel: Channel, worker: int, heartbeat_s: float) -> None:
+    def __init__(self, channel: Channel, aborts: Connection, worker: int, heartbeat_s: float) -> None:
         self.channel = channel
+        self.aborts = aborts
         self.worker = worker
         self.heartbeat_s = heartbeat_s
-        self.inbox: queue.Queue[Any] = queue.Queue()
-        # The control thread aborts the main thread's communication; this lock orders it with a generation change.
+        # The abort thread fails the main thread's communication; this lock orders it with a generation change.
         self._comm_lock = threading.Lock()
         self._aborted_generation = -1
         self.layers: dict[int, torch.nn.Module] = {}
@@ -66,15 +65,22 @@ class Worker:
         self.armed: set[tuple[int, str]] = set()
 
     # -- threads -----------------------------------------------------------------------------------------------
-    def _read(self) -> None:
+    def _receive(self) -> Any:
+        """The next control message. The main thread reads them itself: a message wakes it with no hand-off."""
+        try:
+            return self.channel.conn.recv()
+        except (EOFError, OSError):
+            os._exit(3)  # the coordinator is gone: nothing this worker holds is of use any more
+
+    def _watch_aborts(self) -> None:
+        """The coordinator repeats every Abort on a second connection, read here, because the main thread may be
+        blocked in a wait that only ``interrupt`` ends. The main thread acknowledges the control channel's copy."""
         while True:
             try:
-                message = self.channel.conn.recv()
+                message = self.aborts.recv()
             except (EOFError, OSError):
-                os._exit(3)  # the coordinator is gone: nothing this worker holds is of use any more
-            if isinstance(message, msg.Abort):
-                self._interrupt(message.generation)  # the main loop acknowledges, once its waits have failed
-            self.inbox.put(message)
+                os._exit(3)
+            self._interrupt(message.generation)
 
     def _interrupt(self, generation: int) -> None:
         """Make every wait of ``generation`` fail now, even one that was not yet issued."""
@@ -91,10 +97,10 @@ class Worker:
 
     # -- main loop ---------------------------------------------------------------------------------------------
     def serve(self) -> None:
-        threading.Thread(target=self._read, daemon=True, name="control-reader").start()
+        threading.Thread(target=self._watch_aborts, daemon=True, name="aborts").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         while True:
-            message = self.inbox.get()
+            message = self._receive()
             if isinstance(message, msg.Shutdown):
                 return
             if isinstance(message, msg.Configure):
@@ -195,12 +201,12 @@ class Worker:
         try:
             result = self.executor.run(self.program, step)
         except Aborted:
-            return  # the Abort message waiting in the inbox is acknowledged by the main loop
+            return  # the main loop acknowledges the Abort that follows on the control channel
         except CommError as exc:
             self.channel.send(msg.Failed(step, str(exc)))
             return
         self.channel.send(msg.Ready(step, result.loss, result.compute_s))
-        decision = self.inbox.get()
+        decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
             self._phase(step, "optimizer")
             step_all(self.optimizers, step, self.setup["optim"])
@@ -254,11 +260,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    conn = Client(("127.0.0.1", args.coordinator_port), authkey=os.environ[msg.SECRET_ENV].encode())
-    channel = Channel(conn)
+    channel = Channel(msg.connect(args.coordinator_port))
     channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker))
+    aborts = msg.connect(args.coordinator_port)
+    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker))
     try:
-        Worker(channel, args.worker, args.heartbeat_s).serve()
+        Worker(channel, aborts, args.worker, args.heartbeat_s).serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise

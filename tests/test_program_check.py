@@ -172,3 +172,20 @@ def test_reduce_grads_waits_for_the_replicas_of_its_layers_only() -> None:
 def test_default_1f1b_scheduler_passes(stages: int, replicas: int, micro: int) -> None:
     plan = grid_plan(list(range(stages * replicas)), stages, 2 * stages, micro, 1)
     check_programs(plan, one_f_one_b(plan))
+
+
+def test_default_scheduler_sends_as_soon_as_the_pass_is_done() -> None:
+    programs = one_f_one_b(PLAN)
+    for program in programs.values():
+        for before, send in zip(program, program[1:]):
+            if isinstance(send, ins.SendActivation):
+                assert isinstance(before, ins.ForwardPass) and before.microbatch == send.microbatch
+            if isinstance(send, ins.SendGrad):
+                assert isinstance(before, ins.BackwardPass) and before.microbatch == send.microbatch
+
+    def with_link(worker: int, instr: object) -> float:
+        return 0.5 if isinstance(instr, (ins.SendActivation, ins.SendGrad)) else durations(worker, instr)
+
+    # As the textbook program above: DeepSpeed's own order, sending one step late, takes 19 (a round trip per
+    # micro-batch on the last stage).
+    assert simulate(programs, with_link, PLAN) == 17.0
