@@ -16,11 +16,10 @@ Printed per policy: detection and recovery times (median, max), committed steps 
 Oobleck lost no committed step and that its per-step losses (the last record of each step) equal the fault-free
 run's within rel 1e-5 (checkpoint-restart's too).
 
-Why kills fire in the ``reduce`` phase by default: a survivor that *posts* a gloo send or recv to a peer whose
-connection is already closed gets a RuntimeError straight from ``ProcessGroup.send``/``recv``, which
-``runtime/comm.py`` does not turn into a CommError, so the worker crashes and the job stops (seen with kills
-mid-backward). In the reduce phase a worker has no point-to-point operation left with the victim; collectives report
-the failure through ``wait``, which is handled. ``--kill-phase backward`` exercises the racy case.
+Kills fire in the ``reduce`` phase by default, where every survivor has finished its point-to-point work with the
+victim, so the figures compare the policies rather than where in the pipeline a kill lands. ``--kill-phase backward``
+kills mid-pipeline, where survivors also see the victim's closed connections in their sends and receives; the
+runtime recovers from that as well (``tests/test_recovery.py`` kills a node in every phase).
 
 Part 2 (``--table2``, on by default), the shape of Oobleck's Table 2 at this machine's scale: average throughput
 (``summary/samples_per_s``: committed samples over the whole training time) of the fault-free job, checkpoint-restart

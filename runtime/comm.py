@@ -88,7 +88,6 @@ class GenerationComm:
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
-        self._interrupting = threading.Lock()
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         workers = plan.workers
         self._rank = {w: r for r, w in enumerate(workers)}
@@ -126,15 +125,14 @@ class GenerationComm:
             raise CommError(str(exc)) from exc
 
     def interrupt(self) -> None:
-        """Abort this generation: every operation in flight or issued later fails at once. Safe to call from another
-        thread than the one waiting, and more than once."""
+        """Abort this generation: every operation in flight or issued later fails at once. Called from another thread
+        than the one waiting (one at a time: the worker's lock orders it with a generation change), maybe twice."""
         self.aborted.set()
-        with self._interrupting:
-            for group, rank, size in self._groups:
-                if self.device.type == "cuda":
-                    group.abort()  # NCCL aborts its communicators itself (gloo's abort() leaves waits blocked)
-                else:
-                    _close_connections(group, rank, size)
+        for group, rank, size in self._groups:
+            if self.device.type == "cuda":
+                group.abort()  # NCCL aborts its communicators itself (gloo's abort() leaves waits blocked)
+            else:
+                _close_connections(group, rank, size)
 
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:

@@ -7,6 +7,7 @@ composition with Hydra's own message. Each component owns its dataclass; this mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 

@@ -8,8 +8,8 @@ over replicas (``ReduceGrads``) is its gradient, whatever the layout.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch

@@ -120,28 +120,30 @@ class Trainer:
 
         step, transfers = plan.step, ()
         configured = False
-        while step < self.steps:
-            try:
-                if not configured:
-                    self._configure(plan, restore, transfers)
-                    configured = True
-                grown = self._absorb_joins(plan, step)
-                if grown is not None:
-                    plan, step = grown, grown.step
-                self.hooks.before_step(step)
-                # The previous step is reported while the workers compute this one: metrics and progress cost the
-                # iteration nothing.
-                record, actions = self._run_step(plan, step, meanwhile=report)
-                step += 1
-                records.append(record)
-                unreported.append((record, plan))
-                for action in actions:
-                    self._checkpoint(plan, step, action)
-            except MembershipChanged as changed:
-                report()
-                plan, restore, transfers = self._recover_until_stable(changed.failure, plan, step)
-                step, configured = plan.step, False
-        report()
+        try:
+            while step < self.steps:
+                try:
+                    if not configured:
+                        self._configure(plan, restore, transfers)
+                        configured = True
+                    grown = self._absorb_joins(plan, step)
+                    if grown is not None:
+                        plan, step = grown, grown.step
+                    self.hooks.before_step(step)
+                    # The previous step is reported while the workers compute this one: metrics and progress cost
+                    # the iteration nothing.
+                    record, actions = self._run_step(plan, step, meanwhile=report)
+                    step += 1
+                    records.append(record)
+                    unreported.append((record, plan))
+                    for action in actions:
+                        self._checkpoint(plan, step, action)
+                except MembershipChanged as changed:
+                    report()  # before the failure is noticed: the fault ledger sees events in order
+                    plan, restore, transfers = self._recover_until_stable(changed.failure, plan, step)
+                    step, configured = plan.step, False
+        finally:
+            report()  # a committed step is reported whatever ends the job
         return records
 
     def _report(self, record: StepRecord, plan: Plan) -> None:

@@ -20,14 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime import checkpoint, messages as msg
+from runtime import checkpoint
+from runtime import messages as msg
 from runtime.comm import Aborted, CommError, GenerationComm
 from runtime.data import Batches
 from runtime.executor import Executor
 from runtime.model import ModelConfig, StageModule, build_layer, num_layers
 from runtime.optim import layer_optimizer, step_all
 from runtime.plan import Plan
-
 
 # Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
 _TRANSFER_TAG = 1 << 24

@@ -11,10 +11,10 @@ from policies.recycle import (
     NormalizationError,
     ReCycleError,
     StageCosts,
+    heuristic,
     normalize_failures,
     plan_recycle,
 )
-from policies.recycle import heuristic
 from policies.recycle.normalization import cost, rebalance
 from policies.recycle.problem import Problem
 from runtime import instructions as ins
