@@ -67,9 +67,9 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffered, and written from the caller's thread when the last write is a second old.
 
-        The trainer logs while the workers compute, so the write costs the training loop nothing. (MLflow's
-        asynchronous logging writes from its own thread at any moment, which holds the coordinator's interpreter
-        lock just when workers report and stalled steps by up to 40 ms here.)
+        The trainer logs while the workers compute, so a write lands where it delays no iteration. MLflow's
+        asynchronous logging would write from its own thread at any moment, for instance just when the workers report
+        and the coordinator should answer them.
         """
         assert self.run_id is not None
         now = int(time.time() * 1000)
