@@ -30,6 +30,7 @@ from pathlib import Path
 from runtime.agent import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
+_MASTER_ADDR = "127.0.0.1"
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ReferenceJob:
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((_MASTER_ADDR, 0))
         return s.getsockname()[1]
 
 
@@ -75,7 +76,7 @@ def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
             "WORLD_SIZE": str(job.world),
             "LOCAL_RANK": str(rank),
             "LOCAL_SIZE": str(job.world),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": _MASTER_ADDR,
             "MASTER_PORT": str(port),
             "DS_ACCELERATOR": "cpu",
             "PYTHONUNBUFFERED": "1",
@@ -107,7 +108,7 @@ def run_reference(job: ReferenceJob, timeout_s: float = 900.0) -> dict:
 def _remove_shared_buffers(port: int) -> None:
     """DeepSpeed's CPU communication op leaves one 66 MB shared-memory buffer per rank in /dev/shm, named after the
     master address and port, and never removes it: without this, every reference run keeps 264 MB of RAM."""
-    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+    for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{_MASTER_ADDR}_{port}_*"):
         buffer.unlink(missing_ok=True)
 
 

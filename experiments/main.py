@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
-import torch
+from runtime.cluster import name_deepspeed_accelerator
 
-# DeepSpeed probes for an accelerator, and warns in every process that imports it, unless told which one it is.
-# The runtime uses only its pipeline-schedule classes; the agents pass this on to the workers.
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+name_deepspeed_accelerator()  # before anything below imports DeepSpeed
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

@@ -26,6 +26,13 @@ from runtime import messages as msg
 from runtime.agent import die_with_parent
 
 
+def name_deepspeed_accelerator() -> None:
+    """DeepSpeed probes for an accelerator, and warns in every process that imports it, unless ``DS_ACCELERATOR``
+    names one. The runtime uses only its pipeline-schedule classes: name this machine's, for this process and every
+    process it starts (agents pass their environment on to the workers)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
 class ClusterError(RuntimeError):
     pass
 
@@ -90,13 +97,8 @@ class LocalCluster:
 
     # -- starting ----------------------------------------------------------------------------------------------
     def start_node(self, node: int) -> None:
-        env = {
-            **os.environ,
-            msg.SECRET_ENV: self.secret,
-            "PYTHONUNBUFFERED": "1",
-            # Workers import DeepSpeed for its schedule classes only: name the accelerator so it does not probe.
-            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu"),
-        }
+        name_deepspeed_accelerator()
+        env = {**os.environ, msg.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
         command = [
             sys.executable, "-m", "runtime.agent",
             "--coordinator-port", str(self.port),
