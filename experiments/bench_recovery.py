@@ -8,7 +8,7 @@ Part 1, recovery comparison. One job (gpt2-tiny on ``cluster=local-6`` with ``cl
 Oobleck's pipelines span two nodes and an in-place recovery must copy layers between nodes) runs three times:
 - ``policy=none faults=none``: the fault-free reference (its losses are the oracle; policy=none would stop at the
   first failure, so it only runs without faults);
-- ``policy=checkpoint_restart policy.checkpoint_every=5`` and ``policy=oobleck policy.fault_threshold=1`` under the
+- ``policy=checkpoint_restart protection=storage protection.every=5`` and ``policy=oobleck policy.fault_threshold=1`` under the
   same explicit node kills (``--kills NODE@STEP,...``, each in ``--kill-phase`` of that step).
 With 6 nodes, f = 1 and two-node minimum pipelines, Oobleck recovers in place as long as (f + 1) * n0 = 4 nodes
 survive: two kills. A third kill leaves a single pipeline and the policy stops (reported, not hidden).
@@ -71,7 +71,7 @@ JOB = [
 ]
 POLICIES = {
     "none": ["policy=none"],
-    "checkpoint_restart": ["policy=checkpoint_restart", "policy.checkpoint_every=5"],
+    "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5"],
     "oobleck": ["policy=oobleck", "policy.fault_threshold=1"],
 }
 
@@ -94,13 +94,13 @@ class Outcome:
 
 def run_one(policy: str, label: str, overrides: list[str], scratch: Path) -> Outcome:
     """Run one job in this process; a job that stops (JobStopped) or crashes is reported, not raised."""
-    from runtime.launch import compose_config, run_job
+    from ftlab.experiments.job import compose_config, run_job
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [
         f"tracking.uri=sqlite:///{d}/mlflow.db",
         f"train.cache_dir={CACHE_DIR}",
-        f"policy.checkpoint_dir={d}/checkpoints",
+        f"train.checkpoint_dir={d}/checkpoints",
         "progress=false",
     ]
     print(f"  [{label}] {policy}: {' '.join(overrides)}", flush=True)

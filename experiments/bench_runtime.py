@@ -25,8 +25,6 @@ runtime file changes.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import statistics
@@ -37,8 +35,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.deepspeed_reference import ReferenceJob, run_reference
-from runtime.config import TrainConfig
+from ftlab.experiments.deepspeed_reference import ReferenceJob, run_reference
+from ftlab.runtime.config import TrainConfig
 
 
 @dataclass
@@ -63,38 +61,15 @@ class Side:
 # -- ftlab -----------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _step_end_times():
-    """Record when each of the coordinator's iterations returns (perf_counter), by wrapping Trainer._run_step.
-
-    Instrumentation only, undone on exit: the wrapped method runs unchanged."""
-    from runtime.trainer import Trainer
-
-    original = Trainer._run_step
-    ends: dict[int, float] = {}
-
-    @functools.wraps(original)
-    def timed(self, plan, step, meanwhile):  # noqa: ANN001, ANN202
-        result = original(self, plan, step, meanwhile)
-        ends[step] = time.perf_counter()
-        return result
-
-    Trainer._run_step = timed
-    try:
-        yield ends
-    finally:
-        Trainer._run_step = original
-
-
 def run_ftlab(args: argparse.Namespace, workdir: Path, round_index: int, side: Side) -> None:
-    from runtime.launch import compose_config, run_job
+    from ftlab.experiments.job import compose_config, run_job
 
     steps = args.warmup + args.steps
     cfg = compose_config(ftlab_overrides(args, workdir, steps, round_index))
-    started = time.perf_counter()
-    with _step_end_times() as ends:
-        result = run_job(cfg)
-    records = result.steps
+    started = time.monotonic()
+    result = run_job(cfg)
+    records = result.steps  # each with its commit time on the monotonic clock
+    ends = {r.step: r.at for r in records}
     assert [r.step for r in records] == list(range(steps)), "a fault-free run must commit every step once"
     measured = records[args.warmup :]
     side.iter_s += [r.iter_s for r in measured]
@@ -217,9 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     from omegaconf import OmegaConf
 
-    from runtime.config import JobConfig
-    from runtime.data import tokenize_corpus
-    from runtime.launch import compose_config
+    from ftlab.runtime.config import JobConfig
+    from ftlab.runtime.data import tokenize_corpus
+    from ftlab.experiments.job import compose_config
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-runtime-"))
     if args.profile is not None:

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runtime.agent import die_with_parent
+from ftlab.runtime.agent import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 _MASTER_ADDR = "127.0.0.1"
@@ -124,10 +124,11 @@ def _worker(job: ReferenceJob) -> None:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from runtime.data import Batches, load_tokens
-    from runtime.model import build_layer, load_model_config, num_layers
-    from runtime.optim import OptimSettings, lr_at
-    from runtime.plan import even_split
+    from ftlab.runtime.data import Batches, load_tokens
+    from ftlab.runtime.model import build_layer
+    from ftlab.runtime.model_spec import load_model_config, num_layers
+    from ftlab.runtime.optim import OptimSettings, lr_at
+    from ftlab.runtime.plan import even_split
 
     model = load_model_config(job.model)
     n_layers = num_layers(model)
@@ -197,7 +198,7 @@ def _worker(job: ReferenceJob) -> None:
 
     def data(step: int):
         # Lazy, so loading a micro-batch is inside the timed step as in ftlab's LoadMicroBatch.
-        return (batches.microbatch(step, m) for m in mine)
+        return (tuple(map(torch.from_numpy, batches.microbatch(step, m))) for m in mine)
 
     times, ends, losses = [], [], []
     for step in range(job.steps):

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from runtime import checkpoint
-from runtime.launch import CONF_DIR, JobResult, compose_config, run_job
-from runtime.trainer import JobStopped
+from ftlab.runtime import checkpoint
+from ftlab.runtime.layer_state import decode
+from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
+from ftlab.runtime.coordinator import JobStopped
 
 STEPS = 10
 CHECKPOINT_EVERY = 3
@@ -54,7 +55,7 @@ def same_losses(a: dict[int, float], b: dict[int, float]) -> bool:
 def checkpoints_load(directory: str) -> bool:
     committed = [d for d in Path(directory).glob("step-*") if (d / checkpoint.MANIFEST).exists()]
     return all(
-        checkpoint.decode(checkpoint.layer_path(d, layer).read_bytes())["module"]
+        decode(checkpoint.layer_path(d, layer).read_bytes())["module"]
         for d in committed
         for layer in range(checkpoint.find(d)[2])  # type: ignore[index]
     )
@@ -64,8 +65,8 @@ def scenario(policy: str, workdir: Path) -> Callable[..., JobResult]:
     def run(*extra: str) -> JobResult:
         overrides = [
             "experiment=plain", f"policy={policy}", "cluster=local-6", "cluster.device_memory_gb=0.04",
-            f"train.steps={STEPS}", f"policy.checkpoint_every={CHECKPOINT_EVERY}", "progress=false",
-            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"policy.checkpoint_dir={workdir}/checkpoints",
+            f"train.steps={STEPS}", "protection=storage", f"protection.every={CHECKPOINT_EVERY}", "progress=false",
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints",
             *extra,
         ]  # fmt: skip
         return run_job(compose_config(overrides))

@@ -1,26 +1,35 @@
-"""``ftlab``: the Hydra app that runs one job (or, with ``-m``, a sweep of jobs) from the composed config."""
+"""``ftlab``: the Hydra app that runs one job (or, with ``-m``, a sweep of jobs) from the composed config.
+
+Composition and the checks before any worker starts import no torch, transformers or DeepSpeed: a typo or an
+impossible setting is answered in seconds. The training machinery loads only for a job that passed them.
+"""
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from runtime.cluster import name_deepspeed_accelerator
+import hydra
+from omegaconf import DictConfig
 
-name_deepspeed_accelerator()  # before anything below imports DeepSpeed
+from ftlab.experiments.config import register
+from ftlab.faults.schedules import FaultConfigError
+from ftlab.runtime.backend import WorkerCrashed
+from ftlab.runtime.contract import ConfigError
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from experiments.plan_report import plan_job  # noqa: E402
-from faults.schedules import FaultConfigError  # noqa: E402
-from runtime.config import register  # noqa: E402
-from runtime.launch import ConfigError, JobResult, run_job  # noqa: E402
-from runtime.trainer import JobStopped  # noqa: E402
+if TYPE_CHECKING:
+    from ftlab.experiments.job import JobResult
 
 register()
 
-# Errors whose message already says what to change: shown without a traceback.
-_USER_ERRORS = (ConfigError, FaultConfigError, JobStopped, FileNotFoundError)
+MODES = ("train", "plan")
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message already says what to change (or what happened): shown without a traceback."""
+    from ftlab.runtime.coordinator import JobStopped
+
+    return ConfigError, FaultConfigError, JobStopped, WorkerCrashed, FileNotFoundError
 
 
 def report(result: JobResult, tracking_uri: str) -> None:
@@ -44,15 +53,19 @@ def report(result: JobResult, tracking_uri: str) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        if cfg.mode not in MODES:
+            raise ConfigError(f"mode={cfg.mode}: use mode=train (run the job) or mode=plan (show its plan)")
         if cfg.mode == "plan":
+            from ftlab.experiments.plan_report import plan_job
+
             planned = plan_job(cfg)
             print(planned.text, end="")
             print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
             return
-        if cfg.mode != "train":
-            raise ConfigError(f"mode={cfg.mode}: use mode=train (run the job) or mode=plan (show its plan)")
+        from ftlab.experiments.job import run_job
+
         result = run_job(cfg)
-    except _USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"ftlab: {exc}", file=sys.stderr)
         sys.exit(1)
     report(result, cfg.tracking.uri)

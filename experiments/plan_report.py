@@ -5,10 +5,13 @@ For any model and cluster config the report shows the policy's first plan and a 
 - ``policy=oobleck``: the pipeline templates (nodes, stages with their layers and GPUs, time per micro-batch), the
   pipelines instantiated from them (how many of each template, on which nodes), the micro-batches each pipeline
   runs, and the predicted iteration time (the slowest pipeline) and throughput, exactly as the planner computes
-  them. This is the planner the policy runs at the start of training, with the same profile.
-- any other policy: its first plan (for ``none`` and ``checkpoint_restart``, the PP x DP grid of ``train.stages``)
-  and an iteration time predicted by executing its programs on ``runtime.program_check``'s abstract machine with
-  the profile's per-layer costs.
+  them: the report calls the policy's own ``Oobleck.layout``, which its first plan comes from.
+- any other policy: its first plan, from the policy's own ``plan`` (for ``none`` and ``checkpoint_restart``, the
+  PP x DP grid of ``train.stages``).
+
+Every policy's first plan, where the runtime can run it, is also timed by executing its programs on
+``runtime.program_check``'s abstract machine with ``runtime.costs.CostModel.durations``: compute, activation
+transfers, the gradient all-reduce and the optimizer step.
 
 Where the costs come from (``cluster.device``):
 
@@ -21,9 +24,8 @@ Where the costs come from (``cluster.device``):
   scale job (GPT-3 6.7B on 16 x 8 A100) plans in well under a second.
 
 Memory per device is ``cluster.device_memory_gb`` in both cases (a GPU's datasheet memory is only mentioned).
-Predicted times count pipeline compute and activation transfers; gradient all-reduce and the optimizer step are
-left out, as in Oobleck's own cost model. Impossible settings raise ``runtime.launch.ConfigError`` saying which
-setting to change.
+Oobleck's own predicted times count pipeline compute and activation transfers, as in its paper; the program
+timing adds the rest. Impossible settings raise ``ConfigError`` saying which setting to change.
 """
 
 from __future__ import annotations
@@ -36,23 +38,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from policies.base import Job, Policy
-from policies.oobleck.batch import BatchError, distribute_batch
-from policies.oobleck.instantiate import InstantiationError, assign_nodes, instantiate
-from policies.oobleck.policy import Oobleck
-from policies.oobleck.templates import PipelineTemplate, generate_templates
-from policies.oobleck.to_plan import to_plan
-from runtime.config import JobConfig
-from runtime.devices import DEVICES, UTILISATION
-from runtime.launch import ConfigError, check_memory
-from runtime.model import layer_specs
-from runtime.plan import Plan, PlanError
-from runtime.profiler import ModelProfile, analytic_profile, measure_profile
-from runtime.scheduler import one_f_one_b
-from runtime.tracking import Tracker
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import (
+    check_memory, check_settings, components, everyone, job_factory, job_profile, run_tags,
+)  # fmt: skip
+from ftlab.policies.oobleck.policy import Oobleck
+from ftlab.policies.oobleck.templates import PipelineTemplate
+from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
+from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.devices import DEVICES, UTILISATION
+from ftlab.runtime.model_spec import layer_specs
+from ftlab.runtime.plan import Plan, PlanError
+from ftlab.runtime.program_check import simulate
+from ftlab.runtime.tracking import Tracker
 
 GIB = 2**30
 MEASURED_DEVICES = ("cpu", "cuda")
@@ -90,14 +90,7 @@ def plan_job(dict_cfg: DictConfig) -> PlanReport:
     """``ftlab mode=plan``: one MLflow run holding the report; FAILED with the reason when the job cannot plan."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
-    tags = {
-        "mode": "plan",
-        "policy": cfg.policy.name,
-        "model": cfg.model.name,
-        "cluster": cfg.cluster.name,
-        "device": cfg.cluster.device,
-        "faults": cfg.faults.schedule,
-    }
+    tags = {**run_tags(cfg), "mode": "plan", "device": cfg.cluster.device}
     run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
     try:
         report = plan_report(cfg, tracker)
@@ -125,15 +118,21 @@ def plan_report(cfg: JobConfig, tracker: Tracker | None = None) -> PlanReport:
 def build_report(cfg: JobConfig) -> PlanReport:
     _check_shape(cfg)
     began = time.perf_counter()
-    profile, source = job_profile(cfg)
+    profile, source = _profile(cfg)
     profiled_s = time.perf_counter() - began
-    job = _job(cfg)
-    policy = _policy(cfg)
+    policy, protection = components(cfg)
+    job = job_factory(cfg, start=None)(everyone(cfg))
     began = time.perf_counter()
-    if isinstance(policy, Oobleck):
-        data, plan = _oobleck(cfg, job, profile, tensor_parallel=cfg.cluster.device in DEVICES)
-    else:
-        data, plan = _generic(cfg, job, policy, profile)
+    try:
+        protection.check(job)
+        policy.check(protection)
+        if isinstance(policy, Oobleck):
+            data, plan = _oobleck(cfg, job, policy, protection, tensor_parallel=cfg.cluster.device in DEVICES)
+        else:
+            data, plan = _generic(cfg, job, policy.plan(job, protection))
+    except PlanError as exc:
+        advice = f" {_fit_advice(cfg, profile)}" if isinstance(policy, Oobleck) and "cannot plan" in str(exc) else ""
+        raise ConfigError(f"{exc}{advice}") from exc
     data["planning_s"] = time.perf_counter() - began
     data["profile"] = {**source, "seconds": profiled_s}
     data = {**_header(cfg, profile), **data}
@@ -146,39 +145,23 @@ def build_report(cfg: JobConfig) -> PlanReport:
 
 
 def _check_shape(cfg: JobConfig) -> None:
-    c, t = cfg.cluster, cfg.train
-    if c.nodes < 1 or c.workers_per_node < 1:
-        raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
-    if c.device_memory_gb <= 0:
-        raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
-    if t.micro_batch < 1 or t.global_batch % t.micro_batch:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
-            f"{t.micro_batch}: set train.global_batch to a multiple of train.micro_batch"
-        )
-
-
-def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
-    """The per-layer costs to plan with, and where they come from; memory is ``cluster.device_memory_gb``."""
+    check_settings(cfg)
     device = cfg.cluster.device
-    model, micro_batch = cfg.model, cfg.train.micro_batch
-    memory = int(cfg.cluster.device_memory_gb * GIB)
-    if device in DEVICES:
-        profile = analytic_profile(model, device, micro_batch, model.seq_len)
-        source = {"kind": "analytic", "device": device, "utilisation": UTILISATION}
-    elif device.split(":")[0] in MEASURED_DEVICES:
-        _check_measurable(cfg, device)
-        profile = measure_profile(
-            model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
-            cache_dir=Path(cfg.train.cache_dir) / "profiles",
-        )  # fmt: skip -- the Oobleck policy's own call, so both share one cached profile
-        source = {"kind": "measured", "device": profile.device}
-    else:
+    if device not in DEVICES and device.split(":")[0] not in MEASURED_DEVICES:
         raise ConfigError(
             f"cluster.device={device!r} is not a device ftlab knows: use cpu (measured here) or a GPU type for an "
             f"analytic profile: {', '.join(DEVICES)}"
         )
-    return dataclasses.replace(profile, device_memory_bytes=memory), source
+    if device not in DEVICES:
+        _check_measurable(cfg, device)
+
+
+def _profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
+    """The job's profile (the one its policy plans with), its memory the configured ``cluster.device_memory_gb``."""
+    profile, source = job_profile(cfg)
+    if source["kind"] == "analytic":
+        source["utilisation"] = UTILISATION
+    return dataclasses.replace(profile, device_memory_bytes=int(cfg.cluster.device_memory_gb * GIB)), source
 
 
 def _check_measurable(cfg: JobConfig, device: str) -> None:
@@ -197,20 +180,6 @@ def _check_measurable(cfg: JobConfig, device: str) -> None:
         )
 
 
-def _job(cfg: JobConfig) -> Job:
-    wpn = cfg.cluster.workers_per_node
-    everyone = {n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)}
-    memory = int(cfg.cluster.device_memory_gb * GIB)
-    return Job(cfg.model, tuple(layer_specs(cfg.model)), cfg.train, everyone, everyone, memory)
-
-
-def _policy(cfg: JobConfig) -> Policy:
-    try:
-        return hydra.utils.instantiate(OmegaConf.structured(cfg.policy), _convert_="all")
-    except Exception as exc:  # noqa: BLE001 - Hydra wraps the real cause
-        raise ConfigError(f"policy {cfg.policy.name!r} cannot be built from its config: {exc}") from exc
-
-
 def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:
     c, t = cfg.cluster, cfg.train
     device = cfg.cluster.device
@@ -224,7 +193,7 @@ def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:
             "device_memory_gb": c.device_memory_gb,
             "datasheet_memory_gb": DEVICES[device].memory_bytes / GIB if device in DEVICES else None,
         },
-        "policy": {"name": cfg.policy.name, "fault_threshold": cfg.policy.fault_threshold},
+        "policy": {"name": cfg.policy.name, "fault_threshold": getattr(cfg.policy, "fault_threshold", None)},
         "batch": {"global": t.global_batch, "micro": t.micro_batch, "microbatches": t.global_batch // t.micro_batch},
     }  # fmt: skip
 
@@ -232,58 +201,30 @@ def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------- Oobleck
 
 
-def _oobleck(cfg: JobConfig, job: Job, profile: ModelProfile, tensor_parallel: bool) -> tuple[dict, Plan | None]:
-    """Templates, instantiation and batch distribution, as ``Oobleck.plan`` runs them at the start of training."""
-    f, nodes, wpn = cfg.policy.fault_threshold, cfg.cluster.nodes, cfg.cluster.workers_per_node
-    t = cfg.train
-    microbatches = t.global_batch // t.micro_batch
-    if f < 0:
-        raise ConfigError(f"policy.fault_threshold={f}: use 0 or more")
-    if nodes < f + 1:
-        raise ConfigError(
-            f"{nodes} nodes cannot hold f + 1 = {f + 1} pipelines: lower policy.fault_threshold to at most "
-            f"{nodes - 1} or raise cluster.nodes to at least {f + 1}"
-        )
-    if microbatches < f + 1:
-        raise ConfigError(
-            f"{microbatches} micro-batches cannot feed f + 1 = {f + 1} pipelines: raise train.global_batch to at "
-            f"least {(f + 1) * t.micro_batch} or lower policy.fault_threshold"
-        )
-    try:
-        templates = generate_templates(profile, nodes, f, wpn, tensor_parallel=tensor_parallel)
-    except ValueError as exc:
-        raise ConfigError(f"policy=oobleck cannot plan {cfg.model.name} on {cfg.cluster.name}: {exc}. "
-                          f"{_fit_advice(cfg, profile)}") from exc  # fmt: skip
-    try:
-        counts = instantiate(templates, nodes, max_pipelines=microbatches)
-        pipelines = assign_nodes(templates, counts, list(range(nodes)))
-        split = distribute_batch([p.template for p in pipelines], t.global_batch, t.micro_batch)
-    except BatchError as exc:
-        raise ConfigError(f"{exc}: set train.global_batch={exc.suggested}") from exc
-    except InstantiationError as exc:
-        raise ConfigError(f"policy=oobleck cannot instantiate pipelines: {exc}; change cluster.nodes, "
-                          f"policy.fault_threshold or train.global_batch") from exc  # fmt: skip
+def _oobleck(
+    cfg: JobConfig, job: Job, policy: Oobleck, protection: Protection, tensor_parallel: bool
+) -> tuple[dict, Plan | None]:
+    """The policy's own layout (templates, instantiation, batch split) and, with one worker per stage, its first
+    plan: exactly what training starts from."""
+    layout = policy.layout(job, tensor_parallel=tensor_parallel)
     data: dict[str, Any] = {
         "kind": "oobleck",
         "tensor_parallel": tensor_parallel,
-        "templates": [_template_data(tpl) for tpl in templates.templates],
-        "counts": {str(n): c for n, c in sorted(counts.items())},
+        "templates": [_template_data(tpl) for tpl in layout.templates.templates],
+        "counts": {str(n): c for n, c in sorted(layout.counts.items())},
         "pipelines": [
             {"template_nodes": p.template.num_nodes, "nodes": list(p.nodes), "microbatches": n,
              "iteration_s": p.template.iteration_time(n)}
-            for p, n in zip(pipelines, split.microbatches)
+            for p, n in zip(layout.pipelines, layout.split.microbatches)
         ],  # fmt: skip
-        "iteration_s": split.iteration_s,
+        "iteration_s": layout.split.iteration_s,
     }
-    plan = None
-    if not tensor_parallel:  # one worker per stage: the runtime Plan training would start from
-        try:
-            plan = to_plan(pipelines, split.microbatches, job.workers_of_node, t.global_batch, t.micro_batch)
-            check_memory(plan, job)
-        except PlanError as exc:
-            raise ConfigError(str(exc)) from exc
-        data["simulated_1f1b_s"] = _simulate(one_f_one_b(plan), plan, profile)
-    return data, plan
+    if tensor_parallel:  # stages on several GPUs: the runtime has no plan for them
+        return data, None
+    decision = policy.plan(job, protection)
+    check_memory(decision.plan, job)
+    data["simulated_s"] = _time_programs(decision, job)
+    return data, decision.plan
 
 
 def _template_data(tpl: PipelineTemplate) -> dict[str, Any]:
@@ -328,13 +269,10 @@ def _fit_advice(cfg: JobConfig, profile: ModelProfile) -> str:
 # ---------------------------------------------------------------------------------------------- any other policy
 
 
-def _generic(cfg: JobConfig, job: Job, policy: Policy, profile: ModelProfile) -> tuple[dict, Plan]:
-    """The policy's first plan, timed by executing its programs with the profile's costs."""
-    try:
-        plan = policy.plan(job)
-        plan.validate()
-    except PlanError as exc:
-        raise ConfigError(str(exc)) from exc
+def _generic(cfg: JobConfig, job: Job, decision: Decision) -> tuple[dict, Plan]:
+    """The policy's first plan, timed by executing its programs with the job's costs."""
+    plan = decision.plan
+    plan.validate()
     check_memory(plan, job)
     wpn = cfg.cluster.workers_per_node
     data = {
@@ -344,37 +282,14 @@ def _generic(cfg: JobConfig, job: Job, policy: Policy, profile: ModelProfile) ->
              "microbatches": len(p.microbatches)}
             for p in plan.pipelines
         ],  # fmt: skip
-        "iteration_s": _simulate(policy.programs(plan), plan, profile),
+        "iteration_s": _time_programs(decision, job),
     }
     return data, plan
 
 
-def _simulate(programs: dict, plan: Plan, profile: ModelProfile) -> float:
-    """The makespan of ``programs`` on the abstract machine: compute from the profile, sends at its p2p bandwidth,
-    loads, gradient reduction and the optimizer step free."""
-    from runtime import instructions as ins
-    from runtime.program_check import simulate, worker_layers
-
-    layers = worker_layers(plan)
-    ranges = {w: profile.layers[a:b] for w, (a, b) in layers.items()}
-
-    def duration(worker: int, instr: object) -> float:
-        mine = ranges[worker]
-        if isinstance(instr, ins.ForwardPass):
-            return sum(x.fwd_s for x in mine)
-        if isinstance(instr, ins.BackwardPass):
-            return sum(x.bwd_input_s + x.bwd_weight_s for x in mine)
-        if isinstance(instr, ins.BackwardInput):
-            return sum(x.bwd_input_s for x in mine)
-        if isinstance(instr, ins.BackwardWeight):
-            return sum(x.bwd_weight_s for x in mine)
-        if isinstance(instr, ins.SendActivation):
-            return mine[-1].output_bytes / profile.p2p_bytes_per_s
-        if isinstance(instr, ins.SendGrad):  # the gradient of the previous stage's output
-            return profile.layers[layers[worker][0] - 1].output_bytes / profile.p2p_bytes_per_s
-        return 0.0
-
-    return simulate(programs, duration, plan)
+def _time_programs(decision: Decision, job: Job) -> float:
+    """The makespan of the decision's programs on the abstract machine, with the one cost model's durations."""
+    return simulate(decision.programs, job.costs.durations(decision.plan), decision.plan)
 
 
 # ---------------------------------------------------------------------------------------------------------- text
@@ -420,10 +335,14 @@ def render(d: dict[str, Any]) -> str:
         "",
         f"Predicted iteration: {d['iteration_s']:.4g} s, {d['samples_per_s']:.4g} samples/s, "
         f"{d['tokens_per_s']:,.0f} tokens/s",
-        "  (pipeline compute and activation transfers; gradient all-reduce and optimizer step not included)",
     ]
-    if "simulated_1f1b_s" in d:
-        lines.append(f"  1F1B programs of this plan on the abstract machine: {d['simulated_1f1b_s']:.4g} s")
+    if d["kind"] == "oobleck":
+        lines.append("  (Oobleck's model: pipeline compute and activation transfers)")
+    if "simulated_s" in d:
+        lines.append(
+            f"  1F1B programs of this plan on the abstract machine: {d['simulated_s']:.4g} s (with the gradient "
+            "all-reduce and the optimizer step)"
+        )
     lines.append(f"Planned in {d['planning_s']:.3f} s.")
     return "\n".join(lines) + "\n"
 
@@ -492,13 +411,16 @@ def _render_plan(d: dict[str, Any]) -> list[str]:
     for i, p in enumerate(pipelines):
         parts = "  ".join(f"{s['worker']}@{s['node']}: {s['layers'][0]}..{s['layers'][1] - 1}" for s in p["stages"])
         lines.append(f"  {i:>8} {p['microbatches']:>13}  {parts}")
-    lines.append("  (iteration time: the policy's programs executed with the profile's costs)")
+    lines.append(
+        "  (iteration time: the policy's programs executed with the profile's costs, gradient all-reduce and "
+        "optimizer step included)"
+    )
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
-    from runtime.launch import compose_config
+    from ftlab.experiments.job import compose_config
 
     overrides = sys.argv[1:] if argv is None else argv
     try:

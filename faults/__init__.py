@@ -1,6 +1,6 @@
 """Fault schedules: what fails, to whom, and when (see schedules.py), and the bundled node-availability traces."""
 
-from faults.schedules import (
+from ftlab.faults.schedules import (
     FAULT_KINDS,
     PHASES,
     SCHEDULES,
@@ -13,7 +13,7 @@ from faults.schedules import (
     build_schedule,
     faults_config_from_dict,
 )
-from faults.trace import BUNDLED_TRACES, TraceError, TraceRecord, read_trace
+from ftlab.faults.trace import BUNDLED_TRACES, TraceError, TraceRecord, read_trace
 
 __all__ = [
     "BUNDLED_TRACES",

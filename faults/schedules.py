@@ -69,7 +69,7 @@ from typing import Any, Literal, get_args
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from faults.trace import TraceError, TraceRecord, read_trace
+from ftlab.faults.trace import TraceError, TraceRecord, read_trace
 
 FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)

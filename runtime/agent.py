@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from runtime import messages as msg
+from ftlab.runtime import messages as msg
 
 _PR_SET_PDEATHSIG = 1
 
@@ -41,7 +41,7 @@ class Agent:
     def spawn(self, worker: int) -> None:
         # Called from the main thread only: PDEATHSIG fires when the *thread* that forked the child exits.
         command = [
-            sys.executable, "-m", "runtime.worker",
+            sys.executable, "-m", "ftlab.runtime.worker",
             "--coordinator-port", str(self.args.coordinator_port),
             "--node", str(self.args.node),
             "--worker", str(worker),

@@ -2,19 +2,17 @@
 
 A checkpoint directory ``step-NNNNNN`` counts only once its ``manifest.json`` exists; every file, the manifest
 included, is written to a temporary name, fsynced and renamed, so a kill at any moment leaves either the previous
-complete checkpoint or the new complete one, never a torn one.
+complete checkpoint or the new complete one, never a torn one. What a layer file holds is ``runtime.layer_state``'s;
+this module handles only files and manifests, so the coordinator and the policies use it without torch.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
-
-import torch
 
 MANIFEST = "manifest.json"
 
@@ -35,20 +33,6 @@ def atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def layer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"module": module.state_dict(), "optimizer": optimizer.state_dict()}
-
-
-def encode(state: dict[str, Any]) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
-def decode(data: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def write_manifest(root: str | Path, step: int, num_layers: int, extra: dict[str, Any]) -> Path:

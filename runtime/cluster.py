@@ -1,7 +1,7 @@
 """The coordinator's view of a cluster of local processes: control server, rendezvous store, agents, membership.
 
-Everything that arrives from agents and workers (messages, closed connections) becomes an ``Event`` on one queue,
-which the trainer consumes from a single thread: membership changes and step results are handled in the order they
+Everything that arrives from agents and workers (messages, closed connections) becomes a ``ClusterEvent`` on one queue,
+which the local backend consumes from a single thread: membership changes and step results are handled in the order they
 happened, with no locks in the training logic.
 """
 
@@ -19,18 +19,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from runtime import messages as msg
-from runtime.agent import die_with_parent
-
-
-def name_deepspeed_accelerator() -> None:
-    """DeepSpeed probes for an accelerator, and warns in every process that imports it, unless ``DS_ACCELERATOR``
-    names one. The runtime uses only its pipeline-schedule classes: name this machine's, for this process and every
-    process it starts (agents pass their environment on to the workers)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+from ftlab.runtime import messages as msg
+from ftlab.runtime.agent import die_with_parent
 
 
 class ClusterError(RuntimeError):
@@ -46,7 +38,7 @@ class NodeLost(ClusterError):
 
 
 @dataclass(frozen=True)
-class Event:
+class ClusterEvent:
     role: str  # "agent" | "worker"
     ident: int  # node id for agents, worker id for workers
     message: Any  # a message, or None when the connection closed
@@ -73,7 +65,7 @@ class LocalCluster:
         self.threads_per_worker = threads_per_worker
         self.node_ids = list(range(nodes))
         self.secret = secrets.token_hex(16)
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events: queue.Queue[ClusterEvent] = queue.Queue()
         self.agents: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
         # By pid: workers whose second connection has not arrived yet, with their Hello.
@@ -97,10 +89,9 @@ class LocalCluster:
 
     # -- starting ----------------------------------------------------------------------------------------------
     def start_node(self, node: int) -> None:
-        name_deepspeed_accelerator()
         env = {**os.environ, msg.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
         command = [
-            sys.executable, "-m", "runtime.agent",
+            sys.executable, "-m", "ftlab.runtime.agent",
             "--coordinator-port", str(self.port),
             "--node", str(node),
             "--heartbeat-s", str(self.heartbeat_s),
@@ -156,7 +147,7 @@ class LocalCluster:
                 member = Member(hello.role, hello.node, hello.node, hello.pid, conn)
             (self.workers if member.role == "worker" else self.agents)[member.ident] = member
             if self.started:
-                self.events.put(Event(member.role, member.ident, hello))  # how the trainer learns of joins and restarts
+                self.events.put(ClusterEvent(member.role, member.ident, hello))  # how the backend learns of joins and restarts
             threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{member.role}{member.ident}").start()
 
     def _read(self, member: Member) -> None:
@@ -164,11 +155,11 @@ class LocalCluster:
             try:
                 message = member.conn.recv()
             except (EOFError, OSError):
-                self.events.put(Event(member.role, member.ident, None))
+                self.events.put(ClusterEvent(member.role, member.ident, None))
                 return
             member.last_seen = time.monotonic()
             if not isinstance(message, msg.Heartbeat):
-                self.events.put(Event(member.role, member.ident, message))
+                self.events.put(ClusterEvent(member.role, member.ident, message))
 
     def send(self, worker: int, message: object) -> bool:
         """Send to a worker; False if its connection is already gone (the failure arrives as an event)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from runtime.plan import Plan
+from ftlab.runtime.plan import Plan
 
 _RETIRED: list[GenerationComm] = []
 # No message is ever sent with this tag: a receive on it only exists to time out and close its connection.

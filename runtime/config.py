@@ -1,18 +1,13 @@
-"""The structured-config schema of a job, registered in Hydra's ConfigStore.
+"""The settings the runtime itself owns: the cluster, the training run, tracking. Plain dataclasses, no Hydra.
 
-``conf/config.yaml`` starts from ``job_schema``, so a wrong type or an unknown key in any group fails at
-composition with Hydra's own message. Each component owns its dataclass; this module only assembles them.
+Each component owns its dataclass (the model's is ``runtime.model_spec.ModelConfig``, the fault schedule's
+``faults.schedules.FaultsConfig``, each policy's and protection's in its own package); ``experiments.config``
+assembles them into the job's schema for Hydra.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
-
-from faults.schedules import FaultsConfig
-from runtime.model import ModelConfig
+from dataclasses import dataclass
 
 
 @dataclass
@@ -54,19 +49,9 @@ class TrainConfig:
     data: str | None = None
     """A local text file (plain or .gz); None: the bundled WikiText-2."""
     cache_dir: str = ".ftlab/cache"
-
-
-@dataclass
-class PolicyConfig:
-    _target_: str = "policies.base.NoFaultTolerance.from_settings"
-    name: str = "none"
-    fault_threshold: int = 0
-    """Oobleck's f: the number of simultaneous node failures to survive in place."""
-    checkpoint_every: int = 0
-    """Steps between checkpoints to storage (0: never)."""
     checkpoint_dir: str = ".ftlab/checkpoints"
-    """Each run writes under <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's checkpoints."""
-    keep_checkpoints: int = 2
+    """Each run writes its checkpoints (its protection's, and the survivors' when a job stops) under
+    <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's."""
 
 
 @dataclass
@@ -74,25 +59,3 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "ftlab"
     run_name: str | None = None
-
-
-@dataclass
-class JobConfig:
-    model: ModelConfig = MISSING
-    cluster: ClusterConfig = MISSING
-    policy: PolicyConfig = MISSING
-    faults: FaultsConfig = MISSING
-    train: TrainConfig = field(default_factory=TrainConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    mode: str = "train"
-    """train: run the job; plan: print and log the plan only, starting no worker."""
-    progress: bool = True
-
-
-def register() -> None:
-    store = ConfigStore.instance()
-    store.store(name="job_schema", node=JobConfig)
-    store.store(group="model", name="model_schema", node=ModelConfig)
-    store.store(group="cluster", name="cluster_schema", node=ClusterConfig)
-    store.store(group="policy", name="policy_schema", node=PolicyConfig)
-    store.store(group="faults", name="faults_schema", node=FaultsConfig)

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 BUNDLED_DIR = Path(__file__).parent / "datasets"
 # The default corpus: WikiText-2's validation then test split (see datasets/README.md).
@@ -138,11 +137,10 @@ class Batches:
         rng = np.random.default_rng((self.seed, step))
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
 
-    def microbatch(self, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), LongTensor [micro_batch, seq_len]; labels are the inputs shifted by one token."""
+    def microbatch(self, step: int, microbatch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, labels), int64 [micro_batch, seq_len]; labels are the inputs shifted by one token."""
         if not 0 <= microbatch < self.num_microbatches:
             raise IndexError(f"micro-batch {microbatch} out of range: a step has {self.num_microbatches}")
         starts = self.offsets(step)[microbatch * self.micro_batch : (microbatch + 1) * self.micro_batch]
         windows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int64)
-        sample = torch.from_numpy(windows)
-        return sample[:, :-1].contiguous(), sample[:, 1:].contiguous()
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(windows[:, 1:])

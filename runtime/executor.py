@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from deepspeed.runtime.pipe import schedule as ds
 
-from runtime import instructions as ins
-from runtime.comm import Aborted, GenerationComm, PostedRecv
-from runtime.data import Batches
-from runtime.model import StageModule
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.comm import Aborted, GenerationComm, PostedRecv
+from ftlab.runtime.data import Batches
+from ftlab.runtime.model import StageModule
 
 # p2p tags: one stream of activations and one of gradients per micro-batch.
 _ACTIVATION, _GRADIENT = 0, 1
@@ -113,14 +112,14 @@ class Executor:
             if isinstance(instruction, ins.OptimizerStep):
                 break
             loss += self._execute(instruction, buffers, receives, step)
-            if isinstance(instruction, (ds.ForwardPass, ds.BackwardPass, ins.BackwardInput, ins.BackwardWeight)):
+            if isinstance(instruction, (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)):
                 compute += time.perf_counter() - started
         return StepResult(loss=loss, compute_s=compute)
 
-    def _execute(self, instruction: ds.PipeInstruction, b: _Buffers, receives: _Receives, step: int) -> float:
+    def _execute(self, instruction: ins.Instruction, b: _Buffers, receives: _Receives, step: int) -> float:
         """Run one instruction; returns its contribution to the reported loss."""
         if isinstance(instruction, ins.LoadMicroBatch):
-            tokens, labels = self.batches.microbatch(step, instruction.microbatch)
+            tokens, labels = (torch.from_numpy(a) for a in self.batches.microbatch(step, instruction.microbatch))
             if self.first:
                 b.inputs[instruction.microbatch] = tokens
             if self.last:
@@ -181,11 +180,11 @@ class Executor:
         self.comm.all_reduce_gradients()
 
 
-def _phase_of(instruction: ds.PipeInstruction) -> str:
-    if isinstance(instruction, (ds.ForwardPass, ds.LoadMicroBatch, ds.RecvActivation, ds.SendActivation)):
+def _phase_of(instruction: ins.Instruction) -> str:
+    if isinstance(instruction, (ins.ForwardPass, ins.LoadMicroBatch, ins.RecvActivation, ins.SendActivation)):
         return "forward"
-    if isinstance(instruction, (ds.BackwardPass, ins.BackwardInput, ins.BackwardWeight, ds.RecvGrad, ds.SendGrad)):
+    if isinstance(instruction, (ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight, ins.RecvGrad, ins.SendGrad)):
         return "backward"
-    if isinstance(instruction, ds.ReduceGrads):
+    if isinstance(instruction, ins.ReduceGrads):
         return "reduce"
     return ""  # the optimizer phase begins at the coordinator's Commit (runtime.worker)

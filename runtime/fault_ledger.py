@@ -1,18 +1,22 @@
-"""What each fault cost: detection time, recovery time, committed steps lost.
+"""What each fault cost, read off the event stream: detection time, recovery time, committed steps lost.
 
 - ``ft/detect_s``: from the signal to the coordinator noticing the failure (a closed connection, an agent's report,
   or a missed heartbeat for a hang).
 - ``ft/recover_s``: from the signal to the next committed step after recovery.
 - ``ft/lost_steps``: committed steps whose work was thrown away (the step the failure found committed minus the
   step training resumed from). The iteration in flight is never counted: no policy can keep it.
+- ``ft/transfer_bytes``: layer state copied between workers to recover.
 
-Faults that no injector fired (a real crash) are measured from the moment they were noticed.
+Faults that no injector fired (a real crash) are measured from the moment they were noticed. When the first step
+after a fault commits, the ledger publishes a ``Recovered`` event with the fault's figures.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+from ftlab.runtime import events as ev
 
 
 @dataclass
@@ -47,15 +51,36 @@ class FaultRecord:
 
 
 class FaultLedger:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # the injector thread adds, the trainer's thread reads
+    def __init__(self, bus: ev.EventBus) -> None:
+        self.bus = bus
+        self._lock = threading.Lock()  # the injector's thread adds, the coordinator's reads
         self.records: list[FaultRecord] = []
+        bus.subscribe(self.on_event)
 
-    def fired(self, kind: str, workers: tuple[int, ...], at: float) -> None:
+    def on_event(self, event: ev.Event) -> None:
+        match event:
+            case ev.FaultInjected(fault_kind=kind, workers=workers) if workers:
+                with self._lock:
+                    self.records.append(FaultRecord(kind, frozenset(workers), event.at))
+            case ev.FailureDetected(workers=workers, noticed_at=noticed):
+                self._noticed(set(workers), noticed)
+            case ev.Decided(committed_step=committed, resume_step=resumed) if resumed is not None:
+                for record in self._open():  # each fault resumes with the first decision after it was noticed
+                    if record.resumed_step is None:
+                        record.committed_step, record.resumed_step = committed, resumed
+            case ev.LayersCopied(nbytes=nbytes):
+                open_records = self._open()
+                for record in open_records:
+                    record.transfer_bytes += nbytes // len(open_records)
+            case ev.StepCommitted():
+                self._recovered(event.at)
+
+    def _open(self) -> list[FaultRecord]:
+        """Faults noticed and not yet recovered from."""
         with self._lock:
-            self.records.append(FaultRecord(kind, frozenset(workers), at))
+            return [r for r in self.records if r.noticed_at is not None and r.recovered_at is None]
 
-    def noticed(self, workers: set[int], at: float) -> list[FaultRecord]:
+    def _noticed(self, workers: set[int], at: float) -> None:
         """Attach a failure to the faults that caused it; a failure nobody injected gets a record of its own."""
         with self._lock:
             matched = [r for r in self.records if r.noticed_at is None and r.workers & workers]
@@ -64,23 +89,14 @@ class FaultLedger:
                 self.records.append(matched[0])
             for record in matched:
                 record.noticed_at = at
-            return matched
 
-    def resumed(self, records: list[FaultRecord], committed: int, resumed: int) -> None:
-        for record in records:
-            record.committed_step, record.resumed_step = committed, resumed
-
-    def transferred(self, nbytes: int) -> None:
-        """Layer bytes copied to recover from the faults now in recovery (split evenly among them)."""
-        with self._lock:
-            open_records = [r for r in self.records if r.noticed_at is not None and r.recovered_at is None]
-            for record in open_records:
-                record.transfer_bytes += nbytes // len(open_records)
-
-    def recovered(self, at: float) -> list[FaultRecord]:
-        """Mark every fault waiting for a committed step as recovered; returns them."""
-        with self._lock:
-            done = [r for r in self.records if r.noticed_at is not None and r.recovered_at is None]
-            for record in done:
-                record.recovered_at = at
-            return done
+    def _recovered(self, at: float) -> None:
+        """Every fault waiting for a committed step is recovered now."""
+        for record in self._open():
+            record.recovered_at = at
+            self.bus.publish(
+                ev.Recovered(
+                    at=at, fault=self.records.index(record), fault_kind=record.kind, detect_s=record.detect_s,
+                    recover_s=record.recover_s, lost_steps=record.lost_steps, transfer_bytes=record.transfer_bytes,
+                )
+            )  # fmt: skip

@@ -1,118 +1,116 @@
 """The instruction language shared by policies, the runtime and the simulator.
 
-Each class extends DeepSpeed's pipeline instruction of the same meaning where one exists, so DeepSpeed's schedules
-and ours print and compare alike. Two things DeepSpeed's instructions lack are added: a global micro-batch id instead
-of a buffer slot (so a micro-batch can be followed across workers and rerouted), and an explicit peer worker on
-every send and receive (so a stage can talk to another pipeline's worker). Decoupled backward (input gradient now,
-weight gradient later) and layer-state transfers for recovery are new instructions.
+The vocabulary is DeepSpeed's pipeline instructions (``deepspeed.runtime.pipe.schedule``: LoadMicroBatch,
+ForwardPass, BackwardPass, Send/RecvActivation, Send/RecvGrad, ReduceGrads, OptimizerStep), with what they lack for
+fault tolerance added: a global micro-batch id instead of a buffer slot (so a micro-batch can be followed across
+workers and rerouted), an explicit peer worker on every send and receive (so a stage can talk to another pipeline's
+worker), decoupled backward (input gradient now, weight gradient later), and layer transfers for recovery.
 
-A Program is one worker's instruction list for one iteration.
+They are plain frozen dataclasses rather than subclasses of DeepSpeed's: importing DeepSpeed imports torch, and the
+contract between policies, runtime and simulator must load in milliseconds (``tests/test_contract.py``).
+``runtime.scheduler`` produces DeepSpeed's 1F1B order, and ``tests/test_scheduler.py`` holds it to DeepSpeed's own
+``TrainSchedule``, instruction by instruction.
+
+A Program is one worker's instruction list: for one iteration, or for the layer transfers of a reconfiguration.
 """
 
 from __future__ import annotations
 
-from deepspeed.runtime.pipe import schedule as ds
+from dataclasses import dataclass
 
 
-class MicroBatchInstruction(ds.BufferOpInstruction):
-    """An instruction about one micro-batch; ``buffer_id`` holds the global micro-batch id."""
-
-    def __init__(self, microbatch: int, **kwargs: int) -> None:
-        super().__init__(buffer_id=microbatch, **kwargs)
-
-    @property
-    def microbatch(self) -> int:
-        return self.buffer_id
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.kwargs == other.kwargs  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, tuple(sorted(self.kwargs.items()))))
+@dataclass(frozen=True)
+class Instruction:
+    def __str__(self) -> str:
+        fields = ", ".join(f"{'mb' if k == 'microbatch' else k}={v}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
 
 
+@dataclass(frozen=True)
+class MicroBatchInstruction(Instruction):
+    """An instruction about one micro-batch (its global id)."""
+
+    microbatch: int
+
+
+@dataclass(frozen=True)
 class PeerInstruction(MicroBatchInstruction):
     """A point-to-point transfer of one micro-batch's tensor with ``peer`` (a worker id)."""
 
-    def __init__(self, microbatch: int, peer: int) -> None:
-        super().__init__(microbatch, peer=peer)
+    peer: int
 
 
-class LoadMicroBatch(MicroBatchInstruction, ds.LoadMicroBatch):
+@dataclass(frozen=True)
+class LoadMicroBatch(MicroBatchInstruction):
     """First stage: load the input tokens; last stage: load the labels."""
 
 
-class ForwardPass(MicroBatchInstruction, ds.ForwardPass):
+@dataclass(frozen=True)
+class ForwardPass(MicroBatchInstruction):
     pass
 
 
-class BackwardPass(MicroBatchInstruction, ds.BackwardPass):
+@dataclass(frozen=True)
+class BackwardPass(MicroBatchInstruction):
     """Full backward: input gradient and weight gradients together."""
 
 
+@dataclass(frozen=True)
 class BackwardInput(MicroBatchInstruction):
     """Decoupled backward, first half: the gradient with respect to the stage input only (ReCycle, Zero Bubble)."""
 
 
+@dataclass(frozen=True)
 class BackwardWeight(MicroBatchInstruction):
     """Decoupled backward, second half: the weight gradients, deferrable into a pipeline bubble."""
 
 
-class SendActivation(PeerInstruction, ds.SendActivation):
+@dataclass(frozen=True)
+class SendActivation(PeerInstruction):
     pass
 
 
-class RecvActivation(PeerInstruction, ds.RecvActivation):
+@dataclass(frozen=True)
+class RecvActivation(PeerInstruction):
     pass
 
 
-class SendGrad(PeerInstruction, ds.SendGrad):
+@dataclass(frozen=True)
+class SendGrad(PeerInstruction):
     pass
 
 
-class RecvGrad(PeerInstruction, ds.RecvGrad):
+@dataclass(frozen=True)
+class RecvGrad(PeerInstruction):
     pass
 
 
-class ReduceGrads(ds.ReduceGrads):
+@dataclass(frozen=True)
+class ReduceGrads(Instruction):
     """All-reduce each layer's gradient over every replica of that layer (the plan's reduction groups)."""
 
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other)
 
-    def __hash__(self) -> int:
-        return hash(type(self).__name__)
-
-
-class OptimizerStep(ds.OptimizerStep):
+@dataclass(frozen=True)
+class OptimizerStep(Instruction):
     """Commit point: the worker reports the iteration ready and steps its optimizers once the coordinator commits."""
 
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other)
 
-    def __hash__(self) -> int:
-        return hash(type(self).__name__)
+@dataclass(frozen=True)
+class LayerInstruction(Instruction):
+    """A transfer of one layer's parameters with its optimizer state to or from ``peer``, for recovery."""
 
-
-class LayerInstruction(ds.PipeInstruction):
-    """A transfer of one layer's parameters with its optimizer state, for recovery."""
-
-    def __init__(self, layer: int, peer: int) -> None:
-        super().__init__(layer=layer, peer=peer)
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.kwargs == other.kwargs  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self.layer, self.peer))  # type: ignore[attr-defined]
+    layer: int
+    peer: int
 
 
+@dataclass(frozen=True)
 class SendLayer(LayerInstruction):
     pass
 
 
+@dataclass(frozen=True)
 class RecvLayer(LayerInstruction):
     pass
 
 
-Program = list[ds.PipeInstruction]
+Program = list[Instruction]

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
+from ftlab.runtime.contract import Source
+from ftlab.runtime.instructions import Instruction
+
 SECRET_ENV = "FTLAB_SECRET"
 
 
@@ -115,12 +118,12 @@ class Configure:
     program: list[Any]
     store_port: int
     setup: dict[str, Any] = field(default_factory=dict)
-    """Model, training and data settings; sent with the first Configure a worker receives."""
-    restore: str | None = None
-    """A committed checkpoint directory to load the worker's layers from (checkpoint-restart)."""
-    transfers: tuple[tuple[int, int, int], ...] = ()
-    """(layer, source worker, destination worker): layers with their optimizer state copied in place, over the
-    new generation's group, before the worker reports Configured."""
+    """Model, training and data settings."""
+    restore: Source | None = None
+    """Saved state to load the layers of the worker's stage from, where it holds them not and receives them not."""
+    transfers: tuple[Instruction, ...] = ()
+    """This worker's SendLayer/RecvLayer program: layers with their optimizer state copied in place, over the new
+    generation's group, before the worker reports Configured."""
 
 
 @dataclass(frozen=True)
@@ -148,8 +151,8 @@ class ArmFault:
 class SaveCheckpoint:
     step: int
     directory: str
-    layers: tuple[int, ...] | None = None
-    """The layers this worker writes; None: those of its stage it is the first holder of."""
+    layers: tuple[int, ...]
+    """The layers this worker writes."""
 
 
 @dataclass(frozen=True)

@@ -1,74 +1,23 @@
-"""The model as an ordered list of layers: embedding, transformer blocks, head.
+"""The model's real layers, as workers build and run them: embedding, transformer blocks, head.
 
 A pipeline stage holds a contiguous range of layers. Policies and the simulator reason about layers through
-`layer_specs` (sizes and costs from formulas and meta tensors, nothing allocated); workers build the real layers
-with `build_layer`, whose weights depend on (config, seed, layer index) alone, so every pipeline layout starts from
-the same model and trains identically.
+``runtime.model_spec`` (sizes and costs from the config alone); workers build the real layers with `build_layer`,
+whose weights depend on (config, seed, layer index) alone, so every pipeline layout starts from the same model and
+trains identically.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
-from runtime.model_families import FAMILIES
+from ftlab.runtime.model_families import FAMILIES
+from ftlab.runtime.model_spec import ModelConfig, layer_kind, num_layers
 
-MODEL_CONF_DIR = Path(__file__).parents[1] / "conf" / "model"
 INIT_STD = 0.02  # GPT-2's initialisation, used for every family
-FP32 = 4
-
-
-@dataclass
-class ModelConfig:
-    """Schema of the Hydra config group ``model``."""
-
-    name: str = "gpt2-tiny"
-    family: str = "gpt2"  # "gpt2" | "llama" | "bert"
-    num_blocks: int = 6
-    hidden: int = 128
-    heads: int = 4
-    vocab_size: int = 8192
-    seq_len: int = 64  # also the number of learned positions (gpt2, bert) and Llama's max positions
-    ffn_hidden: int | None = None  # None: 4*hidden (gpt2, bert), 8/3*hidden rounded up to 256 (llama)
-    kv_heads: int | None = None  # llama grouped-query attention; None: as many as heads
-
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"model family {self.family!r} is not one of {sorted(FAMILIES)}")
-        if min(self.num_blocks, self.hidden, self.heads, self.vocab_size, self.seq_len) < 1:
-            raise ValueError(f"model {self.name}: sizes must be positive")
-        if self.hidden % self.heads:
-            raise ValueError(f"model {self.name}: hidden {self.hidden} is not a multiple of heads {self.heads}")
-        if self.kv_heads is not None and (self.family != "llama" or self.heads % self.kv_heads):
-            raise ValueError(f"model {self.name}: kv_heads needs family llama and must divide heads {self.heads}")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    index: int
-    kind: str  # "embedding" | "block" | "head"
-    params: int
-    fwd_flops_per_token: float  # matmuls + attention scores at cfg.seq_len
-    output_bytes_per_token: int  # what a pipeline send of this layer's output carries; 0 for the head
-    saved_bytes_per_token: int  # fp32 activations kept for backward (estimate, fused attention)
-
-
-def num_layers(cfg: ModelConfig) -> int:
-    return cfg.num_blocks + 2
-
-
-def layer_kind(cfg: ModelConfig, index: int) -> str:
-    if not 0 <= index < num_layers(cfg):
-        raise IndexError(f"layer {index} out of range: model {cfg.name} has {num_layers(cfg)} layers")
-    if index == 0:
-        return "embedding"
-    return "head" if index == num_layers(cfg) - 1 else "block"
 
 
 def _construct(cfg: ModelConfig, index: int) -> nn.Module:
@@ -81,43 +30,6 @@ def _construct(cfg: ModelConfig, index: int) -> nn.Module:
     if kind == "head":
         return family.head(cfg, hf)
     return family.block(hf, index - 1)
-
-
-def _matmul_params(module: nn.Module) -> int:
-    """Elements of the matrices a token is multiplied with (embedding tables are looked up, not multiplied)."""
-    tables = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-    return sum(p.numel() for p in module.parameters() if p.ndim >= 2 and id(p) not in tables)
-
-
-def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    """Sizes and costs of every layer; modules are built on the meta device, so nothing is allocated."""
-    family = FAMILIES[cfg.family]
-    last = num_layers(cfg) - 1
-    with torch.device("meta"):
-        # All blocks are alike: construct one of each kind.
-        modules = {kind: _construct(cfg, index) for kind, index in (("embedding", 0), ("block", 1), ("head", last))}
-    # QK^T and AV over the full [t, t] square, forward: 2 * 2 * seq_len * hidden per token.
-    attention_flops = 4 * cfg.seq_len * cfg.hidden
-    saved = {
-        "embedding": cfg.hidden if cfg.family == "bert" else 0,  # BERT's embedding LayerNorm input
-        "block": family.block_saved(cfg),
-        "head": family.head_saved(cfg),
-    }
-    specs = []
-    for index in range(num_layers(cfg)):
-        kind = layer_kind(cfg, index)
-        module = modules[kind]
-        specs.append(
-            LayerSpec(
-                index=index,
-                kind=kind,
-                params=sum(p.numel() for p in module.parameters()),
-                fwd_flops_per_token=float(2 * _matmul_params(module) + (attention_flops if kind == "block" else 0)),
-                output_bytes_per_token=0 if kind == "head" else FP32 * cfg.hidden,
-                saved_bytes_per_token=FP32 * saved[kind],
-            )
-        )
-    return specs
 
 
 def _layer_generator(seed: int, index: int) -> torch.Generator:
@@ -184,28 +96,3 @@ class StageModule(nn.Module):
         if labels is None:
             raise ValueError("the last stage computes the loss: pass labels")
         return self.layer(self.stop - 1)(x, labels)
-
-
-def training_memory_bytes(
-    specs: list[LayerSpec], start: int, stop: int, micro_batch: int, seq_len: int, in_flight: int
-) -> int:
-    """Memory a stage of layers [start, stop) needs to train: fp32 weights, gradients and AdamW's two moments
-    (16 bytes per parameter) plus the saved activations of `in_flight` micro-batches (1F1B: up to the number of
-    stages after this one, plus one)."""
-    chosen = specs[start:stop]
-    params = sum(s.params for s in chosen)
-    saved_per_token = sum(s.saved_bytes_per_token for s in chosen)
-    return 4 * FP32 * params + in_flight * micro_batch * seq_len * saved_per_token
-
-
-def available_models() -> list[str]:
-    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))
-
-
-def load_model_config(name: str) -> ModelConfig:
-    """The ModelConfig of conf/model/<name>.yaml, checked against the schema."""
-    path = MODEL_CONF_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ValueError(f"unknown model {name!r}; available models: {', '.join(available_models())}")
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)

@@ -16,10 +16,8 @@ Dropout is zero everywhere: a micro-batch must produce the same numbers whicheve
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,24 +27,11 @@ from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHead
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-if TYPE_CHECKING:
-    from runtime.model import ModelConfig
+from ftlab.runtime.model_spec import ModelConfig, ffn_hidden, kv_heads
+
 
 # One attention implementation for all: sdpa honours is_causal without a mask, and dispatches to fused kernels.
 ATTENTION = "sdpa"
-
-
-def ffn_hidden(cfg: ModelConfig) -> int:
-    """The MLP width: the configured one, else 4*hidden (GPT-2, BERT) or Llama's 8/3*hidden rounded up to 256."""
-    if cfg.ffn_hidden is not None:
-        return cfg.ffn_hidden
-    if cfg.family == "llama":
-        return 256 * math.ceil(8 * cfg.hidden / 3 / 256)
-    return 4 * cfg.hidden
-
-
-def kv_heads(cfg: ModelConfig) -> int:
-    return cfg.kv_heads if cfg.kv_heads is not None else cfg.heads
 
 
 class Embedding(nn.Module):
@@ -109,47 +94,6 @@ class Family:
     head: Callable[[ModelConfig, PreTrainedConfig], nn.Module]
     # Output projections of the residual branches: GPT-2 initialises them with std / sqrt(2 * num_blocks).
     residual_projections: tuple[str, ...]
-    # fp32 elements per token a block / the head keeps for backward (formulas below).
-    block_saved: Callable[[ModelConfig], int]
-    head_saved: Callable[[ModelConfig], int]
-
-
-# Activations kept for backward, in elements per token. These assume fused attention (flash or memory-efficient
-# sdpa, which keeps q, k, v, the output and a log-sum-exp per head rather than the [t, t] probabilities) and fused
-# element-wise activations, as on a GPU; per-token scalars of the norms are left out. The CPU's default math
-# kernel keeps the [heads, t, t] probabilities as well. tests/test_model.py checks these against what autograd saves.
-
-
-def _gpt2_block_saved(cfg: ModelConfig) -> int:
-    h, f = cfg.hidden, ffn_hidden(cfg)
-    # ln_1 in, c_attn in, q k v, attention out (= c_proj in) + lse, ln_2 in, c_fc in, gelu in, c_proj in
-    return h + h + 3 * h + h + cfg.heads + h + h + f + f
-
-
-def _llama_block_saved(cfg: ModelConfig) -> int:
-    h, f = cfg.hidden, ffn_hidden(cfg)
-    kv = kv_heads(cfg) * (cfg.hidden // cfg.heads)
-    # LlamaRMSNorm is unfused: it keeps its input, the normalised input and its output (3h), before attention and
-    # before the MLP; q (rotated), k, v; attention out (= o_proj in) + lse; gate, up, silu out, down in.
-    return 3 * h + h + 2 * kv + h + cfg.heads + 3 * h + 4 * f
-
-
-def _bert_block_saved(cfg: ModelConfig) -> int:
-    h, f = cfg.hidden, ffn_hidden(cfg)
-    # qkv in, q k v, attention out (= dense in) + lse, LayerNorm in, intermediate in, gelu in, output in, LayerNorm in
-    return h + 3 * h + h + cfg.heads + h + h + f + f + h
-
-
-def _gpt2_head_saved(cfg: ModelConfig) -> int:
-    return 2 * cfg.hidden + cfg.vocab_size  # LayerNorm in, lm_head in, log-softmax
-
-
-def _llama_head_saved(cfg: ModelConfig) -> int:
-    return 3 * cfg.hidden + cfg.vocab_size  # RMSNorm in, normalised, out (= lm_head in); log-softmax
-
-
-def _bert_head_saved(cfg: ModelConfig) -> int:
-    return 4 * cfg.hidden + cfg.vocab_size  # dense in, gelu in, LayerNorm in, lm_head in, log-softmax
 
 
 def _gpt2_config(cfg: ModelConfig) -> GPT2Config:
@@ -207,8 +151,6 @@ FAMILIES: dict[str, Family] = {
         block=lambda hf, i: Block(GPT2Block(hf, layer_idx=i)),
         head=lambda cfg, hf: Head(nn.LayerNorm(cfg.hidden, hf.layer_norm_epsilon), cfg.hidden, cfg.vocab_size, False),
         residual_projections=("attn.c_proj", "mlp.c_proj"),
-        block_saved=_gpt2_block_saved,
-        head_saved=_gpt2_head_saved,
     ),
     "llama": Family(
         hf_config=_llama_config,
@@ -216,8 +158,6 @@ FAMILIES: dict[str, Family] = {
         block=lambda hf, i: Block(LlamaDecoderLayer(hf, layer_idx=i), LlamaRotaryEmbedding(hf)),
         head=lambda cfg, hf: Head(LlamaRMSNorm(cfg.hidden, eps=hf.rms_norm_eps), cfg.hidden, cfg.vocab_size, False),
         residual_projections=("self_attn.o_proj", "mlp.down_proj"),
-        block_saved=_llama_block_saved,
-        head_saved=_llama_head_saved,
     ),
     "bert": Family(
         hf_config=_bert_config,
@@ -225,7 +165,5 @@ FAMILIES: dict[str, Family] = {
         block=lambda hf, i: Block(BertLayer(hf, layer_idx=i)),
         head=lambda cfg, hf: Head(BertPredictionHeadTransform(hf), cfg.hidden, cfg.vocab_size, True),
         residual_projections=("attention.output.dense", "layer.output.dense"),
-        block_saved=_bert_block_saved,
-        head_saved=_bert_head_saved,
     ),
 }

@@ -65,9 +65,6 @@ class Plan:
         """
         return tuple(sorted({w for p in self.pipelines for w in p.workers}))
 
-    def rank_of(self, worker: int) -> int:
-        return self.workers.index(worker)
-
     def stages(self) -> Iterator[tuple[int, int, Stage]]:
         """(pipeline index, stage index, stage) for every stage."""
         for p, pipeline in enumerate(self.pipelines):

@@ -1,23 +1,22 @@
 """Per-layer costs of a model on a device: measured for real, or derived from FLOPs for a GPU type.
 
-Planners (Oobleck's templates, ReCycle's schedule) and the simulator read a ModelProfile and never the model
-itself. Two sources give the same shape:
+Planners (Oobleck's templates, ReCycle's schedule) and the simulator read a ``runtime.costs.ModelProfile`` and never
+the model itself. Two sources give the same shape:
 
-- ``measure_profile`` runs every layer on this machine: forward, full backward, and backward split into the
-  input gradient and the weight gradients (what decoupled backward runs), saved activations counted by autograd's
-  saved-tensor hooks, and link bandwidths measured between two local gloo processes. Results are cached as JSON
-  under a key of everything that changes them.
+- ``measure_profile`` runs every layer on this machine: forward, full backward, backward split into the input
+  gradient and the weight gradients (what decoupled backward runs), and one optimizer step; and it measures the
+  links between two local gloo processes (bandwidth and per-message latency). Results are cached as JSON under a key
+  of everything that changes them; the cache is read without importing torch.
 - ``analytic_profile`` derives the same numbers from ``layer_specs`` and a GPU in ``runtime.devices``.
 
-Planners import this module for the dataclasses alone, so torch is imported only where something is measured.
-
-Memory follows ``runtime.model.training_memory_bytes``: fp32 weights (``param_bytes``) and 12 more bytes per
-parameter for the gradient and AdamW's two moments (``optimizer_bytes``).
+Memory figures come from ``runtime.model_spec`` in both cases (``costs.layer_bytes``): one formula for every planner.
+Torch is imported only where something is measured.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing as mp
 import platform
@@ -30,106 +29,19 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from runtime.devices import device as device_spec
+from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, profile_from_specs
+from ftlab.runtime.model_spec import ModelConfig, layer_specs, num_layers
 
 if TYPE_CHECKING:
     import torch
 
-    from runtime.model import LayerSpec, ModelConfig
-
-FP32 = 4
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
-DEFAULT_CACHE_DIR = Path(".ftlab/profiles")
 LINK_PROBE_BYTES = 4 << 20  # large enough to be bandwidth-bound on loopback, small enough to take milliseconds
 LINK_PROBE_ROUNDS = 5
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    fwd_s: float
-    bwd_input_s: float
-    bwd_weight_s: float
-    """Times per micro-batch; the two backward halves add up to one full backward."""
-    param_bytes: int
-    optimizer_bytes: int
-    output_bytes: int
-    """Per micro-batch: what a pipeline send of this layer's output carries (0 for the last layer)."""
-    saved_bytes: int
-    """Per micro-batch: activations kept from forward until backward."""
-
-    @property
-    def time_s(self) -> float:
-        return self.fwd_s + self.bwd_input_s + self.bwd_weight_s
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    model: str
-    device: str
-    micro_batch: int
-    seq_len: int
-    layers: tuple[LayerProfile, ...]
-    device_memory_bytes: int
-    p2p_bytes_per_s: float
-    intra_node_allreduce_bytes_per_s: float
-    inter_node_allreduce_bytes_per_s: float
-    """All-reduce bandwidths are bus bandwidths: an all-reduce of n bytes over k ranks takes 2(k-1)/k * n / bw."""
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @staticmethod
-    def from_dict(data: dict) -> ModelProfile:
-        return ModelProfile(**{**data, "layers": tuple(LayerProfile(**layer) for layer in data["layers"])})
-
-
-# ---------------------------------------------------------------------------------------------------- analytic
-
-
-def profile_from_specs(
-    model: str, specs: list[LayerSpec], device_name: str, micro_batch: int, seq_len: int
-) -> ModelProfile:
-    """A profile from per-token FLOPs and bytes: forward is bound by arithmetic or, for layers with little of it
-    (an embedding lookup), by writing its activations to memory; backward is twice forward, split evenly between
-    the input gradient and the weight gradients."""
-    gpu = device_spec(device_name)
-    tokens = micro_batch * seq_len
-    layers = []
-    for spec in specs:
-        written = (spec.output_bytes_per_token + spec.saved_bytes_per_token) * tokens
-        fwd = max(spec.fwd_flops_per_token * tokens / gpu.effective_flops, written / gpu.memory_bytes_per_s)
-        layers.append(
-            LayerProfile(
-                fwd_s=fwd,
-                bwd_input_s=fwd,
-                bwd_weight_s=fwd,
-                param_bytes=FP32 * spec.params,
-                optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * spec.params,
-                output_bytes=spec.output_bytes_per_token * tokens,
-                saved_bytes=spec.saved_bytes_per_token * tokens,
-            )
-        )
-    return ModelProfile(
-        model=model,
-        device=gpu.name,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        layers=tuple(layers),
-        device_memory_bytes=gpu.memory_bytes,
-        p2p_bytes_per_s=gpu.network_bytes_per_s,
-        intra_node_allreduce_bytes_per_s=gpu.intra_node_bytes_per_s,
-        inter_node_allreduce_bytes_per_s=gpu.network_bytes_per_s,
-    )
+LATENCY_PROBE_ROUNDS = 50  # one-float ping-pongs: the per-message cost a bandwidth figure leaves out
 
 
 def analytic_profile(cfg: ModelConfig, device_name: str, micro_batch: int, seq_len: int) -> ModelProfile:
     """The profile of ``cfg`` on a GPU of ``runtime.devices``; attention FLOPs are those at ``cfg.seq_len``."""
-    from runtime.model import layer_specs
-
     return profile_from_specs(cfg.name, layer_specs(cfg), device_name, micro_batch, seq_len)
 
 
@@ -151,6 +63,8 @@ class ProfileKey:
     repeats: int
     warmup: int
     links: bool
+    format: int = 2
+    """The profile's own format: 2 measures the optimizer step and the link latency."""
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
@@ -158,9 +72,9 @@ class ProfileKey:
 
 def device_name(device: str) -> str:
     """A name that tells machines apart: the GPU model, or the CPU model and the host memory."""
-    import torch
-
     if device.startswith("cuda"):
+        import torch
+
         return torch.cuda.get_device_name(torch.device(device))
     cpu = platform.processor() or platform.machine()
     try:
@@ -209,7 +123,8 @@ def measure_layer(
     """Time one layer alone as a one-layer pipeline stage, with the input it gets in a pipeline."""
     import torch
 
-    from runtime.model import StageModule, build_layer
+    from ftlab.runtime.model import StageModule, build_layer
+    from ftlab.runtime.optim import OptimSettings, layer_optimizer
 
     stage = StageModule(cfg, {index: build_layer(cfg, index, seed=0, device=device)}).to(dtype)
     params = [p for p in stage.parameters() if p.requires_grad]
@@ -254,6 +169,17 @@ def measure_layer(
         _sync(device)
         return middle - start, time.perf_counter() - middle
 
+    optimizer = layer_optimizer(stage, OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95))
+
+    def timed_optimizer_step() -> float:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        _sync(device)
+        start = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        return time.perf_counter() - start
+
     fwd = _fastest(timed_forward, repeats, warmup)
     full = _fastest(timed_full_backward, repeats, warmup)
     splits = [timed_split_backward() for _ in range(repeats)]
@@ -263,44 +189,19 @@ def measure_layer(
     # without decoupling pays what it really pays, and one with decoupling sees the measured proportion.
     scale = full / (bwd_input + bwd_weight)
 
-    out = forward()
     return LayerProfile(
         fwd_s=fwd,
         bwd_input_s=bwd_input * scale,
         bwd_weight_s=bwd_weight * scale,
-        param_bytes=FP32 * sum(p.numel() for p in params),
-        optimizer_bytes=OPTIMIZER_BYTES_PER_PARAM * sum(p.numel() for p in params),
-        output_bytes=0 if stage.is_last else out.numel() * out.element_size(),
-        saved_bytes=saved_activation_bytes(forward, params),
+        optimizer_s=_fastest(timed_optimizer_step, repeats, warmup),
+        **layer_bytes(layer_specs(cfg)[index], micro_batch, seq_len),
     )
 
 
-def saved_activation_bytes(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> int:
-    """Bytes autograd keeps for backward during ``forward()``, each storage counted once and weights left out
-    (they are held anyway and counted in param_bytes)."""
-    import torch
-
-    weights = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward()
-    return sum(storages.values())
-
-
-def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: mp.Queue) -> None:
-    """One of two gloo processes: ping-pong for p2p bandwidth, then all-reduce for bus bandwidth."""
-    import torch
+def _ping_pong(rank: int, buffer: torch.Tensor, rounds: int) -> float:
+    """Seconds for ``rounds`` round trips of ``buffer`` between the two ranks."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(rounds):
@@ -310,7 +211,20 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
         else:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
-    p2p = 2 * rounds * nbytes / (time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: mp.Queue) -> None:
+    """One of two gloo processes: ping-pong for p2p bandwidth and latency, then all-reduce for bus bandwidth."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    latency = _ping_pong(rank, torch.ones(1), LATENCY_PROBE_ROUNDS) / (2 * LATENCY_PROBE_ROUNDS)
+    elapsed = _ping_pong(rank, buffer, rounds)
+    # The bandwidth term is what the messages cost beyond their latency (at least half, against noise).
+    p2p = 2 * rounds * nbytes / max(elapsed - 2 * rounds * latency, elapsed / 2)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(rounds):
@@ -318,12 +232,12 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     # Two ranks: a ring all-reduce moves 2(k-1)/k = 1 times the buffer per rank.
     allreduce = rounds * nbytes / (time.perf_counter() - start)
     if rank == 0:
-        results.put((p2p, allreduce))
+        results.put((p2p, allreduce, latency))
     dist.destroy_process_group()
 
 
-def measure_links(nbytes: int = LINK_PROBE_BYTES, rounds: int = LINK_PROBE_ROUNDS) -> tuple[float, float]:
-    """(p2p, all-reduce) bytes/s between two fresh local processes over gloo.
+def measure_links(nbytes: int = LINK_PROBE_BYTES, rounds: int = LINK_PROBE_ROUNDS) -> tuple[float, float, float]:
+    """(p2p bytes/s, all-reduce bytes/s, seconds per message) between two fresh local processes over gloo.
 
     On one machine every link is loopback, so the same all-reduce figure stands for intra- and inter-node.
     """
@@ -335,13 +249,13 @@ def measure_links(nbytes: int = LINK_PROBE_BYTES, rounds: int = LINK_PROBE_ROUND
         for proc in procs:
             proc.start()
         try:
-            p2p, allreduce = results.get(timeout=120)
+            p2p, allreduce, latency = results.get(timeout=120)
         finally:
             for proc in procs:
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
-    return p2p, allreduce
+    return p2p, allreduce, latency
 
 
 def measure_profile(
@@ -354,15 +268,13 @@ def measure_profile(
     warmup: int = 2,
     dtype: str = "float32",
     links: bool = True,
-    cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
+    cache_dir: str | Path | None = None,
 ) -> ModelProfile:
     """Measure every layer of ``cfg`` on ``device``, or return the cached profile of the very same setting.
 
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
     bandwidths: communication then costs nothing in the planners.
     """
-    import torch
-
     seq_len = cfg.seq_len if seq_len is None else seq_len
     if not 0 < seq_len <= cfg.seq_len:
         raise ValueError(f"seq_len {seq_len} must be in 1..{cfg.seq_len} (the positions of model {cfg.name})")
@@ -372,7 +284,7 @@ def measure_profile(
         seq_len=seq_len,
         dtype=dtype,
         device=device_name(device),
-        torch_version=torch.__version__,
+        torch_version=importlib.metadata.version("torch"),
         workers_per_node=workers_per_node,
         repeats=repeats,
         warmup=warmup,
@@ -384,14 +296,14 @@ def measure_profile(
         if cached.get("key") == asdict(key):
             return ModelProfile.from_dict(cached["profile"])
 
-    from runtime.model import num_layers
+    import torch
 
     torch_dtype = getattr(torch, dtype)
     layers = tuple(
         measure_layer(cfg, index, micro_batch, seq_len, torch_dtype, device, repeats, warmup)
         for index in range(num_layers(cfg))
     )
-    p2p, allreduce = measure_links() if links else (float("inf"), float("inf"))
+    p2p, allreduce, latency = measure_links() if links else (float("inf"), float("inf"), 0.0)
     profile = ModelProfile(
         model=cfg.name,
         device=key.device,
@@ -402,6 +314,7 @@ def measure_profile(
         p2p_bytes_per_s=p2p,
         intra_node_allreduce_bytes_per_s=allreduce,
         inter_node_allreduce_bytes_per_s=allreduce,
+        latency_s=latency,
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

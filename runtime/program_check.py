@@ -25,15 +25,12 @@ message has arrived, plus its own duration (normally zero).
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deepspeed.runtime.pipe.schedule import PipeInstruction
-
-from runtime import instructions as ins
-from runtime.plan import Plan, PlanError
-
-Durations = Callable[[int, PipeInstruction], float]
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.costs import Durations
+from ftlab.runtime.plan import Plan, PlanError
 
 
 class ProgramError(ValueError):
@@ -46,30 +43,27 @@ class Event:
 
     worker: int
     index: int
-    instruction: PipeInstruction
+    instruction: ins.Instruction
     start: float
     end: float
 
 
-def show(instr: PipeInstruction) -> str:
-    """A readable form of an instruction (DeepSpeed's repr calls the micro-batch a buffer id)."""
-    if isinstance(instr, ins.MicroBatchInstruction):
-        peer = f", peer={_peer(instr)}" if isinstance(instr, ins.PeerInstruction) else ""
-        return f"{type(instr).__name__}(mb={instr.microbatch}{peer})"
-    return repr(instr)
+def show(instr: ins.Instruction) -> str:
+    return str(instr)
 
 
 _SENDS: dict[type, str] = {ins.SendActivation: "activation", ins.SendGrad: "gradient", ins.SendLayer: "layer"}
 _RECVS: dict[type, str] = {ins.RecvActivation: "activation", ins.RecvGrad: "gradient", ins.RecvLayer: "layer"}
 
 
-def _peer(instr: PipeInstruction) -> int:
-    return instr.kwargs["peer"]
+def _peer(instr: ins.Instruction) -> int:
+    assert isinstance(instr, (ins.PeerInstruction, ins.LayerInstruction)), instr
+    return instr.peer
 
 
-def _key(instr: PipeInstruction) -> int:
+def _key(instr: ins.Instruction) -> int:
     """The micro-batch of a micro-batch transfer, the layer of a layer transfer."""
-    return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.kwargs["layer"]
+    return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.layer  # type: ignore[attr-defined]
 
 
 def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
@@ -90,7 +84,7 @@ def _co_holders(ranges: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, .
 class _Machine:
     """Runs programs to completion or deadlock; with a plan it also checks the training semantics."""
 
-    def __init__(self, programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None):
+    def __init__(self, programs: Mapping[int, list[ins.Instruction]], durations: Durations, plan: Plan | None):
         self.programs = programs
         self.durations = durations
         self.plan = plan
@@ -135,13 +129,13 @@ class _Machine:
                 for w, i in sorted(blocked.items())
             ))
 
-    def _why_blocked(self, w: int, instr: PipeInstruction) -> str:
+    def _why_blocked(self, w: int, instr: ins.Instruction) -> str:
         if isinstance(instr, ins.ReduceGrads):
             missing = [v for v in self.groups[w] if v not in self.reduce_arrival]
             return f"waits for workers {missing} to reach ReduceGrads"
         return f"waits for the matching send from worker {_peer(instr)}"
 
-    def _step(self, w: int, instr: PipeInstruction) -> bool:
+    def _step(self, w: int, instr: ins.Instruction) -> bool:
         """Execute ``instr`` on ``w`` if it can run now; False when it blocks."""
         start = self.clock[w]
         cost = self.durations(w, instr)
@@ -178,10 +172,10 @@ class _Machine:
 
     # -- semantics (only with a plan) ---------------------------------------------------------------------------
 
-    def _fail(self, w: int, instr: PipeInstruction, why: str) -> None:
+    def _fail(self, w: int, instr: ins.Instruction, why: str) -> None:
         raise ProgramError(f"worker {w}, instruction {self.pc[w]} {show(instr)}: {why}")
 
-    def _send(self, w: int, instr: PipeInstruction) -> int:
+    def _send(self, w: int, instr: ins.Instruction) -> int:
         """Check that the payload exists; return the layer boundary the message carries."""
         start, stop = self.ranges[w]
         if isinstance(instr, ins.SendActivation):
@@ -196,9 +190,9 @@ class _Machine:
             if start == 0:
                 self._fail(w, instr, "the first stage has no input gradient to send")
             return start
-        return instr.kwargs["layer"]
+        return instr.layer  # type: ignore[attr-defined]
 
-    def _receive(self, w: int, instr: PipeInstruction, boundary: int) -> None:
+    def _receive(self, w: int, instr: ins.Instruction, boundary: int) -> None:
         start, stop = self.ranges[w]
         if isinstance(instr, ins.RecvActivation):
             if boundary != start:
@@ -217,7 +211,7 @@ class _Machine:
             self._fail(w, instr, f"{what} of micro-batch {mb} a second time")
         done.add(mb)
 
-    def _compute(self, w: int, instr: PipeInstruction) -> None:
+    def _compute(self, w: int, instr: ins.Instruction) -> None:
         if not isinstance(instr, ins.MicroBatchInstruction):
             return
         mb, plan = instr.microbatch, self.plan
@@ -269,7 +263,7 @@ class _Machine:
                                      f"on worker {by[(mb, layer)][0]}")
             by[(mb, layer)].append(w)
 
-    def _reduce(self, w: int, instr: PipeInstruction) -> None:
+    def _reduce(self, w: int, instr: ins.Instruction) -> None:
         pending = sorted(self.forwarded[w] - self.weight_grad[w])
         if pending:
             self._fail(w, instr, f"reduces gradients before the weight gradients of micro-batches {pending}")
@@ -290,7 +284,7 @@ class _Machine:
         return problems
 
 
-def _check_shape(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) -> None:
+def _check_shape(plan: Plan, programs: Mapping[int, list[ins.Instruction]]) -> None:
     missing = sorted(set(worker_layers(plan)) - set(programs))
     extra = sorted(set(programs) - set(worker_layers(plan)))
     if missing or extra:
@@ -305,7 +299,7 @@ def _check_shape(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) -> N
                                f"them nowhere else; it ends with {[show(i) for i in program[-2:]]}")
 
 
-def check_programs(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) -> None:
+def check_programs(plan: Plan, programs: Mapping[int, list[ins.Instruction]]) -> None:
     """Raise ProgramError unless the programs run to the end and train every micro-batch exactly once."""
     _check_shape(plan, programs)
     machine = _Machine(programs, lambda _w, _i: 1.0, plan)
@@ -316,7 +310,7 @@ def check_programs(plan: Plan, programs: Mapping[int, list[PipeInstruction]]) ->
 
 
 def timeline(
-    programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None = None
+    programs: Mapping[int, list[ins.Instruction]], durations: Durations, plan: Plan | None = None
 ) -> list[Event]:
     """Every instruction with its start and end time, in an order that respects the dependencies.
 
@@ -329,7 +323,7 @@ def timeline(
 
 
 def simulate(
-    programs: Mapping[int, list[PipeInstruction]], durations: Durations, plan: Plan | None = None
+    programs: Mapping[int, list[ins.Instruction]], durations: Durations, plan: Plan | None = None
 ) -> float:
     """The makespan: when the last worker finishes its program."""
     return max((e.end for e in timeline(programs, durations, plan)), default=0.0)

@@ -1,7 +1,7 @@
 """The live progress line: step, loss, samples/s, alive nodes, and the latest fault-tolerance event.
 
 On a terminal it is a rich progress bar redrawn in place; elsewhere (CI logs, pipes) one plain line every few
-steps, so logs stay readable.
+steps, so logs stay readable. It follows the job's event stream.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftlab.runtime import events as ev
 
 
 class ProgressLine:
@@ -32,6 +34,21 @@ class ProgressLine:
             )
             self._task = self._progress.add_task("train", total=total_steps, status="starting workers")
             self._progress.start()
+
+    def __call__(self, event: ev.Event) -> None:
+        match event:
+            case ev.StepCommitted():
+                self.update(event.step, event.loss, event.samples / event.iter_s, event.alive_nodes)
+            case ev.FailureDetected():
+                self.announce(f"failure: nodes {list(event.nodes)} workers {list(event.workers)} at step {event.step}")
+            case ev.HangDetected():
+                self.announce(f"worker {event.worker} hung: fenced")
+            case ev.NodesJoined():
+                self.announce(f"nodes {list(event.nodes)} joined")
+            case ev.Decided(outcome=outcome) if outcome != "keep":
+                self.announce(f"{outcome}: {event.reason}")
+            case ev.Recovered(recover_s=seconds, lost_steps=lost) if seconds is not None:
+                self.announce(f"recovered in {seconds:.2f} s, {lost} committed steps lost")
 
     def update(self, step: int, loss: float, samples_per_s: float, alive_nodes: int) -> None:
         status = f"loss {loss:.4f} | {samples_per_s:6.1f} samples/s | {alive_nodes} nodes alive"

@@ -1,8 +1,11 @@
-"""MLflow tracking, written by the coordinator alone.
+"""MLflow tracking, written by the coordinator's process alone.
 
 A run is opened before any worker starts and closed on every path out of the job: FINISHED when training
-completes, FAILED with the reason (as a tag and a ``failure.txt`` artifact) otherwise. ``events.jsonl`` is written
-locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes.
+completes, FAILED with the reason (as a tag and a ``failure.txt`` artifact) otherwise. ``RunRecorder`` turns the
+job's event stream into the run's record: per-step and per-fault metrics, the plans, and ``events.jsonl`` (written
+locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
+
+A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import mlflow
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
-from runtime.config import TrackingConfig
+from ftlab.runtime import events as ev
+from ftlab.runtime.config import TrackingConfig
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -29,6 +33,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def artifact_location(uri: str) -> str | None:
+    """Beside the database for a SQLite store (MLflow's default is ./mlruns of whatever directory a job ran in)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
 
 
 # Metrics are written at most this often. A write is a store transaction; one per step would cost a fast job a
@@ -44,13 +55,14 @@ class Tracker:
         # SQLite store at once collide.
         experiment = self.client.get_experiment_by_name(cfg.experiment)
         self.experiment_id = (
-            experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(cfg.experiment, artifact_location=artifact_location(cfg.uri))
         )
         self.run_name = cfg.run_name
         self.run_id: str | None = None
         self.local = Path(tempfile.mkdtemp(prefix="ftlab-run-"))
         self.events_path = self.local / "events.jsonl"
-        self._t0 = time.time()
         self._metrics: list[Metric] = []
         self._flushed_at = time.monotonic()
 
@@ -67,9 +79,9 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffered, and written from the caller's thread when the last write is a second old.
 
-        The trainer logs while the workers compute, so a write lands where it delays no iteration. MLflow's
-        asynchronous logging would write from its own thread at any moment, for instance just when the workers report
-        and the coordinator should answer them.
+        The coordinator reports a step while the workers compute the next one, so a write lands where it delays no
+        iteration. MLflow's asynchronous logging would write from its own thread at any moment, for instance just
+        when the workers report and the coordinator should answer them.
         """
         assert self.run_id is not None
         now = int(time.time() * 1000)
@@ -92,8 +104,7 @@ class Tracker:
         assert self.run_id is not None
         self.client.log_artifact(self.run_id, str(local), folder)
 
-    def event(self, kind: str, **fields: Any) -> None:
-        record = {"t": round(time.time() - self._t0, 6), "wall": time.time(), "kind": kind, **fields}
+    def write_event(self, record: dict[str, Any]) -> None:
         with open(self.events_path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
@@ -109,3 +120,43 @@ class Tracker:
         status = RunStatus.FAILED if failure is not None else RunStatus.FINISHED
         self.client.set_terminated(self.run_id, RunStatus.to_string(status))
         self.run_id = None
+
+
+class RunRecorder:
+    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``."""
+
+    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float) -> None:
+        self.tracker = tracker
+        self.seq_len = seq_len
+        self.origin = clock_origin
+        """The backend-clock time written as t = 0 in events.jsonl."""
+
+    def __call__(self, event: ev.Event) -> None:
+        match event:
+            case ev.StepCommitted():
+                samples = event.samples / event.iter_s
+                self.tracker.log_metrics(
+                    {
+                        "train/loss": event.loss,
+                        "perf/iter_s": event.iter_s,
+                        "perf/samples_per_s": samples,
+                        "perf/tokens_per_s": samples * self.seq_len,
+                        "cluster/alive_nodes": event.alive_nodes,
+                        "cluster/pipelines": event.pipelines,
+                    },
+                    event.step,
+                )
+            case ev.PlanConfigured():
+                self.tracker.log_text(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
+            case ev.Recovered():
+                metrics = {
+                    "ft/detect_s": event.detect_s,
+                    "ft/recover_s": event.recover_s,
+                    "ft/lost_steps": event.lost_steps,
+                    "ft/transfer_bytes": event.transfer_bytes,
+                }
+                self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, event.fault)
+        if event.logged:
+            self.tracker.write_event(
+                {"t": round(event.at - self.origin, 6), "wall": time.time(), "kind": event.kind, **event.fields()}
+            )

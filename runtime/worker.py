@@ -20,14 +20,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runtime import checkpoint
-from runtime import messages as msg
-from runtime.comm import Aborted, CommError, GenerationComm
-from runtime.data import Batches
-from runtime.executor import Executor
-from runtime.model import ModelConfig, StageModule, build_layer, num_layers
-from runtime.optim import layer_optimizer, step_all
-from runtime.plan import Plan
+from ftlab.runtime import checkpoint
+from ftlab.runtime import instructions as ins
+from ftlab.runtime import messages as msg
+from ftlab.runtime.comm import Aborted, CommError, GenerationComm
+from ftlab.runtime.data import Batches
+from ftlab.runtime.contract import Source, StorageSource
+from ftlab.runtime.executor import Executor
+from ftlab.runtime.instructions import Instruction
+from ftlab.runtime.layer_state import decode, encode, layer_state
+from ftlab.runtime.model import StageModule, build_layer
+from ftlab.runtime.model_spec import ModelConfig, num_layers
+from ftlab.runtime.optim import layer_optimizer, step_all
+from ftlab.runtime.plan import Plan
 
 # Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
 _TRANSFER_TAG = 1 << 24
@@ -151,7 +156,7 @@ class Worker:
                     raise RuntimeError(f"layer {index} is missing at step {plan.step} and nothing provides it")
                 self._add_layer(index)
                 if message.restore is not None:
-                    self._restore(index, Path(message.restore))
+                    self._restore(index, message.restore)
         # Layers this stage no longer runs are kept until the plan's first step: should the reconfiguration fail,
         # they are still where the last confirmed plan put them.
         self.step = plan.step
@@ -167,26 +172,26 @@ class Worker:
         self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"])
         self.optimizers[index] = layer_optimizer(self.layers[index], self.setup["optim"])
 
-    def _transfer(self, transfers: tuple[tuple[int, int, int], ...]) -> int:
-        """Send the layers peers need and receive the ones this worker lacks; returns the bytes received.
-
-        Sends never block, so walking the list in the same order everywhere cannot deadlock.
-        """
+    def _transfer(self, program: tuple[Instruction, ...]) -> int:
+        """Run this worker's part of the layer transfers (``runtime.scheduler.transfer_programs``: its sends, then
+        its receives); returns the bytes received. Each layer has its own tag, the same at both ends."""
         assert self.comm is not None
         received = 0
-        for index, (layer, source, destination) in enumerate(transfers):
-            tag = _TRANSFER_TAG + 2 * index
-            if source == self.worker:
-                state = checkpoint.layer_state(self.layers[layer], self.optimizers[layer])
-                self.comm.send_bytes(checkpoint.encode(state), destination, tag)
-            elif destination == self.worker:
+        for instruction in program:
+            tag = _TRANSFER_TAG + 2 * instruction.layer
+            if isinstance(instruction, ins.SendLayer):
+                state = layer_state(self.layers[instruction.layer], self.optimizers[instruction.layer])
+                self.comm.send_bytes(encode(state), instruction.peer, tag)
+            elif isinstance(instruction, ins.RecvLayer):
                 self._phase(self.step, "transfer")
-                data = self.comm.recv_bytes(source, tag)
-                state = checkpoint.decode(data)
-                self._add_layer(layer)
-                self.layers[layer].load_state_dict(state["module"])
-                self.optimizers[layer].load_state_dict(state["optimizer"])
+                data = self.comm.recv_bytes(instruction.peer, tag)
+                state = decode(data)
+                self._add_layer(instruction.layer)
+                self.layers[instruction.layer].load_state_dict(state["module"])
+                self.optimizers[instruction.layer].load_state_dict(state["optimizer"])
                 received += len(data)
+            else:
+                raise TypeError(f"not a layer transfer: {instruction}")
         self.comm.flush_sends()
         return received
 
@@ -230,23 +235,18 @@ class Worker:
     # -- checkpoints -------------------------------------------------------------------------------------------
     def _save(self, message: msg.SaveCheckpoint) -> None:
         directory = checkpoint.step_dir(message.directory, message.step)
-        plan = self.comm.plan if self.comm else None
         nbytes = 0
-        for index, layer in sorted(self.layers.items()):
-            # One writer per layer: the coordinator's choice, else the replica holder with the smallest worker id.
-            if message.layers is not None:
-                if index not in message.layers:
-                    continue
-            elif plan is not None and plan.holders(index)[0] != self.worker:
-                continue
-            data = checkpoint.encode(checkpoint.layer_state(layer, self.optimizers[index]))
+        for index in message.layers:
+            data = encode(layer_state(self.layers[index], self.optimizers[index]))
             checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
             nbytes += len(data)
             self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
         self.channel.send(msg.Saved(message.step, nbytes))
 
-    def _restore(self, index: int, directory: Path) -> None:
-        state = checkpoint.decode(checkpoint.layer_path(directory, index).read_bytes())
+    def _restore(self, index: int, source: Source) -> None:
+        if not isinstance(source, StorageSource):
+            raise TypeError(f"this worker cannot restore from {source!r}")
+        state = decode(checkpoint.layer_path(Path(source.directory), index).read_bytes())
         self.layers[index].load_state_dict(state["module"])
         self.optimizers[index].load_state_dict(state["optimizer"])
 

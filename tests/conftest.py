@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.data import tokenize_corpus
-from runtime.launch import JobResult, compose_config, run_job
+from ftlab.runtime.data import tokenize_corpus
+from ftlab.experiments.job import JobResult, compose_config, run_job
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +23,7 @@ def job_overrides(tmp_path: Path, token_cache: Path) -> list[str]:
         "experiment=plain",  # the groups' defaults, not the quick-start preset
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
         f"train.cache_dir={token_cache}",
-        f"policy.checkpoint_dir={tmp_path}/checkpoints",
+        f"train.checkpoint_dir={tmp_path}/checkpoints",
         "progress=false",
     ]
 

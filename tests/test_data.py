@@ -5,10 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from runtime import data
-from runtime.data import Batches, WordTokenizer, load_text, load_tokens, tokenize_corpus
+from ftlab.runtime import data
+from ftlab.runtime.data import Batches, WordTokenizer, load_text, load_tokens, tokenize_corpus
 
 # sha256 of the original WikiText-2 splits, as listed in runtime/datasets/README.md.
 WIKITEXT_SHA256 = {
@@ -116,18 +115,18 @@ def test_same_seed_step_and_microbatch_give_the_same_tensors(tokens):
     two = Batches(tokens.copy(), seq_len=16, global_batch=8, micro_batch=2, seed=4)
     for step, mb in ((0, 0), (5, 3), (5, 1)):
         a, b = one.microbatch(step, mb), two.microbatch(step, mb)
-        assert a[0].dtype == torch.int64 and a[0].shape == (2, 16)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert not torch.equal(one.microbatch(5, 0)[0], one.microbatch(6, 0)[0])
-    assert not torch.equal(one.microbatch(5, 0)[0], one.microbatch(5, 1)[0])
+        assert a[0].dtype == np.int64 and a[0].shape == (2, 16)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(one.microbatch(5, 0)[0], one.microbatch(6, 0)[0])
+    assert not np.array_equal(one.microbatch(5, 0)[0], one.microbatch(5, 1)[0])
     other_seed = Batches(tokens, seq_len=16, global_batch=8, micro_batch=2, seed=5)
-    assert not torch.equal(one.microbatch(5, 0)[0], other_seed.microbatch(5, 0)[0])
+    assert not np.array_equal(one.microbatch(5, 0)[0], other_seed.microbatch(5, 0)[0])
 
 
 def test_labels_are_the_inputs_shifted_by_one(tokens):
     inputs, labels = Batches(tokens, seq_len=16, global_batch=4, micro_batch=4, seed=0).microbatch(2, 0)
-    assert torch.equal(labels, inputs + 1)  # with token i at position i, the next token is i + 1
-    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    assert np.array_equal(labels, inputs + 1)  # with token i at position i, the next token is i + 1
+    assert np.array_equal(inputs[:, 1:], labels[:, :-1])
 
 
 def test_the_global_batch_does_not_depend_on_the_micro_batch_size(tokens):
@@ -135,8 +134,8 @@ def test_the_global_batch_does_not_depend_on_the_micro_batch_size(tokens):
     small = Batches(tokens, seq_len=16, global_batch=8, micro_batch=2, seed=1)
     large = Batches(tokens, seq_len=16, global_batch=8, micro_batch=4, seed=1)
     for half in range(2):
-        joined = torch.cat([small.microbatch(3, 2 * half + i)[0] for i in range(2)])
-        assert torch.equal(joined, large.microbatch(3, half)[0])
+        joined = np.concatenate([small.microbatch(3, 2 * half + i)[0] for i in range(2)])
+        assert np.array_equal(joined, large.microbatch(3, half)[0])
 
 
 def test_memory_mapped_tokens_give_the_same_batches(tokens, tmp_path):
@@ -145,7 +144,7 @@ def test_memory_mapped_tokens_give_the_same_batches(tokens, tmp_path):
     assert isinstance(mapped, np.memmap)
     a = Batches(mapped, seq_len=8, global_batch=4, micro_batch=2, seed=0).microbatch(1, 1)
     b = Batches(tokens, seq_len=8, global_batch=4, micro_batch=2, seed=0).microbatch(1, 1)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
 def test_windows_stay_inside_the_corpus():

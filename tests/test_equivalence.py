@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import checkpoint
-from runtime.launch import JobResult
+from ftlab.runtime import checkpoint
+from ftlab.runtime.layer_state import decode
+from ftlab.experiments.job import JobResult
 
 STEPS = 5
 LOSS_RTOL = 1e-5
@@ -26,29 +27,29 @@ def final_state(result: JobResult) -> dict[int, dict]:
     assert latest is not None and latest[0] == STEPS, f"no checkpoint of step {STEPS} in {result.checkpoint_dir}"
     directory: Path = latest[1]
     return {
-        int(path.stem.split("-")[1]): checkpoint.decode(path.read_bytes())["module"]
+        int(path.stem.split("-")[1]): decode(path.read_bytes())["module"]
         for path in sorted(directory.glob("layer-*.pt"))
     }
 
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> dict[str, JobResult]:
-    from runtime.launch import compose_config, run_job
+    from ftlab.experiments.job import compose_config, run_job
 
     base_dir = tmp_path_factory.mktemp("equivalence")
     common = [
         "experiment=plain",
         f"tracking.uri=sqlite:///{base_dir}/mlflow.db",
         f"train.cache_dir={token_cache}",
-        f"policy.checkpoint_dir={base_dir}/checkpoints",
+        f"train.checkpoint_dir={base_dir}/checkpoints",
         "progress=false",
         f"train.steps={STEPS}",
-        f"policy.checkpoint_every={STEPS}",
+        "protection=storage", f"protection.every={STEPS}",
     ]
     runs = {
         "single": ["cluster.nodes=1", "train.stages=1"],
         "grid-2x2": ["cluster=local-4", "train.stages=2"],
-        "heterogeneous-3+2": ["cluster.nodes=5", "policy._target_=tests.support.HeterogeneousLayout.from_settings"],
+        "heterogeneous-3+2": ["cluster.nodes=5", "policy._target_=tests.support.HeterogeneousLayout"],
     }
     return {name: run_job(compose_config(common + extra)) for name, extra in runs.items()}
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from faults import (
+from ftlab.faults import (
     BUNDLED_TRACES,
     ClusterShape,
     FaultConfigError,

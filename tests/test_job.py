@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from faults.schedules import FaultConfigError
-from runtime import cluster as cluster_module
-from runtime.launch import ConfigError
-from runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.faults.schedules import FaultConfigError
+from ftlab.runtime import cluster as cluster_module
+from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
 
@@ -64,6 +64,7 @@ BAD_INPUTS = [
     (["train.data=/nonexistent/corpus.txt"], FileNotFoundError, "/nonexistent/corpus.txt"),
     (["faults=single-node", "cluster.nodes=1", "train.stages=1"], FaultConfigError, "node"),
     (["cluster.backend=nccl"], ConfigError, "cluster.backend=gloo"),
+    (["policy=checkpoint_restart", "protection=none"], ConfigError, "add protection=storage"),
 ]
 
 
@@ -100,7 +101,7 @@ def test_a_plan_that_drops_a_microbatch_is_refused() -> None:
 
 
 def test_the_timeline_shows_an_outage_as_zero_throughput() -> None:
-    from runtime.timeline import throughput_curve
+    from ftlab.runtime.timeline import throughput_curve
 
     times, rates = throughput_curve([(0.0, 1.0, 10.0), (1.0, 2.0, 12.0), (5.0, 6.0, 11.0)])
     assert times == [0.0, 1.0, 1.0, 2.0, 2.0, 5.0, 5.0, 6.0]

@@ -2,17 +2,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from runtime.model import (
-    LayerSpec,
-    ModelConfig,
-    StageModule,
-    available_models,
-    build_layer,
-    layer_specs,
-    load_model_config,
-    num_layers,
-    training_memory_bytes,
-)
+from ftlab.runtime.costs import CostModel, profile_from_specs
+from ftlab.runtime.model import StageModule, build_layer
+from ftlab.runtime.model_spec import LayerSpec, ModelConfig, available_models, layer_specs, load_model_config, num_layers
 
 MODELS = [
     "bert-large",
@@ -64,13 +56,15 @@ def test_unknown_model_lists_the_available_ones():
     assert "gpt5" in str(error.value)
 
 
-def test_invalid_shapes_are_rejected():
-    with pytest.raises(ValueError, match="multiple of heads"):
-        ModelConfig(hidden=100, heads=3)
-    with pytest.raises(ValueError, match="family"):
-        ModelConfig(family="t5")
+def test_invalid_shapes_are_rejected_with_the_setting_to_change():
+    with pytest.raises(ValueError, match="model.hidden=100 does not split into model.heads=3.*hidden=102"):
+        ModelConfig(hidden=100, heads=3).check()
+    with pytest.raises(ValueError, match="model.family='t5'"):
+        ModelConfig(family="t5").check()
     with pytest.raises(ValueError, match="kv_heads"):
-        ModelConfig(family="gpt2", kv_heads=2)
+        ModelConfig(family="gpt2", kv_heads=2).check()
+    with pytest.raises(ValueError, match="model.hidden=0"):
+        ModelConfig(hidden=0).check()
 
 
 def test_gpt2_small_is_gpt2_124m_plus_an_untied_head():
@@ -225,15 +219,16 @@ def test_saved_activation_estimate_matches_autograd(family):
         assert spec.saved_bytes_per_token <= measured <= spec.saved_bytes_per_token * 1.03 + 64, spec
 
 
-def test_training_memory_counts_optimizer_state_and_in_flight_activations():
+def test_stage_memory_counts_optimizer_state_and_in_flight_activations():
     specs = [
         LayerSpec(0, "embedding", 10, 0.0, 8, 0),
         LayerSpec(1, "block", 100, 1.0, 8, 40),
         LayerSpec(2, "head", 1000, 1.0, 0, 7),
     ]
-    assert training_memory_bytes(specs, 1, 3, micro_batch=2, seq_len=5, in_flight=3) == 16 * 1100 + 3 * 2 * 5 * 47
-    assert training_memory_bytes(specs, 0, 1, micro_batch=2, seq_len=5, in_flight=3) == 160
+    costs = CostModel(profile_from_specs("t", specs, "A100-80GB", micro_batch=2, seq_len=5))
+    assert costs.stage_memory(1, 3, in_flight=3) == 16 * 1100 + 3 * 2 * 5 * 47
+    assert costs.stage_memory(0, 1, in_flight=3) == 160
     cfg = load_model_config("llama2-6.7b")
-    block_only = training_memory_bytes(layer_specs(cfg), 1, 2, micro_batch=1, seq_len=cfg.seq_len, in_flight=1)
+    llama = CostModel(profile_from_specs(cfg.name, layer_specs(cfg), "A100-80GB", micro_batch=1, seq_len=cfg.seq_len))
     # 202M parameters x 16 B = 3.24 GB, plus 4096 tokens x 340 kB of activations = 1.39 GB
-    assert 4.5e9 < block_only < 4.8e9
+    assert 4.5e9 < llama.stage_memory(1, 2, in_flight=1) < 4.8e9

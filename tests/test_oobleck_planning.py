@@ -12,21 +12,21 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from policies.oobleck.batch import BatchError, distribute_batch, microbatch_count, nearest_feasible_batch
-from policies.oobleck.costs import stage_costs
-from policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
-from policies.oobleck.mapping import StageMapper
-from policies.oobleck.reconfigure import Impossible, Reconfigured, holdings, on_failure, on_join
-from policies.oobleck.templates import (
+from ftlab.policies.oobleck.batch import BatchError, distribute_batch, microbatch_count, nearest_feasible_batch
+from ftlab.policies.oobleck.costs import stage_costs
+from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
+from ftlab.policies.oobleck.mapping import StageMapper
+from ftlab.policies.oobleck.reconfigure import Impossible, Reconfigured, holdings, on_failure, on_join
+from ftlab.policies.oobleck.templates import (
     TemplatePlanner,
     TemplateSet,
     generate_templates,
     node_specification,
     uncovered_node_counts,
 )
-from policies.oobleck.to_plan import to_plan, worker_transfers
-from runtime.plan import PlanError
-from runtime.profiler import LayerProfile, ModelProfile
+from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
+from ftlab.runtime.plan import PlanError
+from ftlab.runtime.costs import LayerProfile, ModelProfile
 
 GB = 1 << 30
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,19 +12,20 @@ make three-node pipelines the faster choice, and then the node that should recei
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from policies.base import Job
-from policies.oobleck.policy import Oobleck
-from runtime import checkpoint
-from runtime.launch import JobResult, compose_config, run_job
-from runtime.profiler import ModelProfile, analytic_profile
-from runtime.trainer import JobStopped
+from ftlab.experiments import job as job_module
+from ftlab.experiments.config import JobConfig
+from ftlab.runtime import checkpoint
+from ftlab.runtime.layer_state import decode
+from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.profiler import analytic_profile
+from ftlab.runtime.coordinator import JobStopped
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -34,7 +35,7 @@ PARAM_ATOL = 2e-5
 def oobleck(nodes: int, f: int) -> list[str]:
     return [
         "experiment=plain", "policy=oobleck", f"policy.fault_threshold={f}", f"cluster.nodes={nodes}",
-        "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", f"policy.checkpoint_every={STEPS}",
+        "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", "protection=storage", f"protection.every={STEPS}",
     ]  # fmt: skip
 
 
@@ -45,7 +46,7 @@ def explicit(*events: str) -> list[str]:
 def final_state(result: JobResult) -> dict[int, dict]:
     found = checkpoint.latest(result.checkpoint_dir)
     assert found is not None and found[0] == STEPS
-    return {int(p.stem.split("-")[1]): checkpoint.decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
+    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
 
 
 def losses(result: JobResult) -> list[float]:
@@ -55,12 +56,11 @@ def losses(result: JobResult) -> list[float]:
 
 @pytest.fixture(scope="module", autouse=True)
 def deterministic_plans() -> Iterator[None]:
-    def analytic(_self: Oobleck, job: Job, _workers_per_node: int) -> ModelProfile:
-        profile = analytic_profile(job.model, "A100-40GB", job.train.micro_batch, job.model.seq_len)
-        return dataclasses.replace(profile, device_memory_bytes=job.device_memory_bytes)
+    def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
+        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Oobleck, "_profile", analytic)
+        patch.setattr(job_module, "job_profile", analytic)
         yield
 
 
@@ -70,7 +70,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> di
     runs = {}
     for nodes, f in ((6, 1), (8, 2)):
         d = tmp_path_factory.mktemp(f"reference-{nodes}")
-        common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"policy.checkpoint_dir={d}", "progress=false"]
+        common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}", "progress=false"]
         runs[nodes] = run_job(compose_config([*common, *oobleck(nodes, f)]))
     return runs
 
@@ -140,6 +140,7 @@ def test_when_recovery_in_place_is_impossible_it_stops_with_a_checkpoint_to_resu
     saved = Path(message.split("train.resume_from=")[1].strip())
     found = checkpoint.find(saved)
     assert found is not None and found[0] == 6, "the last committed step before the third failure"
-    resumed = run(*oobleck(6, 1), f"train.resume_from={saved}", "policy=checkpoint_restart", "policy.checkpoint_every=2")
+    resumed_job = [o for o in oobleck(6, 1) if not o.startswith("policy")] + ["policy=checkpoint_restart"]
+    resumed = run(*resumed_job, f"train.resume_from={saved}", "protection.every=2")
     assert [r.step for r in resumed.steps] == list(range(6, STEPS))
     assert [r.loss for r in resumed.steps] == pytest.approx(losses(reference[6])[6:], rel=LOSS_RTOL)

@@ -3,7 +3,6 @@ small jobs measured here and paper-scale jobs from an analytic GPU profile; impo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -11,15 +10,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from experiments.plan_report import plan_job, plan_report
-from policies.base import Job
-from policies.oobleck.policy import Oobleck
-from runtime import cluster as cluster_module
-from runtime.config import JobConfig, TrackingConfig
-from runtime.launch import ConfigError, compose_config
-from runtime.model import layer_specs
-from runtime.plan import Plan
-from runtime.tracking import Tracker
+from ftlab.experiments.plan_report import plan_job, plan_report
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import components, compose_config, everyone, job_factory
+from ftlab.runtime import cluster as cluster_module
+from ftlab.runtime.config import TrackingConfig
+from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.plan import Plan
+from ftlab.runtime.tracking import Tracker
 
 PAPER_SCALE = [
     "experiment=plain", "model=gpt3-6.7b", "policy=oobleck", "cluster.nodes=16", "cluster.workers_per_node=8",
@@ -82,10 +80,9 @@ def test_oobleck_plan_of_a_small_job_is_printed_and_logged(job_overrides: list[s
 def test_the_reported_plan_is_the_one_training_starts_from(job_overrides: list[str]) -> None:
     cfg = job_config(job_overrides, "experiment=plain", "cluster=local-6", "policy=oobleck")
     report = plan_report(cfg)
-    everyone = {n: (n,) for n in range(6)}
-    memory = int(cfg.cluster.device_memory_gb * 2**30)
-    job = Job(cfg.model, tuple(layer_specs(cfg.model)), cfg.train, everyone, everyone, memory)
-    assert Oobleck.from_settings(**dataclasses.asdict(cfg.policy)).plan(job) == report.plan
+    policy, protection = components(cfg)
+    job = job_factory(cfg, start=None)(everyone(cfg))
+    assert policy.plan(job, protection).plan == report.plan
 
 
 def test_paper_scale_plans_from_the_analytic_profile(job_overrides: list[str], tmp_path: Path) -> None:
@@ -115,7 +112,8 @@ def test_gpu_cluster_preset_plans(job_overrides: list[str]) -> None:
 
 def test_grid_policies_report_their_plan_and_a_simulated_time(job_overrides: list[str]) -> None:
     cfg = job_config(
-        job_overrides, "experiment=plain", "cluster=local-8", "policy=checkpoint_restart", "train.stages=4"
+        job_overrides, "experiment=plain", "cluster=local-8", "policy=checkpoint_restart", "protection=storage",
+        "train.stages=4",
     )
     report = plan_report(cfg)
     d = report.data

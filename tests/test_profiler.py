@@ -8,10 +8,11 @@ import math
 
 import pytest
 
-from runtime import profiler
-from runtime.devices import DEVICES
-from runtime.model import layer_specs, load_model_config
-from runtime.profiler import LayerProfile, ProfileKey, analytic_profile, measure_links, measure_profile
+from ftlab.runtime import profiler
+from ftlab.runtime.devices import DEVICES
+from ftlab.runtime.model_spec import layer_specs, load_model_config
+from ftlab.runtime.costs import LayerProfile
+from ftlab.runtime.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
 
 TINY = load_model_config("gpt2-tiny")
 
@@ -100,7 +101,7 @@ def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
     specs = layer_specs(TINY)
     assert len(profile.layers) == len(specs)
     for layer, spec in zip(profile.layers, specs):
-        assert layer.fwd_s > 0 and layer.bwd_weight_s > 0
+        assert layer.fwd_s > 0 and layer.bwd_weight_s > 0 and layer.optimizer_s > 0
         assert layer.param_bytes == 4 * spec.params and layer.optimizer_bytes == 12 * spec.params
     assert all(layer.bwd_input_s > 0 for layer in profile.layers[1:])  # the embedding's input is token ids
     assert all(layer.output_bytes == 4 * 16 * TINY.hidden for layer in profile.layers[:-1])
@@ -108,6 +109,6 @@ def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
     assert math.isinf(profile.p2p_bytes_per_s)  # links=False: communication not measured
 
 
-def test_link_bandwidths_between_two_gloo_processes_are_positive() -> None:
-    p2p, allreduce = measure_links(nbytes=1 << 20, rounds=2)
-    assert 0 < p2p < math.inf and 0 < allreduce < math.inf
+def test_link_bandwidths_and_latency_between_two_gloo_processes_are_positive() -> None:
+    p2p, allreduce, latency = measure_links(nbytes=1 << 20, rounds=2)
+    assert 0 < p2p < math.inf and 0 < allreduce < math.inf and 0 < latency < 1

@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runtime import checkpoint
-from runtime.launch import JobResult
-from runtime.trainer import JobStopped
+from ftlab.runtime import checkpoint
+from ftlab.runtime.layer_state import decode
+from ftlab.experiments.job import JobResult
+from ftlab.runtime.coordinator import JobStopped
 
 STEPS = 8
 LOSS_RTOL = 1e-5
-COMMON = ["experiment=plain", "policy=checkpoint_restart", "policy.checkpoint_every=3", f"train.steps={STEPS}"]
+COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> list[float]:
-    from runtime.launch import compose_config, run_job
+    from ftlab.experiments.job import compose_config, run_job
 
     d = tmp_path_factory.mktemp("fault-free")
-    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"policy.checkpoint_dir={d}",
+    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
                  "progress=false", *COMMON]  # fmt: skip
     return losses_by_step(run_job(compose_config(overrides)))
 
@@ -53,7 +54,7 @@ def assert_checkpoints_sound(result: JobResult) -> None:
     for directory in committed:
         manifest = json.loads((directory / checkpoint.MANIFEST).read_text())
         for layer in range(manifest["num_layers"]):
-            state = checkpoint.decode(checkpoint.layer_path(directory, layer).read_bytes())
+            state = decode(checkpoint.layer_path(directory, layer).read_bytes())
             assert state["module"] and state["optimizer"]["state"], f"{directory} layer {layer} is empty"
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from policies.recycle import (
+from ftlab.policies.recycle import (
     NormalizationError,
     ReCycleError,
     StageCosts,
@@ -15,11 +15,11 @@ from policies.recycle import (
     normalize_failures,
     plan_recycle,
 )
-from policies.recycle.normalization import cost, rebalance
-from policies.recycle.problem import Problem
-from runtime import instructions as ins
-from runtime.plan import Plan, grid_plan
-from runtime.program_check import check_programs
+from ftlab.policies.recycle.normalization import cost, rebalance
+from ftlab.policies.recycle.problem import Problem
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.plan import Plan, grid_plan
+from ftlab.runtime.program_check import check_programs
 
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.1)
 SKEWED = StageCosts(forward=1.0, backward_input=1.5, backward_weight=0.5, p2p=0.2)
@@ -101,9 +101,9 @@ def test_rebalance_moves_a_survivor_and_copies_its_new_layers() -> None:
     moved, transfers = rebalance(healthy, failed, target)
     stage_of = {st.worker: s for _, s, st in moved.stages()}
     assert sorted(sum(stage_of[w] == s for w in failed) for s in range(4)) == [0, 0, 1, 1]
-    mover = transfers[0].dst
+    mover = transfers[0].destination
     assert stage_of[mover] == 0 and {t.layer for t in transfers} == {0, 1}
-    assert {t.src for t in transfers} == {8}  # the one stage-0 worker that survived
+    assert {t.source for t in transfers} == {8}  # the one stage-0 worker that survived
     result = plan_recycle(healthy, failed, UNIT, normalize=True, method="heuristic")
     check_programs(result.plan, result.programs)
     assert result.transfers == transfers

@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from policies.reft.reliability import checkpoint_survival, longest_interval, reft_survival, weibull_survival
+from ftlab.policies.reft.reliability import checkpoint_survival, longest_interval, reft_survival, weibull_survival
 
 # The paper's example: 3,072 devices, 6 DP paths (groups of 6), rates per day, Weibull shape 1.3, threshold 0.9.
 EXAMPLE = dict(nodes=3072, hardware_rate=1e-4, shape=1.3)

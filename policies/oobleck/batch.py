@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pyomo.environ as pyo
 from pyomo.opt import TerminationCondition
 
-from policies.oobleck.templates import PipelineTemplate
+from ftlab.policies.oobleck.templates import PipelineTemplate
 
 MILP_SOLVER = "appsi_highs"
 MINLP_SOLVER = "scip_direct"

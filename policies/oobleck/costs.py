@@ -11,8 +11,8 @@ Time of a stage for one micro-batch, forward plus backward (the F + B of the pap
   at the profile's p2p bandwidth (a stage boundary inside a node is charged like one across nodes: we take the
   slower link so a template never counts on a placement it does not control).
 
-Memory per GPU: weights and optimizer state divided by ``g``, plus the saved activations of every micro-batch in
-flight, also divided by ``g``. Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches.
+Memory per GPU: ``runtime.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``.
+Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.profiler import ModelProfile
+from ftlab.runtime.costs import ModelProfile, stage_memory
 
 TP_ALLREDUCES_PER_LAYER = 4
 
@@ -51,7 +51,7 @@ class StageCosts:
         return np.where(upper, fits, -1).astype(np.int64)
 
     def memory(self, start: int, stop: int, degree: int, in_flight: int) -> float:
-        return float(self.static[degree][start, stop] + in_flight * self.activation[degree][start, stop])
+        return float(stage_memory(self.static[degree][start, stop], self.activation[degree][start, stop], in_flight))
 
 
 def _ranges(per_layer: np.ndarray) -> np.ndarray:
@@ -66,11 +66,11 @@ def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
     compute = _ranges(np.array([layer.time_s for layer in layers]))
     outputs = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
     output_ranges = _ranges(outputs)
-    static = _ranges(np.array([layer.param_bytes + layer.optimizer_bytes for layer in layers], dtype=np.float64))
+    static = _ranges(np.array([layer.state_bytes for layer in layers], dtype=np.float64))
     saved = _ranges(np.array([layer.saved_bytes for layer in layers], dtype=np.float64))
     # The stage ending at v sends layer v-1's output forward and receives its gradient back; the last sends none.
     send = np.zeros(n + 1)
-    send[1:n] = 2 * outputs[: n - 1] / profile.p2p_bytes_per_s
+    send[1:n] = 2 * (profile.latency_s + outputs[: n - 1] / profile.p2p_bytes_per_s)
     upper = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
     time, static_per_gpu, act_per_gpu = {}, {}, {}
     for g in degrees:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pyomo.environ as pyo
 from pyomo.opt import TerminationCondition
 
-from policies.oobleck.templates import PipelineTemplate, TemplateSet
+from ftlab.policies.oobleck.templates import PipelineTemplate, TemplateSet
 
 MILP_SOLVER = "appsi_highs"
 PIPELINE_BONUS = 1e-6  # relative to the slowest template's rate: breaks ties only

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.oobleck.costs import StageCosts
+from ftlab.policies.oobleck.costs import StageCosts
 
 INF = np.inf
 

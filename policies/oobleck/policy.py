@@ -1,101 +1,159 @@
 """Oobleck on the runtime: pipeline templates, f+1 heterogeneous pipelines, in-place reconfiguration.
 
-Start: the model is profiled on this machine (cached), templates are generated for every node count the job can
-reach with ``fault_threshold`` failures, the best combination is instantiated and the batch distributed. A failure
-reconfigures in place from the templates (reinstantiate, borrow, merge): surviving workers keep running, missing
-layers are copied with their optimizer state from surviving replicas, the global batch stays the same, and training
-resumes at the next step. A join re-instantiates all nodes from the templates.
+Start: templates are generated from the job's profile for every node count the job can reach with
+``fault_threshold`` failures, the best combination is instantiated and the batch distributed (``layout``, which plan
+mode reports too). A failure reconfigures in place from the templates (reinstantiate, borrow, merge): surviving
+workers keep running, missing layers are copied with their optimizer state from surviving replicas, the global
+batch stays the same, and training resumes at the next step. A join re-instantiates all nodes from the templates.
 
 Choices the paper leaves open:
-- The reconfiguration starts from the last *confirmed* pipelines (every worker configured), and every node of
-  those that is not whole now counts as lost. A failure during a reconfiguration therefore plans again from the
-  layout whose layers every survivor still holds (workers keep stale layers until the next step runs).
+- The reconfiguration starts from the pipelines of the last plan every worker was configured for (``Change.plan``;
+  the pipelines of each plan this policy proposed are kept by generation), and every node of those that is not
+  whole now counts as lost. A failure during a reconfiguration therefore plans again from the layout whose layers
+  every survivor still holds (workers keep stale layers until the next step runs).
 - A node whose worker process died counts as a lost node: in-place recovery restarts no process.
-- When recovery in place is impossible the policy stops; the trainer then writes a checkpoint of the last committed
-  step if every layer still has a live replica, and says how to resume (``train.resume_from``).
+- When recovery in place is impossible (a layer lost every replica, or fewer than (f + 1) n0 nodes are left), the
+  policy restarts every worker on the templates re-instantiated over the live nodes from the protection's newest
+  saved state, if the protection has one and the nodes still hold f + 1 pipelines; otherwise it stops (the
+  coordinator then saves the survivors' state if they hold every layer, and says how to resume).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from policies.base import Change, InPlace, Job, Policy, Recovery, Stop
-from policies.oobleck.batch import BatchError, distribute_batch
-from policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
-from policies.oobleck.reconfigure import Impossible, on_failure, on_join
-from policies.oobleck.templates import TemplateSet, generate_templates
-from policies.oobleck.to_plan import to_plan, worker_transfers
-from runtime.plan import Plan, PlanError
-from runtime.profiler import ModelProfile, measure_profile
+from ftlab.policies.oobleck.batch import BatchError, BatchSplit, distribute_batch
+from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
+from ftlab.policies.oobleck.reconfigure import Impossible, on_failure, on_join
+from ftlab.policies.oobleck.templates import TemplateSet, generate_templates
+from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
+from ftlab.runtime.contract import Change, Decision, Job, Outcome, Policy, Protection, Source, Stop
+from ftlab.runtime.plan import Plan, PlanError
+from ftlab.runtime.scheduler import one_f_one_b
 
 
-@dataclass
+@dataclass(frozen=True)
+class Layout:
+    """What Oobleck's planner chose for a set of nodes: its templates, how many pipelines of each, where, and how
+    many micro-batches each runs."""
+
+    templates: TemplateSet
+    counts: dict[int, int]
+    """Template size (nodes) -> pipelines of it."""
+    pipelines: tuple[PipelineInstance, ...]
+    split: BatchSplit
+
+
 class Oobleck(Policy):
-    templates: TemplateSet | None = field(default=None, init=False)
-    confirmed: tuple[PipelineInstance, ...] = field(default=(), init=False)
-    """The pipelines of the last plan every worker was configured for."""
-    _proposed: tuple[PipelineInstance, ...] = field(default=(), init=False)
+    def __init__(self, settings: object) -> None:
+        super().__init__(settings)
+        self.templates: TemplateSet | None = None
+        self._pipelines: dict[int, tuple[PipelineInstance, ...]] = {}
+        """The pipelines of every plan this policy proposed, by generation."""
 
     # -- the first plan ----------------------------------------------------------------------------------------
-    def plan(self, job: Job, generation: int = 0, step: int = 0) -> Plan:
+    def layout(self, job: Job, tensor_parallel: bool = False) -> Layout:
+        """Templates for the job's nodes, the instantiation and the batch split (Sections 4.1, 4.2 and Eq. 6).
+
+        ``tensor_parallel``: templates may split a stage over several GPUs of a node (plan mode reports such
+        layouts for GPU clusters); the runtime runs one worker per stage, so training plans without it.
+        """
         f = self.settings.fault_threshold
-        nodes = sorted(job.workers_of_node)
+        nodes = sorted(job.slots_of_node)
+        t = job.train
+        microbatches = t.global_batch // t.micro_batch
         if f < 0:
             raise PlanError(f"policy.fault_threshold={f}: use 0 or more")
         if len(nodes) < f + 1:
             raise PlanError(
                 f"{len(nodes)} nodes cannot hold f + 1 = {f + 1} pipelines: lower policy.fault_threshold to at most "
-                f"{len(nodes) - 1} or use a cluster with more nodes"
+                f"{len(nodes) - 1} or raise cluster.nodes to at least {f + 1}"
             )
-        wpn = len(next(iter(job.slots_of_node.values())))
+        if microbatches < f + 1:
+            raise PlanError(
+                f"{microbatches} micro-batches cannot feed f + 1 = {f + 1} pipelines: raise train.global_batch to at "
+                f"least {(f + 1) * t.micro_batch} or lower policy.fault_threshold"
+            )
+        profile = dataclasses.replace(job.profile(), device_memory_bytes=job.device_memory_bytes)
         try:
-            self.templates = generate_templates(self._profile(job, wpn), len(nodes), f, wpn, tensor_parallel=False)
-            counts = instantiate(self.templates, len(nodes), max_pipelines=self._microbatches(job))
-        except (ValueError, InstantiationError) as exc:
-            raise PlanError(f"policy=oobleck cannot plan this job: {exc}") from exc
-        return self._plan(tuple(assign_nodes(self.templates, counts, nodes)), job, generation, step)
+            templates = generate_templates(profile, len(nodes), f, job.workers_per_node, tensor_parallel)
+        except ValueError as exc:
+            raise PlanError(f"policy=oobleck cannot plan {job.model.name} on {len(nodes)} nodes: {exc}") from exc
+        try:
+            counts = instantiate(templates, len(nodes), max_pipelines=microbatches)
+        except InstantiationError as exc:
+            raise PlanError(
+                f"policy=oobleck cannot instantiate pipelines: {exc}; change cluster.nodes, policy.fault_threshold "
+                f"or train.global_batch"
+            ) from exc
+        pipelines = tuple(assign_nodes(templates, counts, nodes))
+        return Layout(templates, counts, pipelines, self._split(pipelines, job))
 
-    def _profile(self, job: Job, workers_per_node: int) -> ModelProfile:
-        profile = measure_profile(
-            job.model, job.train.micro_batch, workers_per_node=workers_per_node,
-            cache_dir=Path(job.train.cache_dir) / "profiles",
-        )  # fmt: skip
-        # The planner must respect the memory the cluster config grants a device, not what this host has.
-        return dataclasses.replace(profile, device_memory_bytes=job.device_memory_bytes)
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        layout = self.layout(job)
+        self.templates = layout.templates
+        plan = self._plan(layout.pipelines, job.slots_of_node, job, generation=0, step=job.start_step)
+        return self._decision(plan, layout.pipelines, f"templates of {layout.templates.sizes.start}.."
+                              f"{layout.templates.sizes.stop - 1} nodes, pipelines {_sizes(layout.pipelines)}",
+                              restore=job.start)  # fmt: skip
 
     @staticmethod
-    def _microbatches(job: Job) -> int:
-        return job.train.global_batch // job.train.micro_batch
-
-    def _plan(self, pipelines: tuple[PipelineInstance, ...], job: Job, generation: int, step: int) -> Plan:
+    def _split(pipelines: tuple[PipelineInstance, ...], job: Job) -> BatchSplit:
         try:
-            split = distribute_batch([p.template for p in pipelines], job.train.global_batch, job.train.micro_batch)
+            return distribute_batch([p.template for p in pipelines], job.train.global_batch, job.train.micro_batch)
         except BatchError as exc:
             raise PlanError(f"{exc}: set train.global_batch={exc.suggested}") from exc
-        plan = to_plan(
-            pipelines, split.microbatches, job.workers_of_node, job.train.global_batch, job.train.micro_batch,
-            generation, step,
-        )  # fmt: skip
-        self._proposed = pipelines
-        return plan
 
-    def configured(self, plan: Plan) -> None:
-        self.confirmed = self._proposed
+    def _plan(
+        self, pipelines: tuple[PipelineInstance, ...], workers_of_node: Mapping[int, tuple[int, ...]], job: Job,
+        generation: int, step: int,
+    ) -> Plan:  # fmt: skip
+        split = self._split(pipelines, job)
+        t = job.train
+        return to_plan(pipelines, split.microbatches, workers_of_node, t.global_batch, t.micro_batch, generation, step)
+
+    def _decision(self, plan: Plan, pipelines: tuple[PipelineInstance, ...], reason: str, **kwargs: object) -> Decision:
+        self._pipelines[plan.generation] = pipelines
+        details = {"pipelines": _sizes(pipelines)}
+        return Decision(plan, one_f_one_b(plan), reason=reason, details=details, **kwargs)  # type: ignore[arg-type]
 
     # -- changes -----------------------------------------------------------------------------------------------
-    def on_change(self, change: Change, job: Job) -> Recovery:
+    def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         assert self.templates is not None, "on_change before plan"
+        confirmed = self._pipelines[change.plan.generation]
         whole = {n for n, ws in job.workers_of_node.items() if len(ws) == len(job.slots_of_node[n])}
-        held = {n for p in self.confirmed for n in p.nodes}
+        held = {n for p in confirmed for n in p.nodes}
+        microbatches = job.train.global_batch // job.train.micro_batch
         lost = held - whole
         if lost:
-            result = on_failure(self.confirmed, lost, self.templates, self._microbatches(job))
+            result = on_failure(confirmed, lost, self.templates, microbatches)
         else:
-            result = on_join(self.confirmed, sorted(whole - held), self.templates, self._microbatches(job))
+            result = on_join(confirmed, sorted(whole - held), self.templates, microbatches)
+        generation = change.generation
         if isinstance(result, Impossible):
-            return Stop(f"Oobleck cannot recover in place: {result.reason}")
+            return self._restart(change, job, protection, generation, f"cannot recover in place: {result.reason}")
         survivors = {n: job.workers_of_node[n] for n in whole}
-        plan = self._plan(result.pipelines, dataclasses.replace(job, workers_of_node=survivors), change.plan.generation + 1, change.step)
-        return InPlace(plan, tuple(worker_transfers(result.copies, survivors)))
+        plan = self._plan(result.pipelines, survivors, job, generation, change.step)
+        transfers = tuple(worker_transfers(result.copies, survivors))
+        return self._decision(plan, result.pipelines, f"{change.describe()}: " + "; ".join(result.actions),
+                              transfers=transfers)  # fmt: skip
+
+    def _restart(self, change: Change, job: Job, protection: Protection, generation: int, why: str) -> Outcome:
+        source: Source | None = protection.restore_source(change)
+        if source is None:
+            return Stop(f"Oobleck {why}, and protection={protection.name} holds no saved state to restart from")
+        nodes = sorted(job.slots_of_node)
+        try:
+            counts = instantiate(self.templates, len(nodes), max_pipelines=job.train.global_batch // job.train.micro_batch)
+            pipelines = tuple(assign_nodes(self.templates, counts, nodes))
+            plan = self._plan(pipelines, job.slots_of_node, job, generation, source.step)
+        except (InstantiationError, PlanError) as exc:
+            return Stop(f"Oobleck {why}, and the {len(nodes)} live nodes cannot restart either: {exc}")
+        reason = f"{change.describe()}: {why}; restart on {len(nodes)} nodes from {source.kind} of step {source.step}"
+        return self._decision(plan, pipelines, reason, restart=True, restore=source)
+
+
+def _sizes(pipelines: tuple[PipelineInstance, ...]) -> list[int]:
+    return [p.template.num_nodes for p in pipelines]

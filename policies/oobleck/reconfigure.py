@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from policies.oobleck.instantiate import InstantiationError, PipelineInstance, instantiate
-from policies.oobleck.templates import PipelineTemplate, TemplateSet
+from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInstance, instantiate
+from ftlab.policies.oobleck.templates import PipelineTemplate, TemplateSet
 
 Slot = tuple[int, int]  # (node id, local GPU)
 

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from policies.oobleck.costs import StageCosts, stage_costs
-from policies.oobleck.mapping import StageMapper
-from runtime.profiler import ModelProfile
+from ftlab.policies.oobleck.costs import StageCosts, stage_costs
+from ftlab.policies.oobleck.mapping import StageMapper
+from ftlab.runtime.costs import ModelProfile
 
 PLANNING_MICROBATCHES_PER_STAGE = 4  # the paper's Nb = 4 S (bubbles negligible beyond it, GPipe)
 

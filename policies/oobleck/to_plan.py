@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from policies.oobleck.instantiate import PipelineInstance
-from policies.oobleck.reconfigure import LayerCopy
-from runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.policies.oobleck.instantiate import PipelineInstance
+from ftlab.policies.oobleck.reconfigure import LayerCopy
+from ftlab.runtime.contract import LayerTransfer
+from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 
 
 def to_plan(
@@ -57,10 +58,9 @@ def to_plan(
     return plan
 
 
-def worker_transfers(
-    copies: Sequence[LayerCopy], workers_of_node: Mapping[int, Sequence[int]]
-) -> list[tuple[int, int, int]]:
-    """(layer, source worker, destination worker) for each layer copy."""
+def worker_transfers(copies: Sequence[LayerCopy], workers_of_node: Mapping[int, Sequence[int]]) -> list[LayerTransfer]:
+    """The worker-to-worker transfer of each layer copy."""
     return [
-        (c.layer, workers_of_node[c.src_node][c.src_gpu], workers_of_node[c.dst_node][c.dst_gpu]) for c in copies
+        LayerTransfer(c.layer, workers_of_node[c.src_node][c.src_gpu], workers_of_node[c.dst_node][c.dst_gpu])
+        for c in copies
     ]

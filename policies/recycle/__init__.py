@@ -6,9 +6,9 @@ how failures should spread over stages), ``problem`` (rerouting, the operations 
 ``heuristic`` (list scheduling), ``milp`` (the adaptive-schedule MILP), ``planner`` (choosing and checking).
 """
 
-from policies.recycle.normalization import Normalization, NormalizationError, Transfer, normalize_failures
-from policies.recycle.planner import ReCyclePlan, plan_recycle
-from policies.recycle.problem import ReCycleError, StageCosts
+from ftlab.policies.recycle.normalization import Normalization, NormalizationError, normalize_failures
+from ftlab.policies.recycle.planner import ReCyclePlan, plan_recycle
+from ftlab.policies.recycle.problem import ReCycleError, StageCosts
 
 __all__ = [
     "Normalization",
@@ -16,7 +16,6 @@ __all__ = [
     "ReCycleError",
     "ReCyclePlan",
     "StageCosts",
-    "Transfer",
     "normalize_failures",
     "plan_recycle",
 ]

@@ -14,7 +14,7 @@ worker's timeline, so executing the resulting order as early as possible reprodu
 
 from __future__ import annotations
 
-from policies.recycle.problem import Op, Phase, Problem
+from ftlab.policies.recycle.problem import Op, Phase, Problem
 
 Schedule = dict[int, list[tuple[Op, float]]]
 """Per worker, its operations in execution order with their start times."""

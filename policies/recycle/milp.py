@@ -29,8 +29,8 @@ import pyomo.environ as pyo
 from pyomo.contrib.appsi.base import TerminationCondition
 from pyomo.contrib.appsi.solvers.highs import Highs
 
-from policies.recycle.heuristic import Schedule
-from policies.recycle.problem import Op, Phase, Problem
+from ftlab.policies.recycle.heuristic import Schedule
+from ftlab.policies.recycle.problem import Op, Phase, Problem
 
 
 @dataclass(frozen=True)

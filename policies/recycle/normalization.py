@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from runtime.plan import Pipeline, Plan, Stage
+from ftlab.runtime.contract import LayerTransfer
+from ftlab.runtime.plan import Pipeline, Plan, Stage
 
 
 class NormalizationError(ValueError):
@@ -82,15 +82,7 @@ def normalize_failures(dp: int, pp: int, mb: int, actual: Sequence[int]) -> Norm
     return Normalization(per_stage, overhead, moves)
 
 
-class Transfer(NamedTuple):
-    """Copy ``layer`` with its optimizer state from worker ``src`` to worker ``dst``."""
-
-    layer: int
-    src: int
-    dst: int
-
-
-def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tuple[Plan, tuple[Transfer, ...]]:
+def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tuple[Plan, tuple[LayerTransfer, ...]]:
     """Move surviving workers so that stage s has ``target[s]`` failed slots.
 
     A moved worker takes over a failed slot of a stage with too many failures; the grid returned names it there
@@ -102,7 +94,7 @@ def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tup
     dead = set(failed)
     actual = [sum(row[s] in dead for row in slots) for s in range(len(bounds))]
     holes_per_pipeline = [sum(w in dead for w in row) for row in slots]
-    transfers: list[Transfer] = []
+    transfers: list[LayerTransfer] = []
     for j in range(len(bounds)):
         sources = [row[j] for row in slots if row[j] not in dead]
         if actual[j] > target[j] and not sources:
@@ -123,7 +115,7 @@ def rebalance(grid: Plan, failed: Collection[int], target: Sequence[int]) -> tup
             holes_per_pipeline[d] += 1
             actual[donor_stage] += 1
             for layer in range(*bounds[j]):
-                transfers.append(Transfer(layer, sources[len(transfers) % len(sources)], mover))
+                transfers.append(LayerTransfer(layer, sources[len(transfers) % len(sources)], mover))
     pipelines = tuple(
         Pipeline(tuple(Stage(w, *bounds[s]) for s, w in enumerate(row)), p.microbatches)
         for row, p in zip(slots, grid.pipelines)

@@ -16,9 +16,6 @@ The staggered optimizer needs no instruction of its own here: ``ReduceGrads`` sy
 share a layer (one stage's peers), so each stage reduces and steps as soon as its own work is done. Its other half,
 overlapping one iteration's optimizer step with the next iteration's warm-up, spans iterations and is not
 modelled: programs and makespans are per iteration.
-
-Note for ``runtime.plan``: a rerouted plan names a peer in every pipeline it serves (always with the same layers),
-which ``Plan.validate`` rejects today, and ``Plan.workers`` / ``Plan.holders`` would then list it more than once.
 """
 
 from __future__ import annotations
@@ -28,12 +25,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from policies.recycle import heuristic, milp
-from policies.recycle.normalization import Transfer, normalize_failures, rebalance
-from policies.recycle.problem import Problem, StageCosts, grid_shape
-from runtime.instructions import Program
-from runtime.plan import Plan
-from runtime.program_check import check_programs, simulate
+from ftlab.policies.recycle import heuristic, milp
+from ftlab.policies.recycle.normalization import normalize_failures, rebalance
+from ftlab.policies.recycle.problem import Problem, StageCosts, grid_shape
+from ftlab.runtime.contract import LayerTransfer
+from ftlab.runtime.instructions import Program
+from ftlab.runtime.plan import Plan
+from ftlab.runtime.program_check import check_programs, simulate
 
 Method = Literal["auto", "milp", "heuristic"]
 
@@ -54,7 +52,7 @@ class ReCyclePlan:
     """Ordering binaries the MILP has (or would have) for this instance."""
     solve_s: float
     """Seconds spent scheduling (heuristic plus MILP)."""
-    transfers: tuple[Transfer, ...] = ()
+    transfers: tuple[LayerTransfer, ...] = ()
     """Layer copies that failure normalization needs before the plan can run."""
 
 
@@ -75,7 +73,7 @@ def plan_recycle(
     worker may hold at once (default: twice the number of stages). ``method="auto"`` uses the MILP up to
     ``max_binaries`` ordering binaries.
     """
-    transfers: tuple[Transfer, ...] = ()
+    transfers: tuple[LayerTransfer, ...] = ()
     if normalize:
         bounds = grid_shape(grid)
         dead = set(failed)

@@ -8,7 +8,7 @@ the MILP only orders and times the work, which keeps it linear and small.
 
 Representation in a Plan. Micro-batches that follow the same workers form one Pipeline, whose stage list names the
 peer at a failed stage. A peer therefore appears in several pipelines, always with the same layers; the failed
-workers appear nowhere. (``Plan.validate`` rejects a worker in two stages today; see the note in ``planner``.)
+workers appear nowhere.
 
 Operations. Each (micro-batch, stage) has a forward F, an input-gradient backward B_input and a weight-gradient
 backward B_weight on the micro-batch's worker of that stage. Dependencies, as in the slides: F of stage s+1 after F
@@ -32,11 +32,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
-from deepspeed.runtime.pipe.schedule import PipeInstruction
-
-from runtime import instructions as ins
-from runtime.plan import Pipeline, Plan, Stage
-from runtime.program_check import Durations
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.plan import Pipeline, Plan, Stage
+from ftlab.runtime.costs import CostModel, Durations
 
 
 class ReCycleError(ValueError):
@@ -67,6 +65,19 @@ class StageCosts:
     backward_weight: float
     p2p: float = 0.0
     """Time to move this stage's output activation to the next stage (and the gradient at that boundary back)."""
+
+    @staticmethod
+    def of_grid(costs: CostModel, grid: Plan) -> tuple[StageCosts, ...]:
+        """Each stage's durations in seconds, from the one cost model (``runtime.costs``)."""
+        return tuple(
+            StageCosts(
+                forward=costs.forward_s(start, stop),
+                backward_input=costs.backward_input_s(start, stop),
+                backward_weight=costs.backward_weight_s(start, stop),
+                p2p=costs.p2p_s(costs.boundary_bytes(stop)) if stop < grid.num_layers else 0.0,
+            )
+            for start, stop in grid_shape(grid)
+        )
 
     def of(self, phase: Phase) -> float:
         return {Phase.FORWARD: self.forward, Phase.BACKWARD_INPUT: self.backward_input,
@@ -261,7 +272,7 @@ class Problem:
         """Instruction durations for ``runtime.program_check.simulate``, consistent with the operation model."""
         stage_of = {w: s for route in self.routes.values() for s, w in enumerate(route)}
 
-        def duration(worker: int, instr: PipeInstruction) -> float:
+        def duration(worker: int, instr: ins.Instruction) -> float:
             c = self.costs[stage_of[worker]]
             if isinstance(instr, ins.ForwardPass):
                 return c.forward

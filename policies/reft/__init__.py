@@ -4,7 +4,7 @@
 recoverable, with and without REFT's protection, and the longest safe interval between checkpoints to storage.
 """
 
-from policies.reft.reliability import (
+from ftlab.policies.reft.reliability import (
     checkpoint_survival,
     longest_interval,
     reft_survival,

@@ -1,0 +1,368 @@
+"""One job from a composed config: pre-flight checks, the MLflow run, the backend, the coordinator, the summary.
+
+The composition root: here the config becomes a policy, a protection, a first decision, a fault schedule and a
+backend, and the job's event stream is wired to its subscribers (MLflow, the progress line, the fault ledger, the
+injector). Everything that can be checked without a worker is checked before the first process starts, and before
+torch is imported, so a bad input is answered in seconds; every way out of the job closes the MLflow run: FINISHED,
+or FAILED with the reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from ftlab.experiments.config import JobConfig, build, register
+from ftlab.faults.injector import Injector
+from ftlab.faults.schedules import ClusterShape, FaultEvent, build_schedule
+from ftlab.runtime import checkpoint
+from ftlab.runtime import events as ev
+from ftlab.runtime.backend import Membership
+from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
+from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
+from ftlab.runtime.data import load_tokens, tokenize_corpus
+from ftlab.runtime.devices import DEVICES
+from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.model_spec import layer_specs
+from ftlab.runtime.plan import Plan, PlanError
+from ftlab.runtime.profiler import analytic_profile, measure_profile
+from ftlab.runtime.tracking import RunRecorder, Tracker
+
+CONF_DIR = Path(__file__).parents[1] / "conf"
+GIB = 2**30
+MEASURED_DEVICES = ("cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def compose_config(overrides: list[str] | None = None) -> DictConfig:
+    """The job config that ``ftlab OVERRIDES...`` would run, for tests, benchmarks and notebooks."""
+    register()
+    with hydra.initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return hydra.compose("config", overrides=overrides or [])
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    steps: list[ev.StepCommitted]
+    """Every executed step in order, re-executed ones too."""
+    plans: list[Plan]
+    summary: dict[str, float]
+    faults: list[FaultRecord]
+    worker_pids: dict[int, list[int]]
+    checkpoint_dir: str = ""
+
+
+# -- the costs a job plans with ------------------------------------------------------------------------------------
+def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
+    """The per-layer costs of the job's model on its devices, and where they come from: an analytic profile for a
+    GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``)."""
+    device = cfg.cluster.device
+    model, micro_batch = cfg.model, cfg.train.micro_batch
+    if device in DEVICES:
+        profile = analytic_profile(model, device, micro_batch, model.seq_len)
+        return profile, {"kind": "analytic", "device": device}
+    profile = measure_profile(
+        model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
+        cache_dir=Path(cfg.train.cache_dir) / "profiles",
+    )  # fmt: skip
+    return profile, {"kind": "measured", "device": profile.device}
+
+
+def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Membership], Job]:
+    """Jobs of this config for any membership; the profile is measured (or read from the cache) at most once, and
+    only if a policy asks for it."""
+    specs = tuple(layer_specs(cfg.model))
+    memory = int(cfg.cluster.device_memory_gb * GIB)
+    profile = cache(lambda: job_profile(cfg)[0])
+
+    def make(membership: Membership) -> Job:
+        return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
+                   profile, start)  # fmt: skip
+
+    return make
+
+
+def everyone(cfg: JobConfig) -> Membership:
+    """The cluster as configured, every node and worker alive."""
+    wpn = cfg.cluster.workers_per_node
+    nodes = {n: tuple(range(n * wpn, (n + 1) * wpn)) for n in range(cfg.cluster.nodes)}
+    return Membership(nodes, nodes)
+
+
+# -- checks before any worker starts -------------------------------------------------------------------------------
+def check_memory(plan: Plan, job: Job) -> None:
+    """Refuse a plan whose stage would not fit the configured device memory (``runtime.costs.stage_memory``)."""
+    t = job.train
+    for p, s, stage in plan.stages():
+        in_flight = len(plan.pipelines[p].stages) - s
+        layers = [layer_bytes(spec, t.micro_batch, job.model.seq_len) for spec in job.specs[stage.start : stage.stop]]
+        state = sum(b["param_bytes"] + b["optimizer_bytes"] for b in layers)
+        need = stage_memory(state, sum(b["saved_bytes"] for b in layers), in_flight)
+        if need > job.device_memory_bytes:
+            raise ConfigError(
+                f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "
+                f"{need / GIB:.2f} GiB but a device has {job.device_memory_bytes / GIB:.2f} GiB: use more "
+                f"pipeline stages (train.stages), a smaller train.micro_batch, or raise cluster.device_memory_gb"
+            )
+
+
+def check_settings(cfg: JobConfig) -> None:
+    """The settings that are wrong whatever else the job says."""
+    c, t = cfg.cluster, cfg.train
+    if c.nodes < 1 or c.workers_per_node < 1:
+        raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
+    if c.backend not in BACKENDS:
+        raise ConfigError(f"cluster.backend={c.backend!r}: use auto, gloo or nccl")
+    if c.device_memory_gb <= 0:
+        raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
+    if c.heartbeat_s <= 0:
+        raise ConfigError(f"cluster.heartbeat_s={c.heartbeat_s}: workers must heartbeat at a positive interval")
+    if c.heartbeat_timeout_s < 2 * c.heartbeat_s:
+        raise ConfigError(
+            f"cluster.heartbeat_timeout_s={c.heartbeat_timeout_s} leaves no room for a heartbeat every "
+            f"cluster.heartbeat_s={c.heartbeat_s} s: every worker would be declared hung; use at least "
+            f"{2 * c.heartbeat_s:g} (the default is 10)"
+        )
+    if t.steps < 1:
+        raise ConfigError(f"train.steps={t.steps}: train for at least one step")
+    if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
+            f"{t.micro_batch}: set train.global_batch to a multiple of train.micro_batch"
+        )
+    if not t.lr > 0 or not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(
+            f"train.lr={t.lr}, train.min_lr={t.min_lr}: the learning rate must be positive and the minimum between "
+            f"0 and it"
+        )
+    if t.warmup_steps < 0 or t.weight_decay < 0 or not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
+        raise ConfigError(
+            "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
+        )
+    try:
+        cfg.model.check()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def components(cfg: JobConfig) -> tuple[Policy, Protection]:
+    built = []
+    for group in ("policy", "protection"):
+        settings = getattr(cfg, group)
+        try:
+            built.append(build(settings))
+        except Exception as exc:  # noqa: BLE001 - a _target_ that cannot be imported or built
+            raise ConfigError(f"{group} {settings.name!r} cannot be built from its config: {exc}") from exc
+    return built[0], built[1]
+
+
+def resume_point(cfg: JobConfig) -> StorageSource | None:
+    if cfg.train.resume_from is None:
+        return None
+    found = checkpoint.find(cfg.train.resume_from)
+    if found is None:
+        raise ConfigError(
+            f"train.resume_from={cfg.train.resume_from} holds no committed checkpoint (a step-NNNNNN directory with "
+            f"a manifest.json): point it at one, or at the directory that holds them"
+        )
+    step, directory, layers = found
+    model_layers = len(layer_specs(cfg.model))
+    if layers != model_layers:
+        raise ConfigError(
+            f"the checkpoint in {directory} has {layers} layers but model {cfg.model.name} has {model_layers}: "
+            "resume with the model it was trained with"
+        )
+    if step >= cfg.train.steps:
+        raise ConfigError(f"the checkpoint is at step {step}, not before train.steps={cfg.train.steps}: raise train.steps")
+    return StorageSource(step, str(directory))
+
+
+def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tuple[Policy, Protection, Decision]:
+    """The policy and protection of the job, checked against each other and the job, and the policy's first plan."""
+    policy, protection = components(cfg)
+    job = make_job(everyone(cfg))
+    try:
+        protection.check(job)
+        policy.check(protection)
+        decision = policy.plan(job, protection)
+        decision.plan.validate()
+    except PlanError as exc:
+        raise ConfigError(str(exc)) from exc
+    missing = set(decision.plan.workers) - set(decision.programs)
+    if missing:
+        raise ConfigError(f"policy {policy.name} gave no program to workers {sorted(missing)} of its plan")
+    check_memory(decision.plan, job)
+    return policy, protection, decision
+
+
+def resolve_backend(requested: str) -> str:
+    """gloo or nccl; the only check that needs torch, so it comes last."""
+    import torch
+
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks: use cluster.backend=gloo")
+    return requested
+
+
+@dataclass
+class Preflight:
+    policy: Policy
+    protection: Protection
+    decision: Decision
+    faults: list[FaultEvent]
+    backend: str
+    tokens: Path
+    make_job: Callable[[Membership], Job]
+
+
+def preflight(cfg: JobConfig) -> Preflight:
+    """Everything checkable before a worker starts. Raises ConfigError (or the fault schedule's error) with what
+    to change."""
+    check_settings(cfg)
+    make_job = job_factory(cfg, resume_point(cfg))
+    policy, protection, decision = first_decision(cfg, make_job)
+    faults = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
+    tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
+    if len(load_tokens(tokens)) <= cfg.model.seq_len:
+        raise ConfigError(
+            f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
+            f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
+        )
+    return Preflight(policy, protection, decision, faults, resolve_backend(cfg.cluster.backend), tokens, make_job)
+
+
+# -- the job -------------------------------------------------------------------------------------------------------
+def run_tags(cfg: JobConfig) -> dict[str, str]:
+    return {
+        "policy": cfg.policy.name,
+        "protection": cfg.protection.name,
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "faults": cfg.faults.schedule,
+    }
+
+
+def run_job(dict_cfg: DictConfig) -> JobResult:
+    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    tracker = Tracker(cfg.tracking)
+    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg))
+    try:
+        cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
+        result = _run(cfg, tracker, preflight(cfg))
+        result.run_id = run_id
+        tracker.finish()
+        return result
+    except BaseException as exc:
+        tracker.finish(failure=f"{type(exc).__name__}: {exc}")
+        raise
+
+
+@dataclass
+class _Collector:
+    """What the job's result and summary need from the event stream."""
+
+    steps: list[ev.StepCommitted] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list)
+    started: float | None = None
+
+    def __call__(self, event: ev.Event) -> None:
+        match event:
+            case ev.StepStarting() if self.started is None:
+                self.started = event.at
+            case ev.StepCommitted():
+                self.steps.append(event)
+            case ev.PlanConfigured():
+                self.plans.append(event.plan)
+
+
+def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
+    # Process code loads only now: the checks above ran without torch.
+    from ftlab.runtime.cluster import LocalCluster
+    from ftlab.runtime.coordinator import Coordinator
+    from ftlab.runtime.local_backend import LocalBackend
+    from ftlab.runtime.optim import OptimSettings
+    from ftlab.runtime.progress import ProgressLine
+
+    t, c = cfg.train, cfg.cluster
+    bus = ev.EventBus()
+    collector = _Collector()
+    bus.subscribe(collector)
+    bus.subscribe(RunRecorder(tracker, cfg.model.seq_len, clock_origin=time.monotonic()))
+    ledger = FaultLedger(bus)
+    progress = ProgressLine(t.steps, enabled=cfg.progress)
+    bus.subscribe(progress)
+    setup = {
+        "model": cfg.model,
+        "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
+        "seed": t.seed,
+        "tokens_path": str(checked.tokens),
+        "backend": checked.backend,
+        "comm_timeout_s": c.comm_timeout_s,
+    }
+    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
+    injector: Injector | None = None
+    try:
+        cluster.start(c.start_timeout_s)
+        backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
+        injector = Injector(checked.faults, backend, bus)
+        coordinator = Coordinator(
+            backend, checked.policy, checked.protection, checked.make_job, bus, t.steps, t.checkpoint_dir
+        )
+        coordinator.run(checked.decision)
+    finally:
+        if injector is not None:
+            injector.stop()
+        progress.close()
+        cluster.shutdown()
+    assert collector.started is not None
+    first = collector.plans[0]
+    summary = summarise(collector.steps, ledger, first, collector.started)
+    tracker.log_metrics(summary, t.steps)
+    _log_timeline(tracker, collector.steps, ledger, collector.started, first, f"{cfg.policy.name} | {cfg.faults.schedule}")
+    return JobResult(
+        "", collector.steps, collector.plans, summary, list(ledger.records), dict(cluster.worker_pids), t.checkpoint_dir
+    )
+
+
+def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:
+    """Run figures. Goodput compares useful samples per second (each committed step once, over the whole training
+    time) with the fault-free rate of the same job, taken as the median iteration of the first plan."""
+    wall = steps[-1].at - started
+    useful = len({s.step for s in steps}) * first.global_batch
+    fault_free_iter = statistics.median(s.iter_s for s in steps if s.generation == first.generation)
+    recovered = [r.recover_s for r in ledger.records if r.recover_s is not None]
+    return {
+        "summary/samples_per_s": useful / wall,
+        "summary/goodput_ratio": (useful / wall) / (first.global_batch / fault_free_iter),
+        "summary/recovery_s_total": sum(recovered),
+        "summary/failures": float(len([r for r in ledger.records if r.noticed_at is not None])),
+        "summary/median_iter_s": fault_free_iter,
+        "summary/final_loss": steps[-1].loss,
+        "summary/steps": float(len({s.step for s in steps})),
+    }
+
+
+def _log_timeline(
+    tracker: Tracker, steps: list[ev.StepCommitted], ledger: FaultLedger, started: float, plan: Plan, title: str
+) -> None:
+    from ftlab.runtime.timeline import plot_timeline
+
+    path = plot_timeline(
+        [(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps],
+        [r.fired_at - started for r in ledger.records if r.fired_at is not None],
+        [r.recovered_at - started for r in ledger.records if r.recovered_at is not None],
+        tracker.local / "timeline.png",
+        title,
+    )
+    tracker.log_file(path)

@@ -1,0 +1,31 @@
+"""The PP x DP grid every simple policy trains on, as a Decision."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ftlab.runtime.contract import Decision, Job, Source
+from ftlab.runtime.plan import Plan, PlanError, grid_plan
+from ftlab.runtime.scheduler import one_f_one_b
+
+
+def grid(workers: Sequence[int], job: Job, generation: int, step: int) -> Plan:
+    """``train.stages`` stages over ``workers``, as many replicas as they allow."""
+    t = job.train
+    return grid_plan(list(workers), t.stages, len(job.specs), t.global_batch, t.micro_batch, generation, step)
+
+
+def largest_grid(workers: Sequence[int], job: Job, generation: int, step: int) -> Plan:
+    """The grid with the configured stages (fewer if fewer workers survive) and as many replicas as fit."""
+    t = job.train
+    if not workers:
+        raise PlanError("no worker survives")
+    stages = min(t.stages, len(workers))
+    replicas = min(len(workers) // stages, t.global_batch // t.micro_batch)
+    return grid_plan(list(workers[: stages * replicas]), stages, len(job.specs), t.global_batch, t.micro_batch, generation, step)
+
+
+def decision(plan: Plan, reason: str, restore: Source | None = None, restart: bool = False, **details: Any) -> Decision:
+    """A plan run with the default 1F1B programs."""
+    return Decision(plan, one_f_one_b(plan), restart=restart, restore=restore, reason=reason, details=details)

@@ -1,0 +1,1 @@
+"""``protection=storage``: periodic checkpoints to storage, the state every restart-based recovery relies on."""

@@ -1,0 +1,238 @@
+"""The contract between the coordinator and the fault-tolerance code: what a policy and a protection see, and what
+they answer.
+
+Two concerns, composed freely (``policy=... protection=...``):
+
+- a **Policy** says how the cluster reconfigures: the first plan, and what to do when membership changes;
+- a **Protection** says where state is kept between failures: which saves to make after a committed step, and the
+  newest complete saved state a restart can restore from.
+
+A policy that needs saved state asks its protection for a ``Source``; no code is written per pair. Every answer of a
+policy is a ``Decision`` that carries everything needed to carry it out (the plan, every worker's program, the layer
+transfers, whether processes restart, where missing state is restored from) or a ``Keep`` or ``Stop``: the
+coordinator never calls back into the policy to complete one.
+
+This module, plans, instructions, schedules, the program checker and the cost model import no torch, transformers,
+DeepSpeed or Hydra (``tests/test_contract.py``), so the simulator and the real runtime share them, and a job is
+planned and checked before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, ClassVar
+
+from ftlab.runtime.config import TrainConfig
+from ftlab.runtime.costs import CostModel, ModelProfile
+from ftlab.runtime.instructions import Program
+from ftlab.runtime.model_spec import LayerSpec, ModelConfig
+from ftlab.runtime.plan import Plan
+
+
+class ConfigError(ValueError):
+    """A job that cannot work as configured; the message says what to change."""
+
+
+# -- what the policies see -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Job:
+    """What a policy plans for: the model, the training settings and who is alive now."""
+
+    model: ModelConfig
+    specs: tuple[LayerSpec, ...]
+    train: TrainConfig
+    workers_of_node: Mapping[int, tuple[int, ...]]
+    """Alive nodes and their alive workers."""
+    slots_of_node: Mapping[int, tuple[int, ...]]
+    """Alive nodes and every worker they run after a restart (a killed process comes back; a lost node does not)."""
+    device_memory_bytes: int
+    profile: Callable[[], ModelProfile] = field(compare=False, repr=False)
+    """The per-layer costs of this model on this cluster's devices (measured or analytic; cached by the caller)."""
+    start: Source | None = None
+    """Saved state the first plan starts from (``train.resume_from``), or None for a fresh model."""
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(w for ws in self.workers_of_node.values() for w in ws)
+
+    @property
+    def slots(self) -> list[int]:
+        return sorted(w for ws in self.slots_of_node.values() for w in ws)
+
+    @property
+    def workers_per_node(self) -> int:
+        return max((len(ws) for ws in self.slots_of_node.values()), default=1)
+
+    @property
+    def start_step(self) -> int:
+        return self.start.step if self.start is not None else 0
+
+    @cached_property
+    def costs(self) -> CostModel:
+        return CostModel(self.profile())
+
+
+@dataclass(frozen=True)
+class Change:
+    """A membership change, seen at an iteration boundary (the iteration in flight was aborted)."""
+
+    plan: Plan
+    """The plan every worker was last configured for."""
+    step: int
+    """Committed steps: where every survivor's layers are."""
+    generation: int
+    """The generation an answer's plan must have: one more than any plan tried so far (a plan whose configuration a
+    further failure interrupted used up its generation, whose rendezvous keys are stale)."""
+    failed_nodes: tuple[int, ...] = ()
+    failed_workers: tuple[int, ...] = ()
+    """Workers that died on nodes that live on (a process crash or a fenced hang)."""
+    joined_nodes: tuple[int, ...] = ()
+    holdings: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    """The layers each surviving worker holds at ``step``, with their optimizer state."""
+
+    @property
+    def is_failure(self) -> bool:
+        return bool(self.failed_nodes or self.failed_workers)
+
+    def describe(self) -> str:
+        parts = [f"node {n}" for n in self.failed_nodes] + [f"worker {w}" for w in self.failed_workers]
+        if parts:
+            return ", ".join(parts) + f" failed at step {self.step}"
+        return f"nodes {list(self.joined_nodes)} joined at step {self.step}"
+
+
+# -- where state comes from ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """Saved state of a committed step, and where it is."""
+
+    kind: ClassVar[str]
+    step: int
+
+
+@dataclass(frozen=True)
+class StorageSource(Source):
+    """A committed checkpoint directory (``runtime.checkpoint``)."""
+
+    kind: ClassVar[str] = "storage"
+    directory: str
+
+
+# -- what the policies answer --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerTransfer:
+    """Copy ``layer`` with its optimizer state from worker ``source`` to worker ``destination``."""
+
+    layer: int
+    source: int
+    destination: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A plan and everything needed to carry it out."""
+
+    plan: Plan
+    programs: Mapping[int, Program]
+    """Every worker's program for one iteration of ``plan``."""
+    transfers: tuple[LayerTransfer, ...] = ()
+    """Layers copied between live workers before the plan runs (in place: no process restarts)."""
+    restart: bool = False
+    """End every worker process and start fresh ones on the live nodes first (their layers are then lost)."""
+    restore: Source | None = None
+    """Where a worker that lacks a layer of its stage (and receives no transfer of it) loads it from."""
+    reason: str = ""
+    """Why, in words, for the event log."""
+    details: Mapping[str, Any] = field(default_factory=dict)
+    """The policy's particulars (template sizes, reroutes, ...), for the event log."""
+
+    @property
+    def kind(self) -> str:
+        if self.restart:
+            return "restart"
+        return "reconfigure" if self.transfers else "replan"
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Keep the running plan (e.g. a node that joined waits for the next restart)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the job; the coordinator saves the survivors' state if they still hold every layer."""
+
+    reason: str
+
+
+Outcome = Decision | Keep | Stop
+
+
+# -- what a protection asks for after a committed step ------------------------------------------------------------
+@dataclass(frozen=True)
+class Action:
+    """Something to save after a committed step."""
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint(Action):
+    """Write a checkpoint of the just-committed step to ``directory``, keeping the newest ``keep``."""
+
+    directory: str
+    keep: int = 2
+
+
+# -- the two roles -------------------------------------------------------------------------------------------------
+class Protection(ABC):
+    """Where state is kept between failures."""
+
+    keeps_state: ClassVar[bool] = True
+    """False for the protection that saves nothing: a policy that restarts from saved state cannot use it."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def check(self, job: Job) -> None:
+        """Raise ConfigError if this protection cannot protect ``job``."""
+
+    @abstractmethod
+    def after_commit(self, step: int, plan: Plan) -> list[Action]:
+        """What to save now that ``step`` steps are committed."""
+
+    def saved(self, action: Action, step: int) -> None:
+        """The coordinator carried out ``action`` for ``step`` completely."""
+
+    def restore_source(self, change: Change | None = None) -> Source | None:
+        """The newest complete saved state that survives ``change``, or None."""
+        return None
+
+
+class Policy(ABC):
+    """How the cluster reconfigures when its membership changes."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def check(self, protection: Protection) -> None:
+        """Raise ConfigError if this policy cannot work with ``protection``."""
+
+    @abstractmethod
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        """The first plan, starting at ``job.start`` (restore from it when set)."""
+
+    @abstractmethod
+    def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
+        """What to do about a membership change."""

@@ -1,0 +1,219 @@
+"""The coordinator's protocol: plan, configure, run steps, commit, and recover when membership changes.
+
+One iteration is a two-phase commit. Every worker of the plan runs its program up to the optimizer step and reports
+ready with its gradients reduced; only when all have does the coordinator commit, and the workers step their
+optimizers. A failure before that point aborts the iteration everywhere, so no two replicas of a layer are ever at
+different steps and a failure costs at most the iteration in flight.
+
+The loop carries out one ``Decision`` at a time: the policy's first plan, then whatever it answers to a failure or a
+join. A failure while a decision is carried out (a node lost during a restart or a layer copy) is recovered from in
+turn, from the last plan every worker was configured for. What the machines do is the backend's business
+(``runtime.backend``); what happened is published as events (``runtime.events``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ftlab.runtime import events as ev
+from ftlab.runtime.backend import Backend, Failure, Membership
+from ftlab.runtime.contract import Change, Decision, Job, Keep, Outcome, Policy, Protection, SaveCheckpoint, Stop
+from ftlab.runtime.plan import Plan
+from ftlab.runtime.scheduler import transfer_programs
+
+
+class JobStopped(RuntimeError):
+    """The job cannot go on: the policy decided to stop. The message says why and how to resume."""
+
+
+class Coordinator:
+    def __init__(
+        self,
+        backend: Backend,
+        policy: Policy,
+        protection: Protection,
+        make_job: Callable[[Membership], Job],
+        bus: ev.EventBus,
+        steps: int,
+        stop_directory: str,
+    ) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.protection = protection
+        self.make_job = make_job
+        self.bus = bus
+        self.steps = steps
+        self.stop_directory = stop_directory
+        """Where the survivors save the last committed step when the policy stops the job."""
+        self.confirmed: Plan | None = None
+        """The last plan every worker was configured for: what a recovery starts from."""
+        self.tried = -1
+        """The newest generation any plan was tried with."""
+
+    def job(self) -> Job:
+        return self.make_job(self.backend.membership())
+
+    def run(self, first: Decision) -> None:
+        """Train until ``steps`` steps are committed."""
+        decision: Decision | None = first
+        step = first.plan.step
+        while decision is not None:
+            failure = self._carry_out(decision)
+            if failure:
+                decision, step = self._recover(failure, decision.plan, step)
+            else:
+                decision, step = self._train(decision.plan, step)
+
+    # -- carrying out a decision -----------------------------------------------------------------------------------
+    def _carry_out(self, decision: Decision) -> Failure | None:
+        assert decision.plan.generation > self.tried, f"generation {decision.plan.generation} was used before"
+        self.tried = decision.plan.generation
+        if decision.restart:
+            failure = self.backend.restart_workers()
+            if failure:
+                return failure
+        plan = decision.plan
+        received = self.backend.configure(plan, decision.programs, transfer_programs(decision.transfers), decision.restore)
+        if isinstance(received, Failure):
+            return received
+        if decision.transfers:
+            self._publish(ev.LayersCopied, copies=len(decision.transfers), nbytes=received, generation=plan.generation)
+        self.confirmed = plan
+        self._publish(ev.PlanConfigured, generation=plan.generation, step=plan.step,
+                      pipelines=len(plan.pipelines), plan=plan)  # fmt: skip
+        return None
+
+    # -- training ------------------------------------------------------------------------------------------------
+    def _train(self, plan: Plan, step: int) -> tuple[Decision | None, int]:
+        """Run steps of the configured ``plan`` until the job is done (no decision), or a failure or a join asks for
+        a new decision. Each committed step is reported while the workers compute the next one."""
+        unreported: ev.StepCommitted | None = None
+        while step < self.steps:
+            joined = self._joins(plan, step)
+            if joined is not None:
+                self._report(unreported)
+                return joined, joined.plan.step
+            self._publish(ev.StepStarting, step=step)
+            started = self.backend.clock()
+            self.backend.begin_step(plan, step)
+            self._report(unreported)
+            unreported = None
+            result = self.backend.finish_step(plan, step)
+            if isinstance(result, Failure):
+                return self._recover(result, plan, step)
+            self.backend.commit(plan, step)
+            step += 1
+            committed_at = self.backend.clock()
+            unreported = ev.StepCommitted(
+                at=committed_at, step=step - 1, loss=result.loss, iter_s=committed_at - started,
+                compute_s=result.compute_s, generation=plan.generation, samples=plan.global_batch,
+                alive_nodes=len(self.backend.membership().nodes), pipelines=len(plan.pipelines),
+            )  # fmt: skip
+            for action in self.protection.after_commit(step, plan):
+                self._report(unreported)
+                unreported = None
+                failure = self._save(step, action, first_holders(plan), plan.num_layers)
+                if failure:
+                    return self._recover(failure, plan, step)
+        self._report(unreported)
+        return None, step
+
+    def _report(self, committed: ev.StepCommitted | None) -> None:
+        if committed is not None:
+            self.bus.publish(committed)
+
+    def _joins(self, plan: Plan, step: int) -> Decision | None:
+        """Offer nodes that joined to the policy, at an iteration boundary; the decision to carry out, if any."""
+        nodes = self.backend.joined()
+        if not nodes:
+            return None
+        self._publish(ev.NodesJoined, nodes=tuple(nodes), step=step)
+        holdings = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+        change = Change(plan, step, self.tried + 1, joined_nodes=tuple(nodes), holdings=holdings)
+        outcome = self._decide(change)
+        if isinstance(outcome, Stop):
+            self._stop(outcome, step, holdings)
+        return outcome if isinstance(outcome, Decision) else None
+
+    def _save(self, step: int, action: SaveCheckpoint, writers: dict[int, tuple[int, ...]], num_layers: int) -> Failure | None:
+        started = self.backend.clock()
+        report = self.backend.save(step, action, writers, num_layers)
+        if isinstance(report, Failure):
+            return report
+        self.protection.saved(action, step)
+        self._publish(ev.StateSaved, step=step, seconds=self.backend.clock() - started, nbytes=report.nbytes,
+                      location=report.location)  # fmt: skip
+        return None
+
+    # -- recovery ------------------------------------------------------------------------------------------------
+    def _recover(self, failure: Failure, attempted: Plan, step: int) -> tuple[Decision, int]:
+        """Abort the iteration (or the configuration) in flight and ask the policy what to do.
+
+        ``step`` is where every survivor that holds layers stands. Members that die during the abort are folded into
+        this failure; members that die while the answer is carried out are the next failure (``run``).
+        """
+        self._publish(ev.FailureDetected, nodes=tuple(sorted(failure.nodes)), workers=tuple(sorted(failure.workers)),
+                      step=step, noticed_at=failure.noticed_at)  # fmt: skip
+        holdings = self.backend.abort(attempted, failure, step)
+        on_live_nodes = {w for ws in self.backend.membership().slots_of_node.values() for w in ws}
+        change = Change(
+            plan=self.confirmed or attempted,
+            step=step,
+            generation=self.tried + 1,
+            failed_nodes=tuple(sorted(failure.nodes)),
+            failed_workers=tuple(sorted(w for w in failure.workers if w in on_live_nodes)),
+            holdings=holdings,
+        )
+        outcome = self._decide(change)
+        if isinstance(outcome, Stop):
+            self._stop(outcome, step, holdings)
+        if isinstance(outcome, Keep):
+            raise JobStopped(f"policy {self.policy.name} kept the running plan after a failure: {outcome.reason}")
+        return outcome, outcome.plan.step
+
+    def _decide(self, change: Change) -> Outcome:
+        outcome = self.policy.on_change(change, self.job(), self.protection)
+        fields = {"policy": self.policy.name, "reason": outcome.reason, "committed_step": change.step}
+        if isinstance(outcome, Decision):
+            restore = outcome.restore
+            self._publish(
+                ev.Decided, outcome=outcome.kind, resume_step=outcome.plan.step, generation=outcome.plan.generation,
+                transfers=len(outcome.transfers), restore=f"{restore.kind} of step {restore.step}" if restore else None,
+                details=dict(outcome.details), **fields,
+            )  # fmt: skip
+        else:
+            self._publish(ev.Decided, outcome=type(outcome).__name__.lower(), **fields)
+        return outcome
+
+    def _stop(self, stop: Stop, step: int, holdings: dict[int, tuple[int, ...]]) -> None:
+        message = stop.reason + self._save_survivors(step, holdings)
+        self._publish(ev.JobStoppedEvent, reason=message)
+        raise JobStopped(message)
+
+    def _save_survivors(self, step: int, holdings: dict[int, tuple[int, ...]]) -> str:
+        """Before stopping: a checkpoint of the last committed step from the survivors, if they hold every layer."""
+        num_layers = len(self.job().specs)
+        writers = first_holders_of(holdings)
+        missing = sorted(set(range(num_layers)) - {layer for layers in writers.values() for layer in layers})
+        if missing:
+            return f". Layers {missing} have no live replica, so no checkpoint of step {step} could be written."
+        report = self.backend.save(step, SaveCheckpoint(self.stop_directory, keep=0), writers, num_layers)
+        if isinstance(report, Failure):
+            return f". A further failure stopped the checkpoint of step {step}."
+        return f". The survivors saved step {step} to {report.location}: resume with train.resume_from={report.location}"
+
+    def _publish(self, kind: type[ev.Event], **fields: object) -> None:
+        self.bus.publish(kind(at=self.backend.clock(), **fields))
+
+
+def first_holders_of(holdings: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """One writer per layer: the holder with the smallest worker id."""
+    writer: dict[int, int] = {}
+    for worker, layers in sorted(holdings.items()):
+        for layer in layers:
+            writer.setdefault(layer, worker)
+    return {w: tuple(sorted(layer for layer, ww in writer.items() if ww == w)) for w in sorted(set(writer.values()))}
+
+
+def first_holders(plan: Plan) -> dict[int, tuple[int, ...]]:
+    return first_holders_of({w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()})

@@ -1,0 +1,250 @@
+"""The one cost model: what a layer range costs in time and memory, and what every instruction of a program costs.
+
+Planners (Oobleck's templates, ReCycle's schedule), plan mode and the simulator all read costs from here, so a
+prediction in one of them means the same as in the others. The numbers come from a ``ModelProfile``: per layer,
+times measured on a real device (``runtime.profiler.measure_profile``) or derived from FLOPs for a GPU type
+(``profile_from_specs``), and link figures.
+
+Memory has one formula, whatever the source of the times: a layer's bytes come from ``runtime.model_spec`` (fp32
+weights, 12 more bytes per parameter for the gradient and AdamW's two moments, the activations it keeps per
+micro-batch), and a stage holds its layers' state plus the activations of every micro-batch in flight
+(``stage_memory``). ``tests/test_model.py`` holds the activation formulas to what autograd keeps.
+
+Communication: a point-to-point message of n bytes costs ``latency_s + n / p2p_bytes_per_s``; a ring all-reduce of
+n bytes over k ranks ``latency_s + 2 (k - 1) / k * n / allreduce_bytes_per_s`` (bus bandwidth). Which link a
+message takes is not known from a plan (it names workers, not hosts), so plan-level predictions charge the
+inter-node figures: the slower link, as Oobleck's planner does.
+
+Everything here is plain arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from itertools import accumulate
+
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.devices import device as device_spec
+from ftlab.runtime.model_spec import FP32, LayerSpec
+from ftlab.runtime.plan import Plan
+
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
+ADAMW_BYTES_PER_PARAM = 28
+"""Memory traffic of one fused AdamW step: read weight, gradient and both moments, write weight and both moments."""
+
+Durations = Callable[[int, ins.Instruction], float]
+"""Seconds an instruction takes on a worker (what ``runtime.program_check.simulate`` executes programs with)."""
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    fwd_s: float
+    bwd_input_s: float
+    bwd_weight_s: float
+    """Times per micro-batch; the two backward halves add up to one full backward."""
+    param_bytes: int
+    optimizer_bytes: int
+    output_bytes: int
+    """Per micro-batch: what a pipeline send of this layer's output carries (0 for the last layer)."""
+    saved_bytes: int
+    """Per micro-batch: activations kept from forward until backward."""
+    optimizer_s: float = 0.0
+    """One optimizer step of the layer's parameters."""
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_input_s + self.bwd_weight_s
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights, gradient and optimizer state: what a stage holds for the layer whatever the schedule."""
+        return self.param_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    model: str
+    device: str
+    micro_batch: int
+    seq_len: int
+    layers: tuple[LayerProfile, ...]
+    device_memory_bytes: int
+    p2p_bytes_per_s: float
+    intra_node_allreduce_bytes_per_s: float
+    inter_node_allreduce_bytes_per_s: float
+    """All-reduce bandwidths are bus bandwidths: an all-reduce of n bytes over k ranks takes 2(k-1)/k * n / bw."""
+    latency_s: float = 0.0
+    """Per message, on top of the bandwidth term."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: dict) -> ModelProfile:
+        return ModelProfile(**{**data, "layers": tuple(LayerProfile(**layer) for layer in data["layers"])})
+
+
+def layer_bytes(spec: LayerSpec, micro_batch: int, seq_len: int) -> dict[str, int]:
+    """The memory fields of a LayerProfile: the single source of every memory figure."""
+    tokens = micro_batch * seq_len
+    return {
+        "param_bytes": FP32 * spec.params,
+        "optimizer_bytes": OPTIMIZER_BYTES_PER_PARAM * spec.params,
+        "output_bytes": spec.output_bytes_per_token * tokens,
+        "saved_bytes": spec.saved_bytes_per_token * tokens,
+    }
+
+
+def profile_from_specs(
+    model: str, specs: Sequence[LayerSpec], device_name: str, micro_batch: int, seq_len: int
+) -> ModelProfile:
+    """A profile for a GPU type of ``runtime.devices``: forward is bound by arithmetic or, for layers with little
+    of it (an embedding lookup), by writing its activations to memory; backward is twice forward, split evenly
+    between the input gradient and the weight gradients; the optimizer step is bound by memory traffic."""
+    gpu = device_spec(device_name)
+    tokens = micro_batch * seq_len
+    layers = []
+    for spec in specs:
+        written = (spec.output_bytes_per_token + spec.saved_bytes_per_token) * tokens
+        fwd = max(spec.fwd_flops_per_token * tokens / gpu.effective_flops, written / gpu.memory_bytes_per_s)
+        layers.append(
+            LayerProfile(
+                fwd_s=fwd,
+                bwd_input_s=fwd,
+                bwd_weight_s=fwd,
+                optimizer_s=ADAMW_BYTES_PER_PARAM * spec.params / gpu.memory_bytes_per_s,
+                **layer_bytes(spec, micro_batch, seq_len),
+            )
+        )
+    return ModelProfile(
+        model=model,
+        device=gpu.name,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        layers=tuple(layers),
+        device_memory_bytes=gpu.memory_bytes,
+        p2p_bytes_per_s=gpu.network_bytes_per_s,
+        intra_node_allreduce_bytes_per_s=gpu.intra_node_bytes_per_s,
+        inter_node_allreduce_bytes_per_s=gpu.network_bytes_per_s,
+        latency_s=gpu.latency_s,
+    )
+
+
+def stage_memory(state_bytes: float, activation_bytes: float, in_flight: float) -> float:
+    """A stage's memory: its layers' state plus the kept activations of ``in_flight`` micro-batches (under 1F1B a
+    stage with k stages after it holds k + 1). Works on numbers and on numpy arrays alike."""
+    return state_bytes + in_flight * activation_bytes
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0.0, *accumulate(values)]
+
+
+class CostModel:
+    """Costs of layer ranges ``[start, stop)`` and of instructions, from one profile."""
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+        layers = profile.layers
+        self._fwd = _prefix([x.fwd_s for x in layers])
+        self._bwd_input = _prefix([x.bwd_input_s for x in layers])
+        self._bwd_weight = _prefix([x.bwd_weight_s for x in layers])
+        self._optimizer = _prefix([x.optimizer_s for x in layers])
+        self._state = _prefix([x.state_bytes for x in layers])
+        self._params = _prefix([x.param_bytes for x in layers])
+        self._saved = _prefix([x.saved_bytes for x in layers])
+
+    @property
+    def num_layers(self) -> int:
+        return self.profile.num_layers
+
+    # -- compute -----------------------------------------------------------------------------------------------
+    def forward_s(self, start: int, stop: int) -> float:
+        return self._fwd[stop] - self._fwd[start]
+
+    def backward_input_s(self, start: int, stop: int) -> float:
+        return self._bwd_input[stop] - self._bwd_input[start]
+
+    def backward_weight_s(self, start: int, stop: int) -> float:
+        return self._bwd_weight[stop] - self._bwd_weight[start]
+
+    def backward_s(self, start: int, stop: int) -> float:
+        return self.backward_input_s(start, stop) + self.backward_weight_s(start, stop)
+
+    def optimizer_s(self, start: int, stop: int) -> float:
+        return self._optimizer[stop] - self._optimizer[start]
+
+    # -- memory ------------------------------------------------------------------------------------------------
+    def state_bytes(self, start: int, stop: int) -> float:
+        return self._state[stop] - self._state[start]
+
+    def param_bytes(self, start: int, stop: int) -> float:
+        return self._params[stop] - self._params[start]
+
+    def activation_bytes(self, start: int, stop: int) -> float:
+        return self._saved[stop] - self._saved[start]
+
+    def stage_memory(self, start: int, stop: int, in_flight: int) -> float:
+        return stage_memory(self.state_bytes(start, stop), self.activation_bytes(start, stop), in_flight)
+
+    # -- communication -----------------------------------------------------------------------------------------
+    def boundary_bytes(self, layer: int) -> int:
+        """What crosses the stage boundary before ``layer``: layer - 1's output (forward) or its gradient."""
+        return self.profile.layers[layer - 1].output_bytes
+
+    def p2p_s(self, nbytes: float) -> float:
+        return self.profile.latency_s + nbytes / self.profile.p2p_bytes_per_s
+
+    def allreduce_s(self, nbytes: float, ranks: int, intra_node: bool = False) -> float:
+        if ranks < 2:
+            return 0.0
+        p = self.profile
+        bandwidth = p.intra_node_allreduce_bytes_per_s if intra_node else p.inter_node_allreduce_bytes_per_s
+        return p.latency_s + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+    def transfer_s(self, layer: int) -> float:
+        """Copying one layer with its optimizer state to another worker."""
+        return self.p2p_s(self.profile.layers[layer].state_bytes)
+
+    # -- programs ----------------------------------------------------------------------------------------------
+    def durations(self, plan: Plan) -> Durations:
+        """What each instruction of ``plan``'s programs costs on its worker: compute of the worker's layers, a send
+        at the p2p cost of the activation (or gradient) at its stage boundary, the gradient all-reduce of each of
+        its replica sets (issued together, so their costs add up on the worker's link), the optimizer step.
+        Receives and loads cost nothing of their own: a receive waits for its send's arrival."""
+        ranges = plan.layer_ranges()
+        reduce_s: dict[int, float] = {}
+        for holders, layers in plan.reduction_groups():
+            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
+            for worker in holders:
+                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+
+        def duration(worker: int, instruction: ins.Instruction) -> float:
+            start, stop = ranges[worker]
+            match instruction:
+                case ins.ForwardPass():
+                    return self.forward_s(start, stop)
+                case ins.BackwardPass():
+                    return self.backward_s(start, stop)
+                case ins.BackwardInput():
+                    return self.backward_input_s(start, stop)
+                case ins.BackwardWeight():
+                    return self.backward_weight_s(start, stop)
+                case ins.SendActivation():
+                    return self.p2p_s(self.boundary_bytes(stop))
+                case ins.SendGrad():
+                    return self.p2p_s(self.boundary_bytes(start))
+                case ins.SendLayer(layer=layer):
+                    return self.transfer_s(layer)
+                case ins.ReduceGrads():
+                    return reduce_s.get(worker, 0.0)
+                case ins.OptimizerStep():
+                    return self.optimizer_s(start, stop)
+            return 0.0
+
+        return duration

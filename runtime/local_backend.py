@@ -1,0 +1,279 @@
+"""The local backend: the coordinator's protocol carried out by real processes (``runtime.cluster``).
+
+Every message and closed connection from agents and workers arrives on the cluster's one event queue, which this
+backend reads from the coordinator's thread: membership changes and step results are handled in the order they
+happened, with no locks in the protocol. While it waits for one kind of message (Ready, Configured, ...), any sign of
+a death (a closed connection, an agent's report of a worker's exit, a heartbeat missed for
+``heartbeat_timeout_s``) ends the wait with a ``Failure``; a short window then lets the rest of the failure arrive
+(a node's agent and workers report apart, and simultaneous kills should be one recovery).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from ftlab.runtime import checkpoint
+from ftlab.runtime import events as ev
+from ftlab.runtime import messages as msg
+from ftlab.runtime.backend import Backend, Failure, FaultTarget, Membership, SaveReport, StepReport, WorkerCrashed
+from ftlab.runtime.cluster import ClusterEvent, LocalCluster, NodeLost
+from ftlab.runtime.contract import Action, SaveCheckpoint, Source
+from ftlab.runtime.instructions import Program
+from ftlab.runtime.plan import Plan
+
+M = TypeVar("M")
+
+# After the first sign of a failure, wait this long for the rest of it (a node's agent and workers report apart).
+_FAILURE_WINDOW_S = 0.3
+_POLL_S = 0.2
+_RESTART_TIMEOUT_S = 300.0
+
+
+class LocalBackend(Backend, FaultTarget):
+    def __init__(self, cluster: LocalCluster, bus: ev.EventBus, setup: dict[str, Any], heartbeat_timeout_s: float) -> None:
+        self.cluster = cluster
+        self.bus = bus
+        self.setup = setup
+        """Model, training and data settings every worker needs; sent with each Configure."""
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._pending_joins: set[int] = set()
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def membership(self) -> Membership:
+        alive = set(self.cluster.alive_workers())
+        nodes = self.cluster.alive_nodes()
+        workers = {n: tuple(w for w in self.cluster.workers_of(n) if w in alive) for n in nodes}
+        return Membership(
+            workers_of_node={n: ws for n, ws in workers.items() if ws},
+            slots_of_node={n: tuple(self.cluster.workers_of(n)) for n in nodes},
+        )
+
+    # -- the protocol ------------------------------------------------------------------------------------------
+    def configure(
+        self, plan: Plan, programs: Mapping[int, Program], transfers: Mapping[int, Program], restore: Source | None
+    ) -> int | Failure:
+        for worker in plan.workers:
+            configure = msg.Configure(
+                asdict(plan), programs[worker], self.cluster.store.port, self.setup, restore, tuple(transfers.get(worker, ()))
+            )
+            self.cluster.send(worker, configure)
+        done = self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
+        if isinstance(done, Failure):
+            return done
+        self._pending_joins -= {self.cluster.node_of(w) for w in plan.workers}
+        return sum(m.received_bytes for m in done.values())
+
+    def begin_step(self, plan: Plan, step: int) -> None:
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.RunStep(step))
+
+    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
+        ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
+        if isinstance(ready, Failure):
+            return ready
+        return StepReport(loss=sum(r.loss for r in ready.values()), compute_s=max(r.compute_s for r in ready.values()))
+
+    def commit(self, plan: Plan, step: int) -> None:
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.Commit(step))
+
+    def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
+        survivors = set(plan.workers) & set(self.cluster.alive_workers())
+        for worker in survivors:
+            self.cluster.abort(worker, msg.Abort(plan.generation))
+        while True:
+            done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation)
+            if not isinstance(done, Failure):
+                break
+            failure.merge(done)  # a failure during the abort: fold it in, wait for the rest
+            survivors &= set(self.cluster.alive_workers())
+        # The invariant every policy relies on: no two replicas of a layer at different steps. (Workers restarted
+        # a moment ago hold no layer yet.)
+        behind = {w: m.step for w, m in done.items() if m.layers and m.step != committed}
+        assert not behind, f"workers {behind} are not at the committed step {committed}"
+        return {w: m.layers for w, m in done.items()}
+
+    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+        assert isinstance(action, SaveCheckpoint), f"the local backend cannot carry out {action!r}"
+        for worker, layers in writers.items():
+            self.cluster.send(worker, msg.SaveCheckpoint(step, action.directory, layers))
+        saved = self._collect(set(writers), msg.Saved, lambda m: m.step == step)
+        if isinstance(saved, Failure):
+            return saved
+        directory = checkpoint.write_manifest(action.directory, step, num_layers, {})
+        if action.keep:
+            checkpoint.prune(action.directory, action.keep)
+        return SaveReport(sum(s.nbytes for s in saved.values()), str(directory))
+
+    def restart_workers(self) -> Failure | None:
+        """End every worker process and start fresh ones on every live node.
+
+        Workers of a node still joining are waited for first, so none is left starting while its slot is refilled.
+        """
+        booting = {w for n in self._pending_joins if n in self.cluster.alive_nodes() for w in self.cluster.workers_of(n)}
+        lost = self._wait_for(booting)
+        if lost:
+            return lost
+        for worker in self.cluster.alive_workers():
+            self.cluster.kill_worker(worker)
+            self.cluster.mark_dead("worker", worker)
+        for member in list(self.cluster.workers.values()):
+            _wait_gone(member.pid)
+        failure = self._drain_events()
+        expected: set[int] = set()
+        for node in self.cluster.alive_nodes():
+            workers = tuple(self.cluster.workers_of(node))
+            for worker in workers:
+                self.cluster.workers.pop(worker, None)
+            self.cluster.send_agent(node, msg.SpawnWorkers(workers))
+            expected |= set(workers)
+        self._pending_joins.clear()  # every live node is now restarting: the next plan includes them all
+        lost = self._wait_for(expected)
+        if lost:
+            failure.merge(lost)
+        return failure or None
+
+    def joined(self) -> list[int]:
+        alive = set(self.cluster.alive_workers())
+        ready = {n for n in self._pending_joins if set(self.cluster.workers_of(n)) <= alive}
+        self._pending_joins -= ready
+        return sorted(ready)
+
+    # -- faults (the injector's side) ---------------------------------------------------------------------------
+    def workers_of(self, node: int) -> list[int]:
+        return self.cluster.workers_of(node)
+
+    def alive_nodes(self) -> list[int]:
+        return self.cluster.alive_nodes()
+
+    def alive_workers(self) -> list[int]:
+        return self.cluster.alive_workers()
+
+    def kill_node(self, node: int) -> None:
+        self.cluster.kill_node(node)
+
+    def kill_worker(self, worker: int) -> None:
+        self.cluster.kill_worker(worker)
+
+    def hang_worker(self, worker: int) -> None:
+        self.cluster.kill_worker(worker, signal.SIGSTOP)
+
+    def start_node(self, node: int, wait: bool) -> None:
+        self.cluster.start_node(node)
+        if wait:
+            self.cluster.wait_for_workers(set(self.cluster.workers_of(node)), timeout_s=_RESTART_TIMEOUT_S)
+
+    def arm(self, worker: int, step: int, phase: str) -> None:
+        self.cluster.send(worker, msg.ArmFault(step, phase))
+
+    # -- waiting for messages ----------------------------------------------------------------------------------
+    def _collect(self, expected: set[int], kind: type[M], accept: Callable[[M], bool]) -> dict[int, M] | Failure:
+        """One ``kind`` message from every expected worker, or the Failure that interrupted the wait."""
+        got: dict[int, M] = {}
+        while set(got) < expected:
+            failure = Failure()
+            event = self._next_event(failure)
+            if failure:
+                failure.merge(self._gather())
+                return failure
+            if event is None:
+                continue
+            message = event.message
+            if event.role == "worker" and isinstance(message, kind) and accept(message):
+                got[event.ident] = message
+            elif isinstance(message, msg.Failed):
+                self._publish(ev.CommError, worker=event.ident, error=message.error)
+        return got
+
+    def _next_event(self, failure: Failure) -> ClusterEvent | None:
+        """The next event, or None after a quiet poll; records failures it sees into ``failure``."""
+        try:
+            event = self.cluster.events.get(timeout=_POLL_S)
+        except queue.Empty:  # a quiet moment: check for hung workers
+            for worker in self.cluster.silent_workers(self.heartbeat_timeout_s):
+                self._publish(ev.HangDetected, worker=worker, timeout_s=self.heartbeat_timeout_s)
+                self.cluster.kill_worker(worker)  # fence it: a hung worker must never come back
+            return None
+        self._classify(event, failure)
+        return event
+
+    def _classify(self, event: ClusterEvent, failure: Failure) -> None:
+        message = event.message
+        if isinstance(message, msg.Crashed):
+            raise WorkerCrashed(f"{event.role} {event.ident} crashed:\n{message.error}")
+        if isinstance(message, msg.AtPhase):
+            self._publish(ev.WorkerAtPhase, worker=event.ident, step=message.step, phase=message.phase)
+            return
+        if isinstance(message, msg.Hello):
+            if message.role == "agent":
+                self._pending_joins.add(message.node)
+            return
+        dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
+        if dead_worker:
+            worker = message.worker if isinstance(message, msg.WorkerExited) else event.ident
+            self._lose_worker(worker, event.at, failure)
+        elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
+            node = event.ident
+            self.cluster.mark_dead("agent", node)
+            failure.nodes[node] = event.at
+            for worker in self.cluster.workers_of(node):
+                self.cluster.kill_worker(worker)  # a lost node loses all of its workers
+                self._lose_worker(worker, event.at, failure)
+
+    def _lose_worker(self, worker: int, at: float, failure: Failure) -> None:
+        """Record a worker's death once, the first time any sign of it arrives."""
+        member = self.cluster.workers.get(worker)
+        if member is not None and member.alive:
+            self.cluster.mark_dead("worker", worker)
+            failure.workers[worker] = at
+
+    def _gather(self) -> Failure:
+        """Let the rest of a failure arrive (the other half of a node, simultaneous kills)."""
+        failure = Failure()
+        deadline = time.monotonic() + _FAILURE_WINDOW_S
+        while time.monotonic() < deadline:
+            try:
+                event = self.cluster.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._classify(event, failure)
+        return failure
+
+    def _wait_for(self, workers: set[int]) -> Failure | None:
+        """Wait for workers to register; a node that dies meanwhile is a failure to recover from."""
+        try:
+            self.cluster.wait_for_workers(workers, timeout_s=_RESTART_TIMEOUT_S)
+        except NodeLost as lost:
+            self.cluster.mark_dead("agent", lost.node)
+            self._publish(ev.NodeLostWhileStarting, node=lost.node)
+            now = time.monotonic()
+            return Failure(nodes={lost.node: now}, workers={w: now for w in self.cluster.workers_of(lost.node)})
+        return None
+
+    def _drain_events(self) -> Failure:
+        """Drop the closed-connection and exit events of workers this backend killed itself; keep real failures."""
+        failure = Failure()
+        while not self.cluster.events.empty():
+            self._classify(self.cluster.events.get_nowait(), failure)
+        return failure
+
+    def _publish(self, kind: type[ev.Event], **fields: object) -> None:
+        self.bus.publish(kind(at=self.clock(), **fields))
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
