@@ -4,7 +4,11 @@ The composition root: here the config becomes a policy, a protection, a first de
 backend, and the job's event stream is wired to its subscribers (MLflow, the progress line, the fault ledger, the
 injector). Everything that can be checked without a worker is checked before the first process starts, and before
 torch is imported, so a bad input is answered in seconds; every way out of the job closes the MLflow run: FINISHED,
-or FAILED with the reason.
+or FAILED with the reason (a job the policy stopped keeps its summary of the steps it committed).
+
+The simulator (``experiments.simulate``) shares all of it but the backend: the same checks (``check_job``), the
+same run and tags (``tracked``), the same subscribers (``observe``) and the same summary and timeline
+(``conclude``), so a simulated run and a real one read alike in MLflow.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
+from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
@@ -40,6 +45,10 @@ CONF_DIR = Path(__file__).parents[1] / "conf"
 GIB = 2**30
 MEASURED_DEVICES = ("cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
+MEASURE_FLOPS_LIMIT = 5e10
+"""Forward FLOPs of one micro-batch through the whole model above which measuring is refused: the profiler runs
+each layer about 40 forward-equivalents, and a CPU core pair manages some 10-50 GFLOP/s, so this keeps a first
+(uncached) measurement under a minute or two. gpt2-tiny at micro-batch 2 needs 6e8, gpt2-small 6e11."""
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
@@ -59,6 +68,10 @@ class JobResult:
     faults: list[FaultRecord]
     worker_pids: dict[int, list[int]]
     checkpoint_dir: str = ""
+    events: list[ev.Event] = field(default_factory=list)
+    """Everything that happened but the steps, in order."""
+    stopped: str | None = None
+    """Why the policy stopped the job before train.steps, if it did."""
 
 
 # -- the costs a job plans with ------------------------------------------------------------------------------------
@@ -154,6 +167,32 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def check_device(cfg: JobConfig) -> None:
+    """A device with a profile: a GPU type of ``runtime.devices`` (analytic), or this machine's cpu or cuda
+    (measured), for a model small enough to measure here."""
+    device = cfg.cluster.device
+    if device in DEVICES:
+        return
+    if device.split(":")[0] not in MEASURED_DEVICES:
+        raise ConfigError(
+            f"cluster.device={device!r} has no profile: use cpu (measured on this machine) or a GPU type with an "
+            f"analytic profile: {', '.join(DEVICES)}"
+        )
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.device={device} needs CUDA, which this machine lacks: use cpu or a GPU type")
+        return
+    flops = sum(s.fwd_flops_per_token for s in layer_specs(cfg.model)) * cfg.train.micro_batch * cfg.model.seq_len
+    if flops > MEASURE_FLOPS_LIMIT:
+        raise ConfigError(
+            f"measuring {cfg.model.name} on this CPU would take too long ({flops:.1e} FLOPs per forward micro-batch, "
+            f"the limit is {MEASURE_FLOPS_LIMIT:.0e}): plan it with a GPU profile (cluster.device=A100-80GB, or "
+            f"a GPU cluster preset such as cluster=a100-16x8), or use a smaller model or train.micro_batch"
+        )
+
+
 def components(cfg: JobConfig) -> tuple[Policy, Protection]:
     built = []
     for group in ("policy", "protection"):
@@ -221,28 +260,38 @@ class Preflight:
     protection: Protection
     decision: Decision
     faults: list[FaultEvent]
-    backend: str
-    tokens: Path
     make_job: Callable[[Membership], Job]
+    backend: str = ""
+    """gloo or nccl (real processes only)."""
+    tokens: Path | None = None
+    """The tokenised corpus (real processes only)."""
 
 
-def preflight(cfg: JobConfig) -> Preflight:
-    """Everything checkable before a worker starts. Raises ConfigError (or the fault schedule's error) with what
-    to change."""
+def check_job(cfg: JobConfig) -> Preflight:
+    """What every job is checked for, real or simulated: settings, the policy and protection with their first
+    plan, its memory, the fault schedule. Raises ConfigError (or the fault schedule's error) with what to change."""
     check_settings(cfg)
     make_job = job_factory(cfg, resume_point(cfg))
     policy, protection, decision = first_decision(cfg, make_job)
     faults = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
+    return Preflight(policy, protection, decision, faults, make_job)
+
+
+def preflight(cfg: JobConfig) -> Preflight:
+    """Everything checkable before a worker starts; a real job also needs its corpus and a torch backend."""
+    checked = check_job(cfg)
     tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
     if len(load_tokens(tokens)) <= cfg.model.seq_len:
         raise ConfigError(
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    return Preflight(policy, protection, decision, faults, resolve_backend(cfg.cluster.backend), tokens, make_job)
+    checked.tokens = tokens
+    checked.backend = resolve_backend(cfg.cluster.backend)
+    return checked
 
 
-# -- the job -------------------------------------------------------------------------------------------------------
+# -- the job ------------------------------------------------------------------------------------------------------
 def run_tags(cfg: JobConfig) -> dict[str, str]:
     return {
         "policy": cfg.policy.name,
@@ -254,13 +303,22 @@ def run_tags(cfg: JobConfig) -> dict[str, str]:
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
+    return tracked(dict_cfg, _run, backend="local")
+
+
+def tracked(dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult], backend: str) -> JobResult:
+    """Run ``body`` inside one MLflow run tagged ``backend``: FINISHED with its result, FAILED with the reason
+    otherwise. A job the policy stopped is FAILED too, after its summary is logged."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
-    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg))
+    tags = {**run_tags(cfg), "backend": backend}
+    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
-        result = _run(cfg, tracker, preflight(cfg))
+        result = body(cfg, tracker)
         result.run_id = run_id
+        if result.stopped is not None:
+            raise JobStopped(result.stopped)
         tracker.finish()
         return result
     except BaseException as exc:
@@ -269,11 +327,63 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
 
 
 @dataclass
+class Observers:
+    """The job's event stream and what follows it: the collector of the result, MLflow, the ledger, progress."""
+
+    bus: ev.EventBus
+    collector: _Collector
+    ledger: FaultLedger
+    progress: Any
+    recorder: RunRecorder | None
+
+
+def observe(cfg: JobConfig, tracker: Tracker | None, clock_origin: float, repeats: bool = True) -> Observers:
+    """Subscribe the job's observers; ``repeats=False`` logs a run of equal per-step metrics by its first and last
+    step only (a simulated plan's steps are identical)."""
+    from ftlab.runtime.progress import ProgressLine
+
+    bus = ev.EventBus()
+    collector = _Collector()
+    bus.subscribe(collector)
+    recorder = None
+    if tracker is not None:
+        recorder = RunRecorder(tracker, cfg.model.seq_len, clock_origin=clock_origin, repeats=repeats)
+        bus.subscribe(recorder)
+    ledger = FaultLedger(bus)
+    progress = ProgressLine(cfg.train.steps, enabled=cfg.progress, plain_every=10 if repeats else max(10, cfg.train.steps // 20))
+    bus.subscribe(progress)
+    return Observers(bus, collector, ledger, progress, recorder)
+
+
+def conclude(
+    cfg: JobConfig, tracker: Tracker | None, seen: Observers, stopped: JobStopped | None,
+    worker_pids: dict[int, list[int]] | None = None,
+) -> JobResult:  # fmt: skip
+    """The job's result, its summary metrics and timeline.png."""
+    seen.progress.close()
+    if seen.recorder is not None:
+        seen.recorder.close()
+    steps, plans = seen.collector.steps, seen.collector.plans
+    summary: dict[str, float] = {}
+    if steps and plans and seen.collector.started is not None:
+        summary = summarise(steps, seen.ledger, plans[0], seen.collector.started)
+        if tracker is not None:
+            tracker.log_metrics(summary, cfg.train.steps)
+            title = f"{cfg.policy.name} | {cfg.faults.schedule}"
+            _log_timeline(tracker, steps, seen.ledger, seen.collector.started, plans[0], title)
+    return JobResult(
+        "", steps, plans, summary, list(seen.ledger.records), worker_pids or {}, cfg.train.checkpoint_dir,
+        seen.collector.events, None if stopped is None else str(stopped),
+    )  # fmt: skip
+
+
+@dataclass
 class _Collector:
     """What the job's result and summary need from the event stream."""
 
     steps: list[ev.StepCommitted] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
+    events: list[ev.Event] = field(default_factory=list)
     started: float | None = None
 
     def __call__(self, event: ev.Event) -> None:
@@ -284,24 +394,20 @@ class _Collector:
                 self.steps.append(event)
             case ev.PlanConfigured():
                 self.plans.append(event.plan)
+        if event.logged:
+            self.events.append(event)
 
 
-def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
+def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
+    checked = preflight(cfg)
     # Process code loads only now: the checks above ran without torch.
     from ftlab.runtime.cluster import LocalCluster
     from ftlab.runtime.coordinator import Coordinator
     from ftlab.runtime.local_backend import LocalBackend
     from ftlab.runtime.optim import OptimSettings
-    from ftlab.runtime.progress import ProgressLine
 
     t, c = cfg.train, cfg.cluster
-    bus = ev.EventBus()
-    collector = _Collector()
-    bus.subscribe(collector)
-    bus.subscribe(RunRecorder(tracker, cfg.model.seq_len, clock_origin=time.monotonic()))
-    ledger = FaultLedger(bus)
-    progress = ProgressLine(t.steps, enabled=cfg.progress)
-    bus.subscribe(progress)
+    seen = observe(cfg, tracker, clock_origin=time.monotonic())
     setup = {
         "model": cfg.model,
         "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
@@ -312,27 +418,23 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
     }
     cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
     injector: Injector | None = None
+    stopped: JobStopped | None = None
     try:
         cluster.start(c.start_timeout_s)
-        backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
-        injector = Injector(checked.faults, backend, bus)
+        backend = LocalBackend(cluster, seen.bus, setup, c.heartbeat_timeout_s)
+        injector = Injector(checked.faults, backend, seen.bus)
         coordinator = Coordinator(
-            backend, checked.policy, checked.protection, checked.make_job, bus, t.steps, t.checkpoint_dir
+            backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir
         )
         coordinator.run(checked.decision)
+    except JobStopped as exc:
+        stopped = exc
     finally:
         if injector is not None:
             injector.stop()
-        progress.close()
+        seen.progress.close()
         cluster.shutdown()
-    assert collector.started is not None
-    first = collector.plans[0]
-    summary = summarise(collector.steps, ledger, first, collector.started)
-    tracker.log_metrics(summary, t.steps)
-    _log_timeline(tracker, collector.steps, ledger, collector.started, first, f"{cfg.policy.name} | {cfg.faults.schedule}")
-    return JobResult(
-        "", collector.steps, collector.plans, summary, list(ledger.records), dict(cluster.worker_pids), t.checkpoint_dir
-    )
+    return conclude(cfg, tracker, seen, stopped, dict(cluster.worker_pids))
 
 
 def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:
@@ -356,10 +458,10 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first: Plan, s
 def _log_timeline(
     tracker: Tracker, steps: list[ev.StepCommitted], ledger: FaultLedger, started: float, plan: Plan, title: str
 ) -> None:
-    from ftlab.runtime.timeline import plot_timeline
+    from ftlab.runtime.timeline import merge_steps, plot_timeline
 
     path = plot_timeline(
-        [(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps],
+        merge_steps([(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps]),
         [r.fired_at - started for r in ledger.records if r.fired_at is not None],
         [r.recovered_at - started for r in ledger.records if r.recovered_at is not None],
         tracker.local / "timeline.png",

@@ -6,6 +6,7 @@ impossible setting is answered in seconds. The training machinery loads only for
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 register()
 
-MODES = ("train", "plan")
+MODES = ("train", "plan", "simulate")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -34,9 +35,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def report(result: JobResult, tracking_uri: str) -> None:
     s = result.summary
+    loss = s["summary/final_loss"]
     lines = [
-        f"\nftlab: {int(s['summary/steps'])} steps, final loss {s['summary/final_loss']:.4f}, "
-        f"{s['summary/samples_per_s']:.1f} samples/s overall",
+        f"\nftlab: {int(s['summary/steps'])} steps, "
+        + ("" if math.isnan(loss) else f"final loss {loss:.4f}, ")
+        + f"{s['summary/samples_per_s']:.1f} samples/s overall",
         f"failures {int(s['summary/failures'])}, recovery {s['summary/recovery_s_total']:.2f} s in all, "
         f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate",
     ]
@@ -54,7 +57,10 @@ def report(result: JobResult, tracking_uri: str) -> None:
 def main(cfg: DictConfig) -> None:
     try:
         if cfg.mode not in MODES:
-            raise ConfigError(f"mode={cfg.mode}: use mode=train (run the job) or mode=plan (show its plan)")
+            raise ConfigError(
+                f"mode={cfg.mode}: use mode=train (run the job), mode=plan (show its plan) or mode=simulate (run it "
+                f"on a simulated cluster)"
+            )
         if cfg.mode == "plan":
             from ftlab.experiments.plan_report import plan_job
 
@@ -62,9 +68,14 @@ def main(cfg: DictConfig) -> None:
             print(planned.text, end="")
             print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
             return
-        from ftlab.experiments.job import run_job
+        if cfg.mode == "simulate":
+            from ftlab.experiments.simulate import simulate_job
 
-        result = run_job(cfg)
+            result = simulate_job(cfg)
+        else:
+            from ftlab.experiments.job import run_job
+
+            result = run_job(cfg)
     except user_errors() as exc:
         print(f"ftlab: {exc}", file=sys.stderr)
         sys.exit(1)

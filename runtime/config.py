@@ -59,3 +59,42 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "ftlab"
     run_name: str | None = None
+
+
+@dataclass
+class SimConfig:
+    """The simulator's settings (``mode=simulate``, ``runtime.sim_backend``) and the costs it cannot read off a
+    model profile: constants of the machinery around training, measured on this machine by
+    ``experiments/measure_sim_constants.py`` and stored in ``conf/sim/measured.yaml``."""
+
+    horizon_s: float | None = None
+    """Simulated seconds of training after which the job ends (with train.steps as a cap); None: train.steps."""
+    check_programs: bool = True
+    """Hold every distinct component of every plan's programs to the program checker."""
+    detect_s: float = 0.0
+    """A kill to the coordinator noticing it (a closed connection)."""
+    failure_window_s: float = 0.0
+    """After the first sign of a failure, how long the coordinator waits for the rest of it."""
+    control_s: float = 0.0
+    """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep)."""
+    abort_s: float = 0.0
+    """Aborting the iteration in flight on every survivor."""
+    configure_s: float = 0.0
+    """Configuring a plan on its workers (programs, a fresh process group per generation), before layers move."""
+    process_start_s: float = 0.0
+    """Starting one worker process until it registers (torch and the runtime imported), on an idle host."""
+    node_start_s: float = 0.0
+    """A joining node's agent starting, before its workers start."""
+    build_bytes_per_s: float = 1.0
+    """Building a layer's weights and optimizer state (a fresh worker's model load), bytes of state per second."""
+    codec_bytes_per_s: float = 1.0
+    """Serialising and deserialising a layer's state for a copy or a checkpoint, bytes per second."""
+    storage_write_bytes_per_s: float = 1.0
+    """Checkpoint writes, all writers together."""
+    storage_read_bytes_per_s: float = 1.0
+    """Checkpoint reads, all readers together."""
+    host_cores: int = 0
+    """Cores of the host that every worker of a measured (cpu) profile shares, as the local runtime runs them all
+    on this machine: compute slows down when more workers compute at once than there are cores, and worker
+    processes that start together take longer. A GPU type gives each worker its own device and each node its own
+    host, and ignores it."""

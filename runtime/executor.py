@@ -104,7 +104,7 @@ class Executor:
         for instruction in program:
             if self.comm.aborted.is_set():
                 raise Aborted()
-            new_phase = _phase_of(instruction)
+            new_phase = ins.phase_of(instruction)
             if new_phase and new_phase != phase:
                 phase = new_phase
                 self.on_phase(step, phase)
@@ -178,13 +178,3 @@ class Executor:
             if p.grad is None:  # a parameter no micro-batch used: every replica must still step it alike
                 p.grad = torch.zeros_like(p)
         self.comm.all_reduce_gradients()
-
-
-def _phase_of(instruction: ins.Instruction) -> str:
-    if isinstance(instruction, (ins.ForwardPass, ins.LoadMicroBatch, ins.RecvActivation, ins.SendActivation)):
-        return "forward"
-    if isinstance(instruction, (ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight, ins.RecvGrad, ins.SendGrad)):
-        return "backward"
-    if isinstance(instruction, ins.ReduceGrads):
-        return "reduce"
-    return ""  # the optimizer phase begins at the coordinator's Commit (runtime.worker)

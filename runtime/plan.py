@@ -87,9 +87,13 @@ class Plan:
         Every worker walks this list in the same order, so gradient all-reduces over overlapping groups cannot
         deadlock; groups with a single holder need no communication and are left out.
         """
+        holders: list[list[int]] = [[] for _ in range(self.num_layers)]
+        for worker, (start, stop) in sorted(self.layer_ranges().items()):
+            for layer in range(start, stop):
+                holders[layer].append(worker)
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in range(self.num_layers):
-            groups.setdefault(self.holders(layer), []).append(layer)
+            groups.setdefault(tuple(holders[layer]), []).append(layer)
         return [(h, tuple(ls)) for h, ls in groups.items() if len(h) > 1]
 
     def validate(self) -> None:

@@ -11,6 +11,7 @@ A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -123,32 +124,56 @@ class Tracker:
 
 
 class RunRecorder:
-    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``."""
+    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``.
 
-    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float) -> None:
+    A step without a loss (a simulated one) logs no ``train/loss``. With ``repeats=False`` a run of steps whose
+    metrics are all equal is logged as its first and last step, which draws the same chart: the simulator's steps
+    of one plan are identical, and a day of them would otherwise be tens of thousands of equal points.
+    """
+
+    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float, repeats: bool = True) -> None:
         self.tracker = tracker
         self.seq_len = seq_len
         self.origin = clock_origin
         """The backend-clock time written as t = 0 in events.jsonl."""
+        self.repeats = repeats
+        self._last: dict[str, float] | None = None
+        self._held: tuple[dict[str, float], int] | None = None
+        """The newest step, not logged because it equals the last logged one."""
+
+    def _log_step(self, metrics: dict[str, float], step: int) -> None:
+        if not self.repeats and metrics == self._last:
+            self._held = (metrics, step)
+            return
+        self.close()
+        self.tracker.log_metrics(metrics, step)
+        self._last = metrics
+
+    def close(self) -> None:
+        """Log the step a run of equal ones ended with."""
+        if self._held is not None:
+            self.tracker.log_metrics(*self._held)
+            self._held = None
 
     def __call__(self, event: ev.Event) -> None:
         match event:
             case ev.StepCommitted():
                 samples = event.samples / event.iter_s
-                self.tracker.log_metrics(
-                    {
-                        "train/loss": event.loss,
-                        "perf/iter_s": event.iter_s,
-                        "perf/samples_per_s": samples,
-                        "perf/tokens_per_s": samples * self.seq_len,
-                        "cluster/alive_nodes": event.alive_nodes,
-                        "cluster/pipelines": event.pipelines,
-                    },
-                    event.step,
-                )
+                metrics = {
+                    "train/loss": event.loss,
+                    "perf/iter_s": event.iter_s,
+                    "perf/samples_per_s": samples,
+                    "perf/tokens_per_s": samples * self.seq_len,
+                    "cluster/alive_nodes": event.alive_nodes,
+                    "cluster/pipelines": event.pipelines,
+                }
+                if math.isnan(event.loss):
+                    del metrics["train/loss"]
+                self._log_step(metrics, event.step)
             case ev.PlanConfigured():
                 self.tracker.log_text(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():
+                self.close()
                 metrics = {
                     "ft/detect_s": event.detect_s,
                     "ft/recover_s": event.recover_s,
