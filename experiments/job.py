@@ -439,10 +439,12 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
 
 def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:
     """Run figures. Goodput compares useful samples per second (each committed step once, over the whole training
-    time) with the fault-free rate of the same job, taken as the median iteration of the first plan."""
+    time) with the fault-free rate of the same job, taken as the median iteration of the first plan (of the first
+    plan that committed a step, if a failure struck before the first plan's first)."""
     wall = steps[-1].at - started
     useful = len({s.step for s in steps}) * first.global_batch
-    fault_free_iter = statistics.median(s.iter_s for s in steps if s.generation == first.generation)
+    generation = min((s.generation for s in steps), key=lambda g: (g != first.generation, g))
+    fault_free_iter = statistics.median(s.iter_s for s in steps if s.generation == generation)
     recovered = [r.recover_s for r in ledger.records if r.recover_s is not None]
     return {
         "summary/samples_per_s": useful / wall,

@@ -1,0 +1,220 @@
+"""The simulator: the real coordinator, policies and programs on a simulated cluster.
+
+- The same config gives the same simulated run, event for event; another fault seed another one.
+- For a failure sequence, the simulated recovery decisions (plans, transfers, restarts) equal the ones the real
+  runtime took for it.
+- A plan's simulated iteration equals the program checker's timeline of all its programs (the component split is
+  exact); programs the checker rejects are rejected by the simulator.
+- Faults fire in simulated time: trace replay at the trace's times, a hang found after the heartbeat timeout, a
+  phase fault inside its step.
+- A simulated job is an MLflow run like a real one (tag backend=sim), and bad input is refused with a message.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from ftlab.experiments import job as job_module
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import JobResult, components, compose_config, everyone, job_factory
+from ftlab.experiments.simulate import simulate, simulate_job
+from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig, build_schedule
+from ftlab.policies.none.policy import NoRecovery
+from ftlab.runtime import events as ev
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
+from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.profiler import analytic_profile
+from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.sim_timing import IterationTimer
+
+STEPS = 10
+
+
+def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
+    """Real and simulated jobs plan from the same fixed profile (a measured one differs run to run here)."""
+    return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
+
+
+@pytest.fixture
+def fixed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(job_module, "job_profile", analytic)
+
+
+def sim_cfg(job_overrides: list[str], *overrides: str) -> JobConfig:
+    return OmegaConf.to_object(compose_config([*job_overrides, "mode=simulate", *overrides]))
+
+
+OOBLECK = ["policy=oobleck", "cluster.nodes=6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}"]
+RESTART = ["policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
+
+
+def kills(*events: str) -> list[str]:
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def logged(result: JobResult) -> list[tuple]:
+    return [(type(e).__name__, e.at, tuple(sorted(e.fields().items(), key=str))) for e in result.events]
+
+
+# -- determinism -----------------------------------------------------------------------------------------------
+def test_the_same_config_simulates_the_same_run_and_another_seed_another(job_overrides: list[str]) -> None:
+    faults = ["faults=exponential", "faults.mtbf_s=2", "faults.max_failures=3", "faults.seed=1"]
+    base = [*OOBLECK, "train.steps=60", "cluster.nodes=8", "policy.fault_threshold=2", *faults]
+    first = simulate(sim_cfg(job_overrides, *base)).result
+    again = simulate(sim_cfg(job_overrides, *base)).result
+    other = simulate(sim_cfg(job_overrides, *base[:-1], "faults.seed=2")).result
+    assert [(s.step, s.at, s.iter_s) for s in first.steps] == [(s.step, s.at, s.iter_s) for s in again.steps]
+    assert logged(first) == logged(again) and first.plans == again.plans
+    assert len([e for e in first.events if isinstance(e, ev.FaultInjected)]) == 3
+    assert logged(first) != logged(other)
+
+
+# -- the same decisions as the real runtime --------------------------------------------------------------------
+SCENARIOS = {
+    "oobleck": [*OOBLECK, *kills("{kind: node, node: 2, at_step: 3, phase: backward}", "{kind: node, node: 4, at_step: 6}")],
+    "checkpoint_restart": [*RESTART, *kills("{kind: node, node: 1, at_step: 5, phase: reduce}")],
+}
+
+
+def decisions(result: JobResult) -> list[tuple]:
+    return [
+        (e.outcome, e.committed_step, e.resume_step, e.generation, e.transfers, e.restore)
+        for e in result.events if isinstance(e, ev.Decided)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_simulated_recovery_decisions_equal_the_real_runtimes(
+    scenario: str, run, job_overrides: list[str], fixed_profile: None  # noqa: ANN001
+) -> None:
+    real = run(*SCENARIOS[scenario])
+    simulated = simulate(sim_cfg(job_overrides, *SCENARIOS[scenario])).result
+    assert len(real.plans) > 1 and simulated.plans == real.plans
+    assert decisions(simulated) == decisions(real)
+    assert [s.step for s in simulated.steps] == [s.step for s in real.steps]
+    assert [(f.kind, f.lost_steps) for f in simulated.faults] == [(f.kind, f.lost_steps) for f in real.faults]
+
+
+# -- programs ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["oobleck-7", "heterogeneous-3+2"])
+def test_the_component_split_times_a_plan_as_the_whole_timeline_does(job_overrides: list[str], layout: str) -> None:
+    shape = {
+        "oobleck-7": ["policy=oobleck", "cluster.nodes=7", "cluster.device_memory_gb=0.04"],
+        "heterogeneous-3+2": ["cluster.nodes=5", "policy._target_=tests.support.HeterogeneousLayout"],
+    }[layout]
+    cfg = OmegaConf.to_object(compose_config([*job_overrides, *shape, "cluster.device=A100-40GB"]))
+    job = job_factory(cfg, None)(everyone(cfg))
+    policy, protection = components(cfg)
+    made = policy.plan(job, protection)
+    assert len({(len(p.stages), len(p.microbatches)) for p in made.plan.pipelines}) > 1, "want unequal pipelines"
+    timer = IterationTimer(job.costs)
+    timing = timer.time(made.plan, made.programs)
+    whole = timeline(made.programs, job.costs.durations(made.plan), made.plan)
+    ready = max(e.end for e in whole if isinstance(e.instruction, ins.ReduceGrads))
+    assert timing.ready_s == pytest.approx(ready, rel=1e-12)
+
+
+class DropsAMicroBatch(NoRecovery):
+    """A policy whose programs leave out the last micro-batch's backward on the last stage."""
+
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        made = super().plan(job, protection)
+        programs = {w: list(p) for w, p in made.programs.items()}
+        last = made.plan.pipelines[0].stages[-1].worker
+        programs[last] = [i for i in programs[last] if not (isinstance(i, ins.BackwardPass) and i.microbatch == 0)]
+        return Decision(made.plan, programs, reason="broken")
+
+
+def test_programs_the_checker_rejects_are_rejected(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, f"policy._target_={__name__}.DropsAMicroBatch")
+    with pytest.raises(ProgramError):
+        simulate(cfg)
+
+
+# -- faults in simulated time ------------------------------------------------------------------------------------
+def injected(result: JobResult) -> list[ev.FaultInjected]:
+    return [e for e in result.events if isinstance(e, ev.FaultInjected)]
+
+
+def test_a_trace_replays_at_its_own_times(job_overrides: list[str]) -> None:
+    faults = ["faults=trace", "faults.trace=p3", "faults.time_compression=120", "faults.max_failures=4"]
+    cfg = sim_cfg(job_overrides, *RESTART, "cluster.nodes=8", "train.steps=100000", "sim.horizon_s=400", *faults)
+    simulated = simulate(cfg)
+    result = simulated.result
+    schedule = build_schedule(cfg.faults, ClusterShape(8, 1))
+    started = next(e.at for e in result.events if isinstance(e, ev.PlanConfigured))
+    fired = [(e.fault_kind, e.fault["node"], e.at) for e in injected(result)]
+    expected = [(f.kind, f.node, pytest.approx(started + f.at_time_s)) for f in schedule if f.at_time_s < 400]
+    assert fired == expected[: len(fired)] and len(fired) >= 4
+    assert simulated.horizon_reached and result.steps[-1].at <= 400 + started
+
+
+def test_a_hang_is_found_after_the_heartbeat_timeout(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, *RESTART, "cluster.heartbeat_timeout_s=7", *kills("{kind: hang, node: 2, worker: 0, at_step: 4}"))
+    result = simulate(cfg).result
+    (fault,) = result.faults
+    assert fault.detect_s == pytest.approx(7.0)
+    assert any(isinstance(e, ev.HangDetected) and e.worker == 2 for e in result.events)
+    assert sorted({s.step for s in result.steps}) == list(range(STEPS))
+
+
+def test_a_phase_fault_strikes_inside_its_step(job_overrides: list[str]) -> None:
+    at = {}
+    for phase in ("forward", "backward", "reduce"):
+        cfg = sim_cfg(job_overrides, *OOBLECK, *kills(f"{{kind: node, node: 2, at_step: 4, phase: {phase}}}"))
+        result = simulate(cfg).result
+        begins = [s for s in result.steps if s.step == 3][0].at  # step 4 begins as step 3 commits
+        (fault,) = injected(result)
+        assert begins <= fault.at < begins + result.steps[0].iter_s, phase
+        at[phase] = fault.at
+    assert at["forward"] < at["backward"] < at["reduce"]
+
+
+# -- the record ------------------------------------------------------------------------------------------------
+def test_a_simulated_job_is_an_mlflow_run_like_a_real_one(job_overrides: list[str], tmp_path: Path) -> None:
+    result = simulate_job(compose_config([*job_overrides, "mode=simulate", *OOBLECK, *kills("{kind: node, node: 2, at_step: 4}")]))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    record = client.get_run(result.run_id)
+    assert record.info.status == "FINISHED" and record.data.tags["backend"] == "sim"
+    for name in ("perf/iter_s", "perf/samples_per_s", "cluster/alive_nodes", "ft/recover_s", "summary/goodput_ratio"):
+        assert name in record.data.metrics, name
+    assert "train/loss" not in record.data.metrics and not math.isnan(result.summary["summary/samples_per_s"])
+    steps = [m.step for m in client.get_metric_history(result.run_id, "perf/iter_s")]
+    assert steps[0] == 0 and steps[-1] == STEPS - 1 and len(steps) < STEPS  # equal steps logged as first and last
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "events.jsonl", "plans", "timeline.png"} <= artifacts
+    assert len(client.list_artifacts(result.run_id, "plans")) == len(result.plans) == 2
+
+
+BAD_INPUTS = [
+    (["cluster.device=B200"], ConfigError, "cluster.device='B200' has no profile"),
+    (["cluster.nodes=40", "train.global_batch=80", "faults=trace", "faults.trace=p3"], FaultConfigError,
+     "faults.trace_copies=2"),
+    (["sim.horizon_s=-1"], ConfigError, "sim.horizon_s=-1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "advice"), BAD_INPUTS, ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
+def test_bad_input_is_refused_with_a_message(
+    job_overrides: list[str], tmp_path: Path, overrides: list[str], error: type, advice: str
+) -> None:
+    with pytest.raises(error, match=advice.replace("(", r"\(")):
+        simulate_job(compose_config([*job_overrides, "mode=simulate", *overrides]))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (record,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert record.info.status == "FAILED" and record.data.tags["backend"] == "sim"
+
+
+def test_a_larger_cluster_replays_copies_of_a_trace() -> None:
+    one = build_schedule(FaultsConfig(schedule="trace", trace="p3"), ClusterShape(32, 8))
+    four = build_schedule(FaultsConfig(schedule="trace", trace="p3", trace_copies=4), ClusterShape(125, 8))
+    removes = sum(e.kind == "node" for e in one)
+    assert 3 * removes < sum(e.kind == "node" for e in four) <= 4 * removes
+    instants = {e.at_time_s for e in one if e.kind == "node"}
+    assert len({e.at_time_s for e in four if e.kind == "node"}) >= 3 * len(instants), "the copies interleave"
