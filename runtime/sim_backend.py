@@ -183,7 +183,7 @@ class SimBackend(Backend, FaultTarget):
         """Move the clock to ``until`` unless a failure is noticed first (then: that failure, the clock at its
         notice plus the failure window). A dead or hung worker of ``needs`` holds the wait until it is noticed."""
         while True:
-            blocked = any(w in self._hung or w in self._dead_unnoticed for w in needs)
+            blocked = any(w in needs for w in self._hung) or any(w in needs for w in self._dead_unnoticed)
             end = _NEVER if blocked else until
             notice = min([*self._dead_unnoticed.values(), *self._hung.values()], default=_NEVER)
             timer = self._next_timer()
@@ -259,9 +259,12 @@ class SimBackend(Backend, FaultTarget):
         arrival, received = self._transfer_times(transfers)
         ranges = plan.layer_ranges()
         restored: dict[int, tuple[int, ...]] = {}
-        per_worker = {}
+        slowest = 0.0
         for worker, (start, stop) in ranges.items():
-            new = set(range(start, stop)) - self._held.get(worker, set())
+            held = self._held.get(worker, set())
+            if all(layer in held for layer in range(start, stop)):
+                continue  # holds its stage already: nothing to build, receive or restore
+            new = set(range(start, stop)) - held
             missing = new - set(received.get(worker, ()))
             if missing and restore is None and plan.step != 0:
                 raise WorkerCrashed(
@@ -271,9 +274,10 @@ class SimBackend(Backend, FaultTarget):
             if missing and restore is not None:
                 restored[worker] = tuple(sorted(missing))
             decoded = self.state_bytes(received.get(worker, ())) / self.sim.codec_bytes_per_s
-            per_worker[worker] = arrival.get(worker, 0.0) + decoded + self.state_bytes(new) / self.sim.build_bytes_per_s
+            built = self.state_bytes(new) / self.sim.build_bytes_per_s
+            slowest = max(slowest, arrival.get(worker, 0.0) + decoded + built)
         reading = self._restore_s(restore, restored) if restored else 0.0
-        seconds = self.sim.configure_s + max(per_worker.values(), default=0.0) + reading
+        seconds = self.sim.configure_s + slowest + reading
         self._arm_transfers(plan, transfers, started + self.sim.configure_s)
         failure = self._wait(started + seconds, needs=set(plan.workers))
         if failure:
@@ -318,7 +322,7 @@ class SimBackend(Backend, FaultTarget):
         until = self.now + self.sim.abort_s
         while (more := self._wait(until, needs=set())) is not None:
             failure.merge(more)  # a failure during the abort: fold it in
-        return {w: tuple(sorted(self._held[w])) for w in plan.workers if w in self._alive}
+        return {w: tuple(sorted(self._held[w])) for w in self._needs.get(plan.generation, plan.workers) if w in self._alive}
 
     def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
         cost = _ACTIONS.get(type(action))

@@ -19,6 +19,10 @@ in two phases, which together give exactly what the abstract machine gives for t
 Each distinct component is also held to the program checker's training semantics (``check_programs`` on the
 component as a plan of its own), and the components' micro-batches must partition the global batch: together this
 is the checker's verdict on the whole plan.
+
+The default scheduler's programs (``scheduler.OneFOneB``) are a pure function of a pipeline's shape (its stages'
+layers, its micro-batch count), up to renumbering, so a pipeline of a shape already executed is not even read:
+the simulator builds and runs one pipeline of each shape. Other programs are read in full.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ftlab.runtime import instructions as ins
 from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
+from ftlab.runtime.scheduler import OneFOneB
 
 PHASES = ("forward", "backward", "reduce")
 _COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
@@ -86,6 +91,7 @@ class IterationTimer:
         self.check = check
         self.cores = cores
         self._components: dict[tuple[_Key, float], ComponentTiming] = {}
+        self._shapes: dict[tuple[tuple, float], ComponentTiming] = {}
 
     @property
     def components(self) -> int:
@@ -118,30 +124,53 @@ class IterationTimer:
         arrival: dict[int, float] = {}
         compute = total = 0.0
         phases: dict[int, tuple[ComponentTiming, int]] = {}
-        for members in _components(programs):
-            order = sorted(members, key=lambda w: (*ranges.get(w, (-1, -1)), w))
-            key, microbatches = _canonical(order, programs, ranges)
-            timing = self._components.get((key, scale))
+        for order, shape in self._split(plan, programs):
+            timing = self._shapes.get((shape, scale)) if shape is not None else None
             if timing is None:
-                pipelines = [p for w in order for p in pipelines_from.get(w, ())]
-                timing = self._run(key, order, pipelines, microbatches, plan, scale)
-                self._components[(key, scale)] = timing
+                key, microbatches = _canonical(order, programs, ranges)
+                timing = self._components.get((key, scale))
+                if timing is None:
+                    pipelines = [p for w in order for p in pipelines_from.get(w, ())]
+                    timing = self._run(key, order, pipelines, microbatches, plan, scale)
+                    self._components[(key, scale)] = timing
+                if shape is not None:
+                    self._shapes[(shape, scale)] = timing
+                for mb in microbatches:
+                    if mb in covered:
+                        raise ProgramError(
+                            f"micro-batch {mb} runs on workers {covered[mb]} and {order[0]}, which exchange nothing: "
+                            "every micro-batch must run once, in one pipeline"
+                        )
+                    covered[mb] = order[0]
             for index, worker in enumerate(order):
                 arrival[worker] = timing.reduce_at[index]
                 phases[worker] = (timing, index)
                 compute = max(compute, timing.compute_s[index])
                 total += timing.compute_s[index]
-            for mb in microbatches:
-                if mb in covered:
-                    raise ProgramError(
-                        f"micro-batch {mb} runs on workers {covered[mb]} and {order[0]}, which exchange nothing: "
-                        "every micro-batch must run once, in one pipeline"
-                    )
-                covered[mb] = order[0]
-        if self.check and sorted(covered) != list(range(plan.num_microbatches)):
-            absent = sorted(set(range(plan.num_microbatches)) - set(covered))
-            raise ProgramError(f"micro-batches {absent} never run")
+        if self.check:
+            # A pipeline of a known shape runs its own micro-batches (which were not read): those of the plan.
+            ran = sorted(covered) if not isinstance(programs, OneFOneB) else sorted(
+                mb for p in plan.pipelines for mb in p.microbatches
+            )
+            if ran != list(range(plan.num_microbatches)):
+                raise ProgramError(
+                    f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
+                )
         return self._reduce(plan, ranges, arrival, compute, total, phases, scale)
+
+    def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[list[int], tuple | None]]:
+        """The plan's components, each with its workers in canonical order and, for the default scheduler's
+        programs, its shape: the stages' layers and the micro-batch count, which determine the programs up to
+        renumbering (``scheduler.stage_program``), so a pipeline of a known shape is not read at all."""
+        if isinstance(programs, OneFOneB) and programs.disjoint and programs.plan == plan:
+            return [
+                ([s.worker for s in p.stages], (tuple((s.start, s.stop) for s in p.stages), len(p.microbatches)))
+                for p in plan.pipelines
+            ]
+        ranges = plan.layer_ranges()
+        return [
+            (sorted(members, key=lambda w: (*ranges.get(w, (-1, -1)), w)), None) for members in _components(programs)
+        ]
 
     def _run(
         self, key: _Key, order: list[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan,
@@ -179,16 +208,18 @@ class IterationTimer:
         total: float, phases: dict[int, tuple[ComponentTiming, int]], scale: float,
     ) -> IterationTiming:  # fmt: skip
         """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
+        last_of_range: dict[tuple[int, int], float] = {}
+        for worker, held in ranges.items():
+            last_of_range[held] = max(last_of_range.get(held, 0.0), arrival[worker])
         latest = [0.0] * plan.num_layers
-        for worker, (start, stop) in ranges.items():
+        for (start, stop), at in last_of_range.items():
             for layer in range(start, stop):
-                latest[layer] = max(latest[layer], arrival[worker])
+                latest[layer] = max(latest[layer], at)
+        begins = {held: max(latest[held[0] : held[1]]) for held in last_of_range}
         durations = self.costs.durations(plan)
-        reduce_end = {}
-        for worker, (start, stop) in ranges.items():
-            begins = max(latest[start:stop])
-            reduce_end[worker] = begins + durations(worker, ins.ReduceGrads())
-        optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in ranges.values())
+        reduce = ins.ReduceGrads()
+        reduce_end = {worker: begins[held] + durations(worker, reduce) for worker, held in ranges.items()}
+        optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, phases)
 
 
