@@ -15,7 +15,6 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any, TypeVar
 
 from ftlab.runtime import checkpoint
@@ -62,7 +61,7 @@ class LocalBackend(Backend, FaultTarget):
     ) -> int | Failure:
         for worker in plan.workers:
             configure = msg.Configure(
-                asdict(plan), programs[worker], self.cluster.store.port, self.setup, restore, tuple(transfers.get(worker, ()))
+                plan.to_dict(), programs[worker], self.cluster.store.port, self.setup, restore, tuple(transfers.get(worker, ()))
             )
             self.cluster.send(worker, configure)
         done = self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 
 
@@ -151,8 +151,30 @@ class Plan:
                 )
         return ranges
 
+    def to_dict(self) -> dict:
+        """The plan as plain data (what ``dataclasses.asdict`` gives, built directly: plans run to thousands of
+        stages)."""
+        return {
+            "generation": self.generation,
+            "num_layers": self.num_layers,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "pipelines": [
+                {
+                    "stages": [{"worker": s.worker, "start": s.start, "stop": s.stop} for s in p.stages],
+                    "microbatches": list(p.microbatches),
+                }
+                for p in self.pipelines
+            ],
+            "step": self.step,
+            "notes": dict(self.notes),
+        }
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """One pipeline a line."""
+        data = self.to_dict()
+        pipelines = ",\n".join(json.dumps(p, separators=(",", ":")) for p in data.pop("pipelines"))
+        return json.dumps(data)[:-1] + f', "pipelines": [\n{pipelines}\n]}}\n'
 
     @staticmethod
     def from_dict(data: dict) -> Plan:

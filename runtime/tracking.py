@@ -2,8 +2,8 @@
 
 A run is opened before any worker starts and closed on every path out of the job: FINISHED when training
 completes, FAILED with the reason (as a tag and a ``failure.txt`` artifact) otherwise. ``RunRecorder`` turns the
-job's event stream into the run's record: per-step and per-fault metrics, the plans, and ``events.jsonl`` (written
-locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
+job's event stream into the run's record: per-step and per-fault metrics, and the plans and ``events.jsonl`` (both
+written locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
 
 A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
 """
@@ -105,6 +105,13 @@ class Tracker:
         assert self.run_id is not None
         self.client.log_artifact(self.run_id, str(local), folder)
 
+    def write_artifact(self, path: str, text: str) -> None:
+        """Write an artifact locally now and upload it when the run closes (with ``events.jsonl``): a simulated
+        day writes hundreds of plans, and an upload each is a store transaction and a file copy."""
+        local = self.local / "artifacts" / path
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+
     def write_event(self, record: dict[str, Any]) -> None:
         with open(self.events_path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
@@ -115,6 +122,8 @@ class Tracker:
         self.flush()
         if self.events_path.exists():
             self.log_file(self.events_path)
+        if (self.local / "artifacts").exists():
+            self.client.log_artifacts(self.run_id, str(self.local / "artifacts"))
         if failure is not None:
             self.client.set_tag(self.run_id, "failure_reason", failure[:5000])
             self.log_text("failure.txt", failure)
@@ -142,7 +151,7 @@ class RunRecorder:
         """The newest step, not logged because it equals the last logged one."""
 
     def _log_step(self, metrics: dict[str, float], step: int) -> None:
-        if not self.repeats and metrics == self._last:
+        if not self.repeats and self._last is not None and _same(metrics, self._last):
             self._held = (metrics, step)
             return
         self.close()
@@ -171,7 +180,7 @@ class RunRecorder:
                     del metrics["train/loss"]
                 self._log_step(metrics, event.step)
             case ev.PlanConfigured():
-                self.tracker.log_text(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
+                self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():
                 self.close()
                 metrics = {
@@ -185,3 +194,8 @@ class RunRecorder:
             self.tracker.write_event(
                 {"t": round(event.at - self.origin, 6), "wall": time.time(), "kind": event.kind, **event.fields()}
             )
+
+
+def _same(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Equal metrics, to the rounding of times taken on a clock far from zero (a simulated day)."""
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=1e-9) for k in a)
