@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
+from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
 from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
@@ -80,14 +80,15 @@ def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
     GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``)."""
     device = cfg.cluster.device
     model, micro_batch = cfg.model, cfg.train.micro_batch
+    checkpointing = cfg.train.activation_checkpointing
     if device in DEVICES:
         profile = analytic_profile(model, device, micro_batch, model.seq_len)
-        return profile, {"kind": "analytic", "device": device}
+        return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
         cache_dir=Path(cfg.train.cache_dir) / "profiles",
     )  # fmt: skip
-    return profile, {"kind": "measured", "device": profile.device}
+    return replace(profile, activation_checkpointing=checkpointing), {"kind": "measured", "device": profile.device}
 
 
 def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Membership], Job]:
@@ -115,16 +116,16 @@ def everyone(cfg: JobConfig) -> Membership:
 def check_memory(plan: Plan, job: Job) -> None:
     """Refuse a plan whose stage would not fit the configured device memory (``runtime.costs.stage_memory``)."""
     t = job.train
+    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len)) for spec in job.specs]
     for p, s, stage in plan.stages():
         in_flight = len(plan.pipelines[p].stages) - s
-        layers = [layer_bytes(spec, t.micro_batch, job.model.seq_len) for spec in job.specs[stage.start : stage.stop]]
-        state = sum(b["param_bytes"] + b["optimizer_bytes"] for b in layers)
-        need = stage_memory(state, sum(b["saved_bytes"] for b in layers), in_flight)
+        need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing)
         if need > job.device_memory_bytes:
             raise ConfigError(
                 f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "
                 f"{need / GIB:.2f} GiB but a device has {job.device_memory_bytes / GIB:.2f} GiB: use more "
-                f"pipeline stages (train.stages), a smaller train.micro_batch, or raise cluster.device_memory_gb"
+                f"pipeline stages (train.stages), a smaller train.micro_batch, train.activation_checkpointing=true, "
+                f"or raise cluster.device_memory_gb"
             )
 
 
@@ -415,6 +416,7 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
         "tokens_path": str(checked.tokens),
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
+        "activation_checkpointing": t.activation_checkpointing,
     }
     cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
     injector: Injector | None = None

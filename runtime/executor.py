@@ -3,6 +3,11 @@
 The loss of micro-batch ``m`` is the mean token cross-entropy of ``m`` scaled by micro_batch / global_batch, so the
 sum over every micro-batch of every pipeline is the mean loss over the global batch, and the per-layer gradient sum
 over replicas (``ReduceGrads``) is its gradient, whatever the layout.
+
+With activation checkpointing the stage's forward runs under ``torch.utils.checkpoint`` (non-reentrant): only its
+input is kept, and the backward recomputes the forward first. Recomputation replays the same operations on the
+same inputs (and the same random state), so losses and gradients are bitwise those without it; a decoupled
+backward recomputes once for its input half and keeps the graph for the weight half.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.comm import Aborted, GenerationComm, PostedRecv
@@ -83,8 +89,10 @@ class Executor:
         comm: GenerationComm,
         batches: Batches,
         on_phase: Callable[[int, str], None] = lambda step, phase: None,
+        checkpointing: bool = False,
     ) -> None:
         self.stage = stage
+        self.checkpointing = checkpointing
         self.first = stage.start == 0
         self.last = stage.stop == num_layers
         self.comm = comm
@@ -149,7 +157,10 @@ class Executor:
         return 0.0
 
     def _forward(self, mb: int, b: _Buffers) -> float:
-        out = self.stage(b.inputs[mb], b.labels.pop(mb, None))
+        if self.checkpointing:
+            out = checkpoint(self.stage, b.inputs[mb], b.labels.pop(mb, None), use_reentrant=False)
+        else:
+            out = self.stage(b.inputs[mb], b.labels.pop(mb, None))
         if self.last:
             out = out * self.loss_scale
             b.outputs[mb] = out

@@ -220,3 +220,36 @@ def test_a_larger_cluster_replays_copies_of_a_trace() -> None:
     assert 3 * removes < sum(e.kind == "node" for e in four) <= 4 * removes
     instants = {e.at_time_s for e in one if e.kind == "node"}
     assert len({e.at_time_s for e in four if e.kind == "node"}) >= 3 * len(instants), "the copies interleave"
+
+
+# -- activation checkpointing in the cost and memory model --------------------------------------------------------
+def test_activation_checkpointing_trades_activation_memory_for_a_forward() -> None:
+    from dataclasses import replace
+
+    from ftlab.runtime.costs import CostModel, stage_footprint
+    from ftlab.runtime.model_spec import load_model_config
+
+    profile = analytic_profile(load_model_config("llama2-6.7b"), "A100-80GB", 1, 4096)
+    plain, checkpointed = CostModel(profile), CostModel(replace(profile, activation_checkpointing=True))
+    start, stop, in_flight = 1, 9, 8
+    assert checkpointed.backward_s(start, stop) == pytest.approx(plain.backward_s(start, stop) + plain.forward_s(start, stop))
+    assert checkpointed.forward_s(start, stop) == plain.forward_s(start, stop)
+    # Eight blocks, eight micro-batches in flight: 8 x 8 blocks' activations, or 8 inputs and one stage's worth.
+    saved, state = plain.activation_bytes(start, stop), plain.state_bytes(start, stop)
+    boundary = profile.layers[start - 1].output_bytes
+    assert plain.stage_memory(start, stop, in_flight) == state + in_flight * saved
+    assert checkpointed.stage_memory(start, stop, in_flight) == state + in_flight * boundary + saved
+    assert checkpointed.stage_memory(start, stop, in_flight) - state < (plain.stage_memory(start, stop, in_flight) - state) / 4
+    for model in (plain, checkpointed):
+        flag = model.profile.activation_checkpointing
+        assert stage_footprint(profile.layers, start, stop, in_flight, flag) == model.stage_memory(start, stop, in_flight)
+
+
+def test_activation_checkpointing_lets_a_paper_scale_plan_fit(job_overrides: list[str]) -> None:
+    """llama2-6.7b, micro-batches of 2 x 4,096 tokens, on one node of 8 A100s: the stages do not fit without it."""
+    base = [*job_overrides, "model=llama2-6.7b", "cluster=a100-16x8", "cluster.nodes=1", "train.stages=8",
+            "train.global_batch=16", "train.micro_batch=2", "mode=simulate"]  # fmt: skip
+    with pytest.raises(ConfigError, match="train.activation_checkpointing=true"):
+        simulate(OmegaConf.to_object(compose_config(base)))
+    result = simulate(OmegaConf.to_object(compose_config([*base, "train.steps=3", "train.activation_checkpointing=true"])))
+    assert len(result.result.steps) == 3
