@@ -11,7 +11,9 @@ real agents and workers running gpt2-tiny on two nodes of one worker), each the 
 - ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
   worker's configuration takes longer by building its layers' weights and optimizer state.
 - ``control_s``: the coordinator's round trip per step: a one-worker, one-micro-batch step's wall time less the
-  profile's compute and optimizer step for it.
+  profile's compute and optimizer step for it; ``instruction_s``: the runtime's cost per forward or backward
+  instruction beyond the profiled layers', from the same worker's steps of four micro-batches (each micro-batch
+  more costs its profiled compute and two instructions' overhead).
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``storage_write_bytes_per_s``: a checkpoint's bytes over its time less the encoding; ``storage_read_bytes_per_s``:
   restoring a checkpoint on fresh workers, less configuring, building and decoding.
@@ -115,6 +117,17 @@ def measure(cache_dir: Path) -> dict[str, float]:
             backend.commit(plan, step)
             found.setdefault("control_s", []).append(max(time.monotonic() - started - compute, 0.0))
             step += 1
+        four = next_plan(grid_plan([0], 1, layers, 8, 2))
+        backend.configure(four, one_f_one_b(four), {}, None)
+        per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
+        for _ in range(10):
+            started = time.monotonic()
+            backend.begin_step(four, step)
+            assert not isinstance(backend.finish_step(four, step), Failure)
+            backend.commit(four, step)
+            extra = time.monotonic() - started - statistics.median(found["control_s"]) - compute - 3 * per_microbatch
+            found.setdefault("instruction_s", []).append(max(extra / (3 * 2), 0.0))
+            step += 1
         # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
         codec = _codec_bytes_per_s(cfg)
         plan = dataclasses.replace(next_plan(two), step=step)
@@ -146,6 +159,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
     finally:
         cluster.shutdown()
     medians = {name: statistics.median(values) for name, values in found.items()}
+    medians["control_s"] = max(medians["control_s"] - 2 * medians["instruction_s"], 0.0)  # its step's two passes
     medians["node_start_s"] = max(cluster_start - medians["process_start_s"], 0.0)
     medians["codec_bytes_per_s"] = codec
     medians["failure_window_s"] = local_backend._FAILURE_WINDOW_S
@@ -187,7 +201,7 @@ def render(values: dict[str, float]) -> str:
         f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
         "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
-    order = ["detect_s", "failure_window_s", "control_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
+    order = ["detect_s", "failure_window_s", "control_s", "instruction_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
              "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
              "host_cores"]  # fmt: skip
     for name in order:

@@ -80,6 +80,9 @@ class SimConfig:
     """After the first sign of a failure, how long the coordinator waits for the rest of it."""
     control_s: float = 0.0
     """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep)."""
+    instruction_s: float = 0.0
+    """The runtime's own cost per forward or backward instruction, on top of the profiled layer times (dispatch,
+    buffers, the loss scaling): measured on this machine's runtime; a GPU type's profile is the whole cost."""
     abort_s: float = 0.0
     """Aborting the iteration in flight on every survivor."""
     configure_s: float = 0.0

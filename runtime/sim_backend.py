@@ -128,7 +128,10 @@ class SimBackend(Backend, FaultTarget):
         """Every worker on one host of ``sim.host_cores`` cores (the local runtime on this machine)."""
         self.horizon = _NEVER if sim.horizon_s is None else sim.horizon_s
         self.now = 0.0
-        self.timer = IterationTimer(costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None)
+        self.timer = IterationTimer(
+            costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None,
+            instruction_s=sim.instruction_s if shared_host else 0.0,
+        )  # fmt: skip
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._cancelled: set[int] = set()

@@ -79,6 +79,7 @@ _Key = tuple[tuple[int, int, tuple[tuple, ...]], ...]
 class IterationTimer:
     """Times plans' iterations from their programs; components of the same canonical form are run once.
 
+    ``instruction_s``: the runtime's own cost per forward or backward instruction, beyond the profiled layers'.
     ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
     layer profiled alone on one core). When more workers compute at once than there are cores, each computes
     slower: compute (forward, backward, optimizer) is scaled by the mean number of workers computing at once over
@@ -86,10 +87,14 @@ class IterationTimer:
     worker has a device of its own.
     """
 
-    def __init__(self, costs: CostModel, check: bool = True, cores: int | None = None) -> None:
+    def __init__(
+        self, costs: CostModel, check: bool = True, cores: int | None = None, instruction_s: float = 0.0
+    ) -> None:
         self.costs = costs
         self.check = check
         self.cores = cores
+        self.instruction_s = instruction_s
+        """Added to every forward and backward instruction: the runtime's own cost beyond the layers'."""
         self._components: dict[tuple[_Key, float], ComponentTiming] = {}
         self._shapes: dict[tuple[tuple, float], ComponentTiming] = {}
 
@@ -187,7 +192,7 @@ class IterationTimer:
             if isinstance(instruction, (ins.ReduceGrads, ins.OptimizerStep)):
                 return 0.0
             if isinstance(instruction, _COMPUTE):
-                return scale * durations(worker, instruction)
+                return scale * (durations(worker, instruction) + self.instruction_s)
             return durations(worker, instruction)
 
         reduce_at = [0.0] * len(order)
