@@ -37,6 +37,14 @@ node's workers have registered without firing the timers in between (the injecto
 once after it.
 
 ``sim.horizon_s`` ends the job when the clock would pass it (``HorizonReached``).
+
+Which constants apply: a measured (cpu) profile simulates the local runtime on this machine, so every constant
+measured on it applies, among them the CPU's cost of building, encoding and decoding layer state and the runtime's
+per-instruction cost. A GPU type's workers build layers on the device and copy them as tensors (NCCL), at costs
+its profile already holds (the link), so building and encoding cost nothing there beyond the bandwidths, and a
+checkpoint's cost is the storage's (``sim.storage_*``, which a paper-scale study sets for its storage). Process
+start, configuration, detection and the coordinator's round trips are the local runtime's measured figures in
+both cases.
 """
 
 from __future__ import annotations
@@ -94,14 +102,14 @@ def register_source(kind: type[Source], cost: SourceCost) -> None:
 def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], b: SimBackend) -> SimSave:
     assert isinstance(action, SaveCheckpoint)
     per_writer = [b.state_bytes(layers) for layers in writers.values()]
-    encode = max(per_writer, default=0) / b.sim.codec_bytes_per_s
+    encode = max(per_writer, default=0) / b.codec_bytes_per_s
     seconds = b.sim.control_s + encode + sum(per_writer) / b.sim.storage_write_bytes_per_s
     return SimSave(seconds, int(sum(per_writer)), f"{action.directory}/step-{step:06d}")
 
 
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
     per_reader = [b.state_bytes(layers) for layers in readers.values()]
-    return sum(per_reader) / b.sim.storage_read_bytes_per_s + max(per_reader, default=0) / b.sim.codec_bytes_per_s
+    return sum(per_reader) / b.sim.storage_read_bytes_per_s + max(per_reader, default=0) / b.codec_bytes_per_s
 
 
 register_action(SaveCheckpoint, _storage_checkpoint)
@@ -127,6 +135,9 @@ class SimBackend(Backend, FaultTarget):
         self.shared_host = shared_host
         """Every worker on one host of ``sim.host_cores`` cores (the local runtime on this machine)."""
         self.horizon = _NEVER if sim.horizon_s is None else sim.horizon_s
+        self.codec_bytes_per_s = sim.codec_bytes_per_s if shared_host else _NEVER
+        """Encoding or decoding layer state: the local runtime's CPU cost (a GPU's tensors move as they are)."""
+        self.build_bytes_per_s = sim.build_bytes_per_s if shared_host else _NEVER
         self.now = 0.0
         self.timer = IterationTimer(
             costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None,
@@ -276,8 +287,8 @@ class SimBackend(Backend, FaultTarget):
                 )
             if missing and restore is not None:
                 restored[worker] = tuple(sorted(missing))
-            decoded = self.state_bytes(received.get(worker, ())) / self.sim.codec_bytes_per_s
-            built = self.state_bytes(new) / self.sim.build_bytes_per_s
+            decoded = self.state_bytes(received.get(worker, ())) / self.codec_bytes_per_s
+            built = self.state_bytes(new) / self.build_bytes_per_s
             slowest = max(slowest, arrival.get(worker, 0.0) + decoded + built)
         reading = self._restore_s(restore, restored) if restored else 0.0
         seconds = self.sim.configure_s + slowest + reading
@@ -338,7 +349,7 @@ class SimBackend(Backend, FaultTarget):
         started = self.now
         for worker, (armed_step, phase) in list(self._armed.items()):
             if armed_step == step and phase == "checkpoint" and writers.get(worker):
-                first = self.state_bytes(writers[worker][:1]) / self.sim.codec_bytes_per_s
+                first = self.state_bytes(writers[worker][:1]) / self.codec_bytes_per_s
                 self._step_timers.append(self.call_at(started + first, self._at_phase(worker, step, phase)))
         failure = self._wait(started + saved.seconds, needs=set(writers))
         self._cancel_step_timers()
