@@ -249,17 +249,23 @@ class CostModel:
         return self.p2p_s(self.profile.layers[layer].state_bytes)
 
     # -- programs ----------------------------------------------------------------------------------------------
+    def reduce_s(self, plan: Plan) -> dict[int, float]:
+        """Each worker's ``ReduceGrads``: the all-reduce of each of its replica sets (issued together, so their
+        costs add up on the worker's link). Workers that share no layer are left out (they reduce nothing)."""
+        reduce_s: dict[int, float] = {}
+        for holders, layers in plan.reduction_groups():
+            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
+            for worker in holders:
+                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+        return reduce_s
+
     def durations(self, plan: Plan) -> Durations:
         """What each instruction of ``plan``'s programs costs on its worker: compute of the worker's layers, a send
         at the p2p cost of the activation (or gradient) at its stage boundary, the gradient all-reduce of each of
         its replica sets (issued together, so their costs add up on the worker's link), the optimizer step.
         Receives and loads cost nothing of their own: a receive waits for its send's arrival."""
         ranges = plan.layer_ranges()
-        reduce_s: dict[int, float] = {}
-        for holders, layers in plan.reduction_groups():
-            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
-            for worker in holders:
-                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+        reduce_s = self.reduce_s(plan)
 
         def duration(worker: int, instruction: ins.Instruction) -> float:
             start, stop = ranges[worker]

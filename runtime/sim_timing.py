@@ -221,9 +221,8 @@ class IterationTimer:
             for layer in range(start, stop):
                 latest[layer] = max(latest[layer], at)
         begins = {held: max(latest[held[0] : held[1]]) for held in last_of_range}
-        durations = self.costs.durations(plan)
-        reduce = ins.ReduceGrads()
-        reduce_end = {worker: begins[held] + durations(worker, reduce) for worker, held in ranges.items()}
+        reduce_s = self.costs.reduce_s(plan)  # what durations(plan) gives ReduceGrads
+        reduce_end = {worker: begins[held] + reduce_s.get(worker, 0.0) for worker, held in ranges.items()}
         optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, phases)
 

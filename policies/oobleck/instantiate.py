@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import pyomo.environ as pyo
 from pyomo.opt import TerminationCondition
@@ -45,6 +45,11 @@ class PipelineInstance:
     def __post_init__(self) -> None:
         if len(self.nodes) != self.template.num_nodes:
             raise ValueError(f"a {self.template.num_nodes}-node template cannot run on nodes {self.nodes}")
+
+    @cached_property
+    def held(self) -> tuple[tuple[tuple[int, int], range], ...]:
+        """((node id, local GPU), layers) of every GPU of the pipeline: kept, as every reconfiguration asks."""
+        return tuple(((self.nodes[position], gpu), layers) for position, gpu, layers in self.template.slots())
 
 
 def instantiate(templates: TemplateSet, num_nodes: int, max_pipelines: int | None = None) -> dict[int, int]:

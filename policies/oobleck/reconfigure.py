@@ -65,9 +65,7 @@ class Impossible:
 
 def holdings(pipelines: Iterable[PipelineInstance]) -> dict[Slot, range]:
     """The layers each GPU holds."""
-    return {
-        (p.nodes[position], gpu): layers for p in pipelines for position, gpu, layers in p.template.slots()
-    }
+    return {slot: layers for p in pipelines for slot, layers in p.held}
 
 
 def _lost_layers(held: dict[Slot, range], num_layers: int) -> list[int]:
