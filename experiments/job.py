@@ -86,7 +86,7 @@ def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
         return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
-        cache_dir=Path(cfg.train.cache_dir) / "profiles",
+        cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker,
     )  # fmt: skip
     return replace(profile, activation_checkpointing=checkpointing), {"kind": "measured", "device": profile.device}
 
