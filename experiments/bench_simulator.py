@@ -12,6 +12,11 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
 - ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction.
 
+This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
+each job the bench measures the cores this job can have (``available_cores``: two CPU-bound processes' speed next
+to one's alone) and gives the simulation of that job ``sim.host_cores`` = that figure: the environment the real run
+met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
 the next committed step) and the goodput (``summary/goodput_ratio``). Targets: iteration and goodput within 5%,
@@ -75,7 +80,37 @@ def error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
-def validate(steps: int, scratch: Path) -> dict[str, Any]:
+def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing queue
+    """Count loop turns for ``seconds``: a single-threaded CPU-bound process."""
+    turns, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10_000):
+            turns += 1
+    out.put(turns)
+
+
+def available_cores(processes: int = 2, seconds: float = 1.5) -> float:
+    """How many cores this job can have now: ``processes`` spinners' turns over one spinner's alone."""
+    import multiprocessing as mp
+
+    context = mp.get_context("fork")
+
+    def spin(k: int) -> list[int]:
+        out = context.Queue()
+        procs = [context.Process(target=_spin, args=(seconds, out)) for _ in range(k)]
+        for proc in procs:
+            proc.start()
+        counts = [out.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        return counts
+
+    alone = spin(1)[0]
+    together = sum(spin(processes))
+    return round(max(together / alone, 0.25), 2)
+
+
+def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
     from ftlab.experiments.job import compose_config, run_job
     from ftlab.experiments.simulate import simulate
 
@@ -86,13 +121,14 @@ def validate(steps: int, scratch: Path) -> dict[str, Any]:
             "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
             f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
         ]  # fmt: skip
-        print(f"[{name}] real ...", flush=True)
+        cores = [f"sim.host_cores={available_cores()}"] if measure_cores else []
+        print(f"[{name}] real ({' '.join(cores) or 'cores as measured'}) ...", flush=True)
         real = figures(run_job(compose_config([*common, *overrides])))
         print(f"[{name}] simulated ...", flush=True)
-        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate"]))
+        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *cores]))
         sim = figures(simulate(sim_cfg).result)
         errors = {measure: error(sim[measure], real[measure]) for measure in real}
-        out[name] = {"real": real, "sim": sim, "error": errors}
+        out[name] = {"real": real, "sim": sim, "error": errors, "host_cores": cores}
         print(f"[{name}] " + "  ".join(
             f"{m}: real {_fmt(real[m])} sim {_fmt(sim[m])} error {_pct(errors[m])}" for m in real
         ), flush=True)  # fmt: skip
@@ -138,9 +174,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="14 steps a job instead of 30")
     parser.add_argument("--no-real", action="store_true", help="skip the validation jobs")
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
+    parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
-    jobs = {} if args.no_real else validate(14 if args.smoke else 30, scratch)
+    jobs = {} if args.no_real else validate(14 if args.smoke else 30, scratch, not args.cores_as_measured)
     speed = scale(not args.no_record, scratch)
 
     def worst(measure: str) -> float | None:

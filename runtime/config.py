@@ -99,7 +99,7 @@ class SimConfig:
     """Checkpoint writes, all writers together."""
     storage_read_bytes_per_s: float = 1.0
     """Checkpoint reads, all readers together."""
-    host_cores: int = 0
+    host_cores: float = 0.0
     """Cores of the host that every worker of a measured (cpu) profile shares, as the local runtime runs them all
     on this machine: compute slows down when more workers compute at once than there are cores, and worker
     processes that start together take longer. A GPU type gives each worker its own device and each node its own
