@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from omegaconf import OmegaConf
 
-    from ftlab.runtime.config import JobConfig
+    from ftlab.experiments.config import JobConfig
     from ftlab.runtime.data import tokenize_corpus
     from ftlab.experiments.job import compose_config
 
