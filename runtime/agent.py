@@ -38,8 +38,14 @@ class Agent:
         with self._send_lock:
             self.conn.send(message)
 
-    def spawn(self, worker: int) -> None:
+    def spawn(self, worker: int, incarnation: int) -> None:
+        """Start ``worker``; an earlier process of it that still runs (one a restart interrupted while it started)
+        is ended first, so it can never register in place of this one."""
         # Called from the main thread only: PDEATHSIG fires when the *thread* that forked the child exits.
+        earlier = self.workers.get(worker)
+        if earlier is not None and earlier.poll() is None:
+            earlier.kill()
+            earlier.wait()
         command = [
             sys.executable, "-m", "ftlab.runtime.worker",
             "--coordinator-port", str(self.args.coordinator_port),
@@ -47,6 +53,7 @@ class Agent:
             "--worker", str(worker),
             "--heartbeat-s", str(self.args.heartbeat_s),
             "--threads", str(self.args.threads),
+            "--incarnation", str(incarnation),
         ]  # fmt: skip
         proc = subprocess.Popen(command, preexec_fn=die_with_parent)
         self.workers[worker] = proc
@@ -55,7 +62,7 @@ class Agent:
     def _watch(self, worker: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         try:
-            self.send(msg.WorkerExited(worker, code))
+            self.send(msg.WorkerExited(worker, code, proc.pid))
         except OSError:
             pass  # the coordinator is gone; so are we shortly
 
@@ -70,7 +77,7 @@ class Agent:
     def serve(self) -> None:
         self.send(msg.Hello("agent", self.args.node, os.getpid()))
         for worker in self.args.workers:
-            self.spawn(worker)
+            self.spawn(worker, incarnation=0)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         while True:
             try:
@@ -79,7 +86,7 @@ class Agent:
                 return  # the coordinator is gone; PDEATHSIG takes the workers down with us
             if isinstance(message, msg.SpawnWorkers):
                 for worker in message.workers:
-                    self.spawn(worker)
+                    self.spawn(worker, message.incarnation)
             elif isinstance(message, msg.Shutdown):
                 for proc in self.workers.values():
                     try:

@@ -130,11 +130,7 @@ class LocalBackend(Backend, FaultTarget):
         failure = self._drain_events()
         expected: set[int] = set()
         for node in self.cluster.alive_nodes():
-            workers = tuple(self.cluster.workers_of(node))
-            for worker in workers:
-                self.cluster.workers.pop(worker, None)
-            self.cluster.send_agent(node, msg.SpawnWorkers(workers))
-            expected |= set(workers)
+            expected |= self.cluster.respawn(node)
         self._pending_joins.clear()  # every live node is now restarting: the next plan includes them all
         lost = self._wait_for(expected)
         if lost:
@@ -216,22 +212,27 @@ class LocalBackend(Backend, FaultTarget):
             if message.role == "agent":
                 self._pending_joins.add(message.node)
             return
-        dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
-        if dead_worker:
-            worker = message.worker if isinstance(message, msg.WorkerExited) else event.ident
-            self._lose_worker(worker, event.at, failure)
+        if isinstance(message, msg.WorkerExited):
+            self._lose_worker(message.worker, message.pid, event.at, failure)
+        elif event.role == "worker" and message is None:
+            self._lose_worker(event.ident, event.pid, event.at, failure)
         elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
             node = event.ident
             self.cluster.mark_dead("agent", node)
             failure.nodes[node] = event.at
             for worker in self.cluster.workers_of(node):
                 self.cluster.kill_worker(worker)  # a lost node loses all of its workers
-                self._lose_worker(worker, event.at, failure)
+                member = self.cluster.workers.get(worker)
+                if member is not None:
+                    self._lose_worker(worker, member.pid, event.at, failure)
+                else:  # one a restart was starting: lost with its node all the same
+                    failure.workers.setdefault(worker, event.at)
 
-    def _lose_worker(self, worker: int, at: float, failure: Failure) -> None:
-        """Record a worker's death once, the first time any sign of it arrives."""
+    def _lose_worker(self, worker: int, pid: int, at: float, failure: Failure) -> None:
+        """Record a worker's death once, the first time any sign of it arrives; the signs of an earlier process
+        of the same worker id (one a restart ended) are not its death."""
         member = self.cluster.workers.get(worker)
-        if member is not None and member.alive:
+        if member is not None and member.alive and member.pid == pid:
             self.cluster.mark_dead("worker", worker)
             failure.workers[worker] = at
 
@@ -248,14 +249,19 @@ class LocalBackend(Backend, FaultTarget):
         return failure
 
     def _wait_for(self, workers: set[int]) -> Failure | None:
-        """Wait for workers to register; a node that dies meanwhile is a failure to recover from."""
+        """Wait for workers to register; any node that dies meanwhile is a failure to recover from at once."""
         try:
-            self.cluster.wait_for_workers(workers, timeout_s=_RESTART_TIMEOUT_S)
+            self.cluster.wait_for_workers(workers, _RESTART_TIMEOUT_S, watch=self.cluster.alive_nodes())
         except NodeLost as lost:
-            self.cluster.mark_dead("agent", lost.node)
-            self._publish(ev.NodeLostWhileStarting, node=lost.node)
-            now = time.monotonic()
-            return Failure(nodes={lost.node: now}, workers={w: now for w in self.cluster.workers_of(lost.node)})
+            noticed = time.monotonic()
+            time.sleep(_FAILURE_WINDOW_S)  # nodes lost together (a burst of a spot trace) are one failure
+            failure = Failure()
+            for node in {lost.node, *self.cluster.exited_agents()}:
+                self.cluster.mark_dead("agent", node)
+                self._publish(ev.NodeLostWhileStarting, node=node)
+                failure.nodes[node] = noticed
+                failure.workers.update({w: noticed for w in self.cluster.workers_of(node)})
+            return failure
         return None
 
     def _drain_events(self) -> Failure:

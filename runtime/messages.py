@@ -43,6 +43,8 @@ class Hello:
     node: int
     pid: int
     worker: int | None = None
+    incarnation: int = 0
+    """Which start of this worker id the process is (0 at the node's start, then one more per respawn)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class WorkerExited:
 
     worker: int
     returncode: int
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -157,9 +160,10 @@ class SaveCheckpoint:
 
 @dataclass(frozen=True)
 class SpawnWorkers:
-    """To an agent: start these workers (restart after a failure, or a node that joined)."""
+    """To an agent: start these workers (a restart after a failure), ending any earlier process of theirs first."""
 
     workers: tuple[int, ...]
+    incarnation: int
 
 
 @dataclass(frozen=True)

@@ -258,12 +258,13 @@ def main() -> None:
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     channel = Channel(msg.connect(args.coordinator_port))
-    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker))
+    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation))
     aborts = msg.connect(args.coordinator_port)
-    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker))
+    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation))
     try:
         Worker(channel, aborts, args.worker, args.heartbeat_s).serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
