@@ -152,6 +152,11 @@ def check_settings(cfg: JobConfig) -> None:
         cfg.model.check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.model.vocab_size < 3:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
+            "end-of-line tokens: use at least 3"
+        )
 
 
 def components(cfg: JobConfig) -> tuple[Policy, Protection]:

@@ -8,9 +8,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.faults.schedules import FaultConfigError
-from ftlab.runtime import cluster as cluster_module
-from ftlab.runtime.contract import ConfigError
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
@@ -44,47 +41,6 @@ def test_a_short_job_records_metrics_params_tags_and_artifacts(run, tmp_path: Pa
     assert Plan.from_json(local.read_text()) == result.plans[0]
     events = Path(client.download_artifacts(record.info.run_id, "events.jsonl", str(tmp_path))).read_text()
     assert [json.loads(line)["kind"] for line in events.splitlines()] == ["plan"]
-
-
-@pytest.fixture
-def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if anything tries to start a node: bad input must be refused before that."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a node was started for a job that should have been refused")
-
-    monkeypatch.setattr(cluster_module.LocalCluster, "start_node", refuse)
-
-
-BAD_INPUTS = [
-    (["train.global_batch=15", "train.micro_batch=2"], ConfigError, "multiple of train.micro_batch"),
-    (["cluster.nodes=10", "train.stages=9"], ConfigError, "at most 8 stages"),
-    (["train.stages=8"], ConfigError, "cannot form a pipeline of 8 stages"),
-    (["model=gpt2-small", "cluster.device_memory_gb=0.5"], ConfigError, "raise cluster.device_memory_gb"),
-    (["train.data=/nonexistent/corpus.txt"], FileNotFoundError, "/nonexistent/corpus.txt"),
-    (["faults=single-node", "cluster.nodes=1", "train.stages=1"], FaultConfigError, "node"),
-    (["cluster.backend=nccl"], ConfigError, "cluster.backend=gloo"),
-    (["policy=checkpoint_restart", "protection=none"], ConfigError, "add protection=storage"),
-]
-
-
-@pytest.mark.parametrize(("overrides", "error", "advice"), BAD_INPUTS, ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
-def test_bad_input_is_refused_before_any_worker_and_the_run_is_failed(
-    run, tmp_path: Path, no_workers: None, overrides: list[str], error: type, advice: str  # noqa: ANN001
-) -> None:
-    with pytest.raises(error) as info:
-        run(*overrides)
-    assert advice in str(info.value)
-    _, record = only_run(tmp_path)
-    assert record.info.status == "FAILED"
-    assert advice in record.data.tags["failure_reason"]
-
-
-def test_a_corpus_shorter_than_one_sample_is_refused(run, tmp_path: Path, no_workers: None) -> None:  # noqa: ANN001
-    tiny = tmp_path / "tiny.txt"
-    tiny.write_text("only a few words here\n")
-    with pytest.raises(ConfigError, match="fewer than one sample"):
-        run(f"train.data={tiny}")
 
 
 def test_a_plan_that_leaves_a_layer_without_replica_is_refused() -> None:
