@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test fault-ci bench clean
+.PHONY: setup run test fault-ci soak bench clean
 
 # Pinned dependencies from requirements.lock, then the project itself (editable, so conf/ edits apply at once).
 $(STAMP): pyproject.toml requirements.lock
@@ -20,14 +20,19 @@ run: setup
 test: setup
 	$(PYTHON) -m pytest
 
-# A short fault-injection scenario (a node killed mid-run) for every policy in conf/policy, with its invariants.
+# A node killed mid-run under every policy with every protection (conf/policy x conf/protection), with its invariants.
 fault-ci: setup
-	$(PYTHON) -m experiments.fault_ci
+	$(PYTHON) -m ftlab.experiments.fault_ci
+
+# Seeded random fault scenarios checked against their fault-free twins: make soak N=200 SEED=7 (SEED: today's date).
+N ?= 10
+soak: setup
+	$(PYTHON) -m ftlab.experiments.soak --scenarios $(N) $(if $(SEED),--seed $(SEED))
 
 bench: setup
-	$(PYTHON) -m experiments.bench_runtime
-	$(PYTHON) -m experiments.bench_planner
-	$(PYTHON) -m experiments.bench_recovery
+	$(PYTHON) -m ftlab.experiments.bench_runtime
+	$(PYTHON) -m ftlab.experiments.bench_planner
+	$(PYTHON) -m ftlab.experiments.bench_recovery
 
 clean:
 	rm -rf $(VENV) .ftlab outputs multirun mlflow.db mlruns

@@ -1,4 +1,4 @@
-"""Planner timings beside the published ones: ``python -m experiments.bench_planner``.
+"""Planner timings beside the published ones: ``python -m ftlab.experiments.bench_planner``.
 
 Templates (Oobleck, SOSP'23, Table 3): the time to generate the pipeline template for 8, 16 and 24 nodes of 1, 4
 and 8 GPUs, for models of 24, 32, 64 and 96 layers, from a cold planner (no memo), as the paper measured one

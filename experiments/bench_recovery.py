@@ -1,8 +1,8 @@
 """In-place recovery (Oobleck) against checkpoint-restart, side by side on the same job and the same faults.
 
-    .venv/bin/python -m experiments.bench_recovery                     # both parts
-    .venv/bin/python -m experiments.bench_recovery --no-table2         # part 1 only
-    .venv/bin/python -m experiments.bench_recovery --kills 1@8,4@14 --steps 20 --table2-every-steps 33,16,8
+    .venv/bin/python -m ftlab.experiments.bench_recovery                     # both parts
+    .venv/bin/python -m ftlab.experiments.bench_recovery --no-table2         # part 1 only
+    .venv/bin/python -m ftlab.experiments.bench_recovery --kills 1@8,4@14 --steps 20 --table2-every-steps 33,16,8
 
 Part 1, recovery comparison. One job (gpt2-tiny on ``cluster=local-6`` with ``cluster.device_memory_gb=0.04``, so
 Oobleck's pipelines span two nodes and an in-place recovery must copy layers between nodes) runs three times:

@@ -419,7 +419,7 @@ def _render_plan(d: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
+    """``python -m ftlab.experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
     from ftlab.experiments.job import compose_config
 
     overrides = sys.argv[1:] if argv is None else argv
