@@ -36,10 +36,13 @@ def report(result: JobResult, tracking_uri: str) -> None:
     s = result.summary
     lines = [
         f"\nftlab: {int(s['summary/steps'])} steps, final loss {s['summary/final_loss']:.4f}, "
-        f"{s['summary/samples_per_s']:.1f} samples/s overall",
+        f"{s['summary/samples_per_s']:.1f} samples/s after start-up",
         f"failures {int(s['summary/failures'])}, recovery {s['summary/recovery_s_total']:.2f} s in all, "
-        f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate",
+        f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate "
+        f"({s['summary/fault_free_samples_per_s']:.1f} samples/s)",
     ]
+    if s["summary/faults_unfired"]:
+        lines.append(f"{int(s['summary/faults_unfired'])} scheduled faults did not fire (see the warnings above)")
     for i, fault in enumerate(result.faults):
         lines.append(
             f"  fault {i} ({fault.kind}): detected in {fault.detect_s or 0:.3f} s, recovered in "
