@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig, build, register
 from ftlab.faults.injector import Injector
-from ftlab.faults.schedules import ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach
+from ftlab.faults.schedules import ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, rate_label
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
@@ -261,22 +261,65 @@ def run_tags(cfg: JobConfig) -> dict[str, str]:
         "model": cfg.model.name,
         "cluster": cfg.cluster.name,
         "faults": cfg.faults.schedule,
+        "fault_rate": rate_label(cfg.faults),
+        "seed": str(cfg.faults.seed),
     }
+
+
+def run_name(cfg: JobConfig) -> str:
+    """policy-protection-faults-seed: what tells the jobs of a sweep apart, readable in the runs table. The seed is
+    the fault schedule's (the draw of faults a job saw); the faults part carries the rate (``exponential-10steps``)."""
+    return f"{cfg.policy.name}-{cfg.protection.name}-{rate_label(cfg.faults)}-{cfg.faults.seed}"
+
+
+def describe(cfg: JobConfig, summary: dict[str, float] | None = None) -> str:
+    """The run's description (markdown): the job in one sentence, then its key figures once it has them."""
+    c = cfg.cluster
+    text = (
+        f"{cfg.model.name} on {c.name} ({c.nodes} nodes x {c.workers_per_node} workers), policy "
+        f"**{cfg.policy.name}**, protection **{cfg.protection.name}**, faults **{rate_label(cfg.faults)}** "
+        f"(seed {cfg.faults.seed}), {cfg.train.steps} steps."
+    )
+    if summary is None:
+        return text
+    s = summary
+    return text + (
+        f" Goodput **{s['summary/goodput_ratio']:.2f}**; {int(s['summary/failures'])} failures, recovery "
+        f"{s['summary/recovery_s_total']:.2f} s, {int(s['summary/lost_steps_total'])} steps lost; "
+        f"{s['summary/samples_per_s']:.1f} samples/s; final loss {s['summary/final_loss']:.4f}."
+    )
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
-    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg))
+    run_id = tracker.start(
+        OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
+        describe(cfg),
+    )  # fmt: skip
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
         result = _run(cfg, tracker, preflight(cfg))
         result.run_id = run_id
+        tracker.describe(describe(cfg, result.summary))
         tracker.finish()
         return result
     except BaseException as exc:
         tracker.finish(failure=f"{type(exc).__name__}: {exc}")
         raise
+
+
+def failed_run(dict_cfg: DictConfig, error: Exception) -> str:
+    """A FAILED run for a job refused before it could open one (an unknown mode), so every job of a sweep has its
+    run; its id."""
+    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    tracker = Tracker(cfg.tracking)
+    run_id = tracker.start(
+        OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
+        describe(cfg),
+    )  # fmt: skip
+    tracker.finish(failure=f"{type(error).__name__}: {error}")
+    return run_id
 
 
 @dataclass

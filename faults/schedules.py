@@ -82,6 +82,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from omegaconf import OmegaConf
@@ -605,3 +606,21 @@ def check_reach(cfg: FaultsConfig, events: list[FaultEvent], first_step: int, st
             f"{'it' if len(beyond) == 1 else 'them'} into that range or raise train.steps"
         )
     return [e for e in events if e not in beyond]
+
+
+# --- names ----------------------------------------------------------------------------------------------------------
+
+
+def rate_label(cfg: FaultsConfig) -> str:
+    """The schedule with its rate, short enough for a run name and a table column: ``none``, ``explicit``,
+    ``fixed-10steps``, ``exponential-20s``, ``weibull-8steps``, ``trace-p3-120s_per_step``. Jobs that differ only in
+    their seed share a label, so a comparison averages over seeds."""
+    if cfg.schedule not in _RATES:
+        return cfg.schedule
+    clock = clock_of(cfg)
+    in_steps, in_seconds = _RATES[cfg.schedule]
+    value = getattr(cfg, in_steps if clock == STEPS else in_seconds)
+    if cfg.schedule == "trace":
+        pace = "real_time" if value is None else (f"{value:g}s_per_step" if clock == STEPS else f"x{value:g}")
+        return f"trace-{Path(cfg.trace or '').stem}-{pace}"
+    return f"{cfg.schedule}-{value:g}{'steps' if clock == STEPS else 's'}"

@@ -59,3 +59,7 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "ftlab"
     run_name: str | None = None
+    """None: policy-protection-faults-seed."""
+    parent_run_id: str | None = None
+    """The sweep's run, when the job is one of a sweep (set by ``ftlab -m``): the job's run is its child."""
+    sweep_id: str | None = None
