@@ -10,6 +10,7 @@ or FAILED with the reason.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from ftlab.faults.schedules import ClusterShape, FaultEvent, beyond_job, build_s
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
+from ftlab.runtime.config import ClusterConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
 from ftlab.runtime.data import load_tokens, tokenize_corpus
@@ -123,6 +125,8 @@ def check_settings(cfg: JobConfig) -> None:
     c, t = cfg.cluster, cfg.train
     if c.nodes < 1 or c.workers_per_node < 1:
         raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
+    if c.threads_per_worker < 0:
+        raise ConfigError(f"cluster.threads_per_worker={c.threads_per_worker}: use a count, or 0 for this job's share")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: use auto, gloo or nccl")
     if c.device_memory_gb <= 0:
@@ -364,7 +368,7 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
     }
-    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
+    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c))
     injector: Injector | None = None
     unfired = [(fault, f"the job runs steps before {t.steps} only (train.steps)") for fault in checked.beyond]
     _warn_unfired(bus, unfired, time.monotonic())
@@ -392,6 +396,15 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
     return JobResult(
         "", collector.steps, collector.plans, summary, list(ledger.records), dict(cluster.worker_pids), t.checkpoint_dir
     )
+
+
+def worker_threads(c: ClusterConfig) -> int:
+    """``cluster.threads_per_worker``, or with 0 the job's share of this machine's CPUs (split among the jobs that
+    run at once, then among the job's workers), at least one."""
+    if c.threads_per_worker > 0:
+        return c.threads_per_worker
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
 
 
 def _warn_unfired(bus: ev.EventBus, unfired: list[tuple[FaultEvent, str]], at: float) -> None:

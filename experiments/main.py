@@ -12,6 +12,7 @@ the first failed job's exception after its batch, so the task function returns i
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import TYPE_CHECKING
@@ -85,11 +86,22 @@ def run(cfg: DictConfig) -> str:
     return result.run_id
 
 
+def parallel_jobs() -> int:
+    """Jobs this sweep runs at once on this machine: the joblib launcher's ``n_jobs`` (-1: one per CPU), else 1."""
+    launcher = HydraConfig.get().launcher
+    if "joblib" not in str(launcher.get("_target_", "")):
+        return 1
+    n_jobs = int(launcher.get("n_jobs") or 1)
+    return len(os.sched_getaffinity(0)) if n_jobs < 0 else n_jobs
+
+
 def join_sweep(cfg: DictConfig, context: sweep.SweepContext) -> None:
     """Make the job's run a child of the sweep's, when it writes to the sweep's experiment; its progress is the
-    sweep's bar, not a bar of its own."""
+    sweep's bar, not a bar of its own; its share of the CPUs accounts for the jobs beside it. (The joblib launcher
+    also limits each job process's own math threads to its share.)"""
     with open_dict(cfg):
         cfg.progress = False
+        cfg.cluster.parallel_jobs = parallel_jobs()
         if cfg.tracking.uri == context.tracking_uri and cfg.tracking.experiment == context.experiment:
             cfg.tracking.parent_run_id = context.parent_run_id
             cfg.tracking.sweep_id = context.sweep_id

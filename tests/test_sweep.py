@@ -98,3 +98,30 @@ def test_the_comparison_has_a_row_per_policy_and_a_column_per_fault_rate() -> No
 )
 def test_the_number_of_jobs_is_known_before_they_run(overrides: list[str], jobs: int) -> None:
     assert count_jobs(overrides) == jobs
+
+
+def test_submitits_local_executor_runs_a_job_of_a_sweep(tmp_path: Path, token_cache: Path) -> None:
+    """The launcher the SLURM preset uses, with submitit's local executor: the job runs in a process submitit
+    starts, and its run is still the sweep's child."""
+    done = ftlab(
+        tmp_path, token_cache, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10",
+        "cluster.nodes=2", "train.steps=2", "faults.seed=0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, parent, children = sweep_runs(tmp_path)
+    assert [r.info.status for r in children] == ["FINISHED"] and parent.info.status == "FINISHED"
+    assert list(tmp_path.glob("multirun/*/*/.submitit/*/*_log.out")), "the job ran under submitit"
+
+
+def test_the_slurm_preset_is_submitits_slurm_launcher() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from ftlab.experiments.config import register
+    from ftlab.experiments.job import CONF_DIR
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.nodes == 1 and launcher.cpus_per_task == 16
