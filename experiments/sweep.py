@@ -147,6 +147,8 @@ class SweepCallback(Callback):
         folder.mkdir(parents=True, exist_ok=True)
         self._sweep = SweepContext(sweep_id, parent.info.run_id, uri, experiment, str(folder))
         (folder / SWEEP_FILE).write_text(json.dumps(asdict(self._sweep)))
+        for stale in (folder / "jobs").glob("*"):  # a sweep folder given twice (hydra.sweep.dir=...) starts afresh
+            stale.unlink()
         (folder / "jobs").mkdir(exist_ok=True)
         os.environ[SWEEP_ENV] = str(folder)
         print(f"ftlab sweep {sweep_id}: {total or 'several'} jobs, MLflow parent run {parent.info.run_id}", flush=True)

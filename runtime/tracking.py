@@ -69,6 +69,7 @@ def _view_state() -> str:
     columns = [f"metrics.`{name}`" for name in KEY_FIGURES] + ["attributes.`Description`"]
     return json.dumps({
         "selectedColumns": columns,
+        "columnOrder": columns,
         "orderByKey": f"metrics.`{KEY_FIGURES[0]}`",
         "orderByAsc": False,
         "runsExpanded": {},
