@@ -309,6 +309,7 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
         tracker.finish()
         return result
     except BaseException as exc:
+        tracker.describe(f"{describe(cfg)} **Failed**: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         tracker.finish(failure=f"{type(exc).__name__}: {exc}")
         raise
 
