@@ -292,6 +292,12 @@ class Comparison:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if not any(cell["finished"] for cell in self.cells.values()):
+            fig = plt.figure(figsize=(6, 1.5))
+            fig.text(0.5, 0.5, f"{title}: no training job finished with figures", ha="center", va="center")
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            return path
         fig, axes = plt.subplots(1, len(FIGURES), figsize=(4.2 * len(FIGURES), 3.8), layout="constrained")
         width = 0.8 / max(1, len(self.rows))
         for ax, (name, _, label) in zip(axes, FIGURES):
@@ -365,10 +371,12 @@ class SweepProgress:
         ) as progress:  # fmt: skip
             task = progress.add_task("sweep", total=self.total, status="")
             while True:
+                stopping = self._stop.is_set()  # one last count after the sweep ends
                 done, failed, running = self.counts()
                 progress.update(task, completed=done, status=f"{failed} failed, {running} running")
-                if self._stop.wait(0.5):
+                if stopping:
                     break
+                self._stop.wait(0.5)
 
     def _plain(self) -> None:
         counts = self.counts()
