@@ -19,6 +19,7 @@ Jobs of a sweep that differ only in their seed share a column: the table shows t
 
 from __future__ import annotations
 
+import atexit
 import csv
 import io
 import json
@@ -154,6 +155,19 @@ class SweepCallback(Callback):
         print(f"ftlab sweep {sweep_id}: {total or 'several'} jobs, MLflow parent run {parent.info.run_id}", flush=True)
         self._progress = SweepProgress(folder, total)
         self._progress.start()
+        atexit.register(self._abandoned)
+
+    def _abandoned(self) -> None:
+        """The process exits with the sweep unfinished (an override Hydra refused, Ctrl-C): close the parent run as
+        KILLED rather than leave it running."""
+        if self._sweep is None:
+            return
+        from mlflow.entities import RunStatus
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(self._sweep.tracking_uri).set_terminated(
+            self._sweep.parent_run_id, RunStatus.to_string(RunStatus.KILLED)
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global failed_jobs
@@ -175,6 +189,7 @@ class SweepCallback(Callback):
         if total > len(done):
             lines.append(f"  {total - len(done)} jobs ended without reporting (killed?)")
         lines += record_comparison(sweep, total, failed_jobs)
+        self._sweep = None  # closed: nothing left for _abandoned
         print("\n".join(lines), flush=True)
 
 
