@@ -138,19 +138,25 @@ def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: in
         return ["faults=explicit", f"faults.events=[{{kind: join, node: {nodes}, at_step: {rng.randint(1, steps - 2)}}}]"], ["join only"]
     schedule = rng.choice(["explicit", "explicit", "explicit", "fixed", "exponential", "weibull", "trace"])
     failures = rng.randint(1, budget)
+    common = [f"faults.max_failures={failures}"]
+    if schedule != "trace":
+        common.append(f"faults.seed={rng.randint(0, 999)}")
+    # Half of them on the seconds clock, which (unlike steps) runs on while workers restart: faults during recovery.
+    seconds = rng.random() < 0.5
     if schedule == "fixed":
-        return ["faults=fixed", f"faults.interval_s={rng.uniform(1.0, 6.0):.2f}", f"faults.max_failures={failures}",
-                f"faults.seed={rng.randint(0, 999)}", f"faults.kind={rng.choice(['node', 'process'])}"], []  # fmt: skip
+        rate = f"faults.interval_steps=null faults.interval_s={rng.uniform(1.0, 6.0):.2f}" if seconds else f"faults.interval_steps={rng.randint(2, steps - 2)}"
+        return ["faults=fixed", *rate.split(), *common, f"faults.kind={rng.choice(['node', 'process'])}"], []
     if schedule == "exponential":
-        return ["faults=exponential", f"faults.mtbf_s={rng.uniform(1.0, 8.0):.2f}", f"faults.max_failures={failures}",
-                f"faults.seed={rng.randint(0, 999)}", f"faults.kind={rng.choice(['node', 'process', 'hang'])}"], []  # fmt: skip
+        rate = f"faults.mtbf_steps=null faults.mtbf_s={rng.uniform(1.0, 8.0):.2f}" if seconds else f"faults.mtbf_steps={rng.uniform(2, steps):.1f}"
+        return ["faults=exponential", *rate.split(), *common, f"faults.kind={rng.choice(['node', 'process', 'hang'])}"], []
     if schedule == "weibull":
-        return ["faults=weibull", f"faults.weibull_shape={rng.uniform(0.5, 1.5):.2f}",
-                f"faults.weibull_scale_s={rng.uniform(2.0, 8.0):.2f}", f"faults.max_failures={failures}",
-                f"faults.seed={rng.randint(0, 999)}"], []  # fmt: skip
+        scale = (f"faults.weibull_scale_steps=null faults.weibull_scale_s={rng.uniform(2.0, 8.0):.2f}" if seconds
+                 else f"faults.weibull_scale_steps={rng.uniform(2, steps):.1f}")  # fmt: skip
+        return ["faults=weibull", f"faults.weibull_shape={rng.uniform(0.5, 1.5):.2f}", *scale.split(), *common], []
     if schedule == "trace":
-        return ["faults=trace", f"faults.trace={rng.choice(['p3', 'g4dn'])}", f"faults.time_compression={rng.choice([300, 600, 1200])}",
-                f"faults.max_failures={failures}"], []  # fmt: skip
+        rate = (f"faults.trace_s_per_step=null faults.time_compression={rng.choice([300, 600, 1200])}" if seconds
+                else f"faults.trace_s_per_step={rng.choice([60, 120, 240])}")  # fmt: skip
+        return ["faults=trace", f"faults.trace={rng.choice(['p3', 'g4dn'])}", *rate.split(), *common], []
     events, dead, joined = [], set(), 0
     for _ in range(failures):
         kind = rng.choice(["node", "node", "process", "hang"])
@@ -273,6 +279,7 @@ def lost_step_problems(events: list[dict], every: int | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # one line per scenario in the log
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=int(time.strftime("%Y%m%d")), help="default: today's date")
     parser.add_argument("--scenarios", type=int, default=10)

@@ -96,6 +96,15 @@ class FaultSkipped(Event):
 
 
 @dataclass(frozen=True)
+class FaultUnfired(Event):
+    """A scheduled fault the job did not fire: it lies beyond the job's steps, or the job ended first."""
+
+    kind: ClassVar[str] = "fault_unfired"
+    fault: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
 class FailureDetected(Event):
     kind: ClassVar[str] = "failure_detected"
     nodes: tuple[int, ...]

@@ -51,6 +51,7 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("fault phase", explicit("{kind: node, node: 1, at_step: 2, phase: lunch}"), FaultConfigError, "unknown phase"),
     ("fault worker", explicit("{kind: process, node: 1, worker: 3, at_step: 2}"), FaultConfigError, "worker 3"),
     ("last node", ["faults=single-node", "cluster.nodes=1", "train.stages=1"], FaultConfigError, "node 1"),
+    ("fault past the job", ["faults=single-node", "train.steps=10"], FaultConfigError, "at step 10 cannot fire"),
     ("mtbf", ["faults=exponential", "faults.mtbf_s=0"], FaultConfigError, "faults.mtbf_s"),
     ("weibull shape", ["faults=weibull", "faults.weibull_shape=-1"], FaultConfigError, "faults.weibull_shape"),
     ("unused fault setting", ["faults.mtbf_s=20"], FaultConfigError, "does not use it"),

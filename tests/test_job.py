@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
@@ -62,3 +63,29 @@ def test_the_timeline_shows_an_outage_as_zero_throughput() -> None:
     times, rates = throughput_curve([(0.0, 1.0, 10.0), (1.0, 2.0, 12.0), (5.0, 6.0, 11.0)])
     assert times == [0.0, 1.0, 1.0, 2.0, 2.0, 5.0, 5.0, 6.0]
     assert rates == [10.0, 10.0, 12.0, 12.0, 0.0, 0.0, 11.0, 11.0]
+
+
+def events_of(client: MlflowClient, run_id: str, tmp_path: Path) -> list[dict]:
+    local = client.download_artifacts(run_id, "events.jsonl", str(tmp_path))
+    return [json.loads(line) for line in Path(local).read_text().splitlines()]
+
+
+def test_a_fault_free_run_reads_goodput_one_and_a_fault_past_the_job_is_a_warning(run, tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    result = run("train.steps=12", "faults=fixed", "faults.interval_steps=12", "faults.max_failures=1")
+    assert result.summary["summary/failures"] == 0
+    assert result.summary["summary/goodput_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert result.summary["summary/faults_unfired"] == 1
+    assert "fault not fired: the node fault at step 12" in caplog.text
+    client, record = only_run(tmp_path)
+    (unfired,) = [e for e in events_of(client, record.info.run_id, tmp_path) if e["kind"] == "fault_unfired"]
+    assert unfired["fault"]["at_step"] == 12 and "train.steps" in unfired["reason"]
+
+
+def test_a_shipped_generated_schedule_fires_in_a_default_job(run, tmp_path: Path) -> None:  # noqa: ANN001
+    """faults=fixed under the default train.steps: its first fault (step 10) fires on real processes; policy=none
+    stops the job there, which is all this test needs."""
+    with pytest.raises(JobStopped):
+        run("faults=fixed")
+    client, record = only_run(tmp_path)
+    fired = [e for e in events_of(client, record.info.run_id, tmp_path) if e["kind"] == "fault_injected"]
+    assert [e["fault"]["at_step"] for e in fired] == [10]
