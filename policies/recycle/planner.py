@@ -54,6 +54,9 @@ class ReCyclePlan:
     """Seconds spent scheduling (heuristic plus MILP)."""
     transfers: tuple[LayerTransfer, ...] = ()
     """Layer copies that failure normalization needs before the plan can run."""
+    layout: Plan | None = None
+    """The healthy-shaped grid of roles the plan reroutes around: the given grid, or the grid after failure
+    normalization moved survivors between stages (failed workers still name the slots they left)."""
 
 
 def plan_recycle(
@@ -99,4 +102,6 @@ def plan_recycle(
     programs = problem.programs(order)
     check_programs(problem.plan, programs)
     makespan = simulate(programs, problem.durations(), problem.plan)
-    return ReCyclePlan(problem.plan, programs, makespan, used, optimal, lower_bound, binaries, solve_s, transfers)
+    return ReCyclePlan(
+        problem.plan, programs, makespan, used, optimal, lower_bound, binaries, solve_s, transfers, layout=grid
+    )
