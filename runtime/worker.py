@@ -2,6 +2,13 @@
 
 Every decision is the coordinator's. The worker reports an iteration Ready once its gradients are reduced and steps
 its optimizers only on the coordinator's Commit, so an iteration commits on every worker or on none.
+
+The staggered optimizer (``OptimizerStep(early=True)``) keeps that rule while taking the step off the path from
+the commit to the next iteration: the worker steps right after reporting Ready, while the coordinator still waits
+for the other stages and sends the commit, with the state from before the step copied aside (``optim.StepUndo``);
+a Commit keeps the step, an Abort puts the copy back, so every survivor reports the committed step after an abort.
+Why undo rather than computing the update into a buffer applied on Commit: the fused AdamW kernel updates in place,
+so a buffer costs the same copy plus a second pass on Commit, on the path this is meant to shorten; aborts are rare.
 """
 
 from __future__ import annotations
@@ -212,12 +219,12 @@ class Worker:
         except CommError as exc:
             self.channel.send(msg.Failed(step, str(exc)))
             return
+        self.channel.send(msg.Ready(step, result.loss, result.compute_s))
         early = isinstance(self.program[-1], ins.OptimizerStep) and self.program[-1].early
-        if early:  # the staggered optimizer: step now, undo on Abort
+        if early:  # the staggered optimizer: step while the coordinator collects the iteration; undo on Abort
             self._phase(step, "optimizer")
             self.undo.save(self.optimizers)
             step_all(self.optimizers, step, self.setup["optim"])
-        self.channel.send(msg.Ready(step, result.loss, result.compute_s))
         decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
             if early:

@@ -151,9 +151,10 @@ def test_a_stage_that_lost_every_replica_stops_without_protection(run) -> None: 
 
 
 def test_staggered_optimizer_is_exact_and_undone_when_the_iteration_aborts(run, fault_free: JobResult) -> None:  # noqa: ANN001
-    # Step 3: worker 1 dies at its early optimizer step, after peers may have stepped; step 6: worker 2 dies at its
-    # gradient reduction while worker 3 (stage 1 alone by then) has already stepped: both steps abort and the
-    # survivors' early steps are undone, else the next steps would start from the wrong weights.
+    # Step 3: worker 1 dies at its early optimizer step (its Ready sent, stage 0 still at work), after its peer 3
+    # stepped too; step 6: worker 2 dies at its gradient reduction while worker 3 (stage 1 alone by then) has
+    # already stepped. Both steps abort and the survivors' early steps are undone, else the next steps would start
+    # from the wrong weights (this test fails with the undo left out).
     result = run(*recycle(), "policy.staggered_optimizer=true", *explicit(node(1, 3, "optimizer"), node(2, 6, "reduce")))
     assert_on_fault_free_trajectory(result, fault_free)
     assert_rerouted_in_place(result, failures=2)
