@@ -58,6 +58,7 @@ class Cluster:
     def join(self, plan: Plan, node: int) -> Decision | Keep | Stop:
         wpn = self.cfg.cluster.workers_per_node
         self.slots[node] = tuple(range(node * wpn, (node + 1) * wpn))
+        self.dead -= set(self.slots[node])
         return self.change(plan, joined_nodes=(node,))
 
 
@@ -166,6 +167,14 @@ def test_a_join_takes_back_a_failed_role_and_returns_to_the_fault_free_schedule(
     assert sorted(t.layer for t in joined.transfers) == [4, 5, 6, 7]
     assert {t.source for t in joined.transfers} <= {3, 5, 7}
     assert isinstance(cluster.join(joined.plan, 9), Keep), "no failed role left to take"
+
+
+def test_a_node_back_under_its_old_id_takes_its_own_role_back() -> None:
+    cluster = Cluster()
+    failed = rerouted(cluster.kill_node(cluster.first.plan, 1))
+    back = rerouted(cluster.join(failed.plan, 1))
+    assert [p.workers for p in back.plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert {t.destination for t in back.transfers} == {1} and len(back.transfers) == 4
 
 
 def test_a_join_with_failures_left_still_reroutes_around_them() -> None:

@@ -160,19 +160,25 @@ class ReCycle(Policy):
 
     def _join(self, layout: Plan, alive: Collection[int], change: Change, job: Job) -> Outcome:
         joined = [w for n in sorted(change.joined_nodes) for w in job.workers_of_node.get(n, ())]
-        holes = [(p, s) for p, s, st in layout.stages() if st.worker not in alive]
+        # A node that comes back under its old id finds its workers' slots: they hold nothing now, so they are holes
+        # too, each taken back by its own worker first.
+        holes = [(p, s) for p, s, st in layout.stages() if st.worker not in alive or st.worker in joined]
         if not holes:
             return Keep(f"{change.describe()}: no failed role to take, so they wait")
         slots = [[st.worker for st in pipeline.stages] for pipeline in layout.pipelines]
+        returning = [(p, s) for p, s in holes if slots[p][s] in joined]
+        newcomers = [w for w in joined if w not in {slots[p][s] for p, s in returning}]
+        filling = [((p, s), slots[p][s]) for p, s in returning]
+        filling += list(zip([h for h in holes if h not in returning], newcomers))
         bounds = grid_shape(layout)
         transfers: list[LayerTransfer] = []
-        for (p, s), worker in zip(holes, joined):
+        for (p, s), worker in filling:
             slots[p][s] = worker
             for layer in range(*bounds[s]):
                 holders = [w for w, layers in sorted(change.holdings.items()) if layer in layers]
                 transfers.append(LayerTransfer(layer, holders[len(transfers) % len(holders)], worker))
         filled = _with_slots(layout, slots)
-        taken = [worker for _, worker in zip(holes, joined)]
+        taken = [worker for _, worker in filling]
         why = f"{change.describe()}: workers {taken} take back failed roles"
         return self._reroute(filled, set(alive) | set(taken), job, why, tuple(transfers))
 
