@@ -45,7 +45,8 @@ class Cluster:
     def change(self, plan: Plan, **kwargs: object) -> Decision | Keep | Stop:
         self.generation += 1
         holdings = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items() if w not in self.dead}
-        return self.policy.on_change(Change(plan, 4, self.generation, holdings=holdings, **kwargs), self.job(), self.protection)  # type: ignore[arg-type]
+        change = Change(plan, 4, self.generation, holdings=holdings, **kwargs)  # type: ignore[arg-type]
+        return self.policy.on_change(change, self.job(), self.protection)
 
     def kill_node(self, plan: Plan, node: int) -> Decision | Keep | Stop:
         self.dead |= set(self.slots.pop(node))
@@ -93,6 +94,8 @@ def test_one_failure_reroutes_to_peers_without_restart_or_copy() -> None:
     # Two micro-batches per pipeline: the peers absorb the extra work in their bubbles.
     assert decision.details["predicted_iter_s"] >= decision.details["fault_free_iter_s"]
     assert "rerouted to peers" in decision.reason and "node 1 failed" in decision.reason
+    # The runs of tests/test_recycle_recovery.py execute these programs: their decoupled backward is under the oracle.
+    assert decoupled(decision.programs) == decision.details["decoupled"] > 0
 
 
 def test_the_schedule_of_a_failure_pattern_is_cached() -> None:
@@ -116,7 +119,7 @@ def test_failures_accumulate_across_stages() -> None:
 def test_a_node_of_two_workers_loses_a_whole_pipeline() -> None:
     cluster = Cluster("cluster=local-4x2")
     decision = rerouted(cluster.kill_node(cluster.first.plan, 1))  # workers 2 and 3: pipeline 1
-    assert decision.details["failed"] == [2, 3] and not decision.transfers
+    assert decision.details["failed"] == [2, 3] and not decision.transfers and decoupled(decision.programs) > 0
 
 
 def test_crowded_failures_are_normalized_by_moving_a_survivor() -> None:
@@ -198,7 +201,6 @@ def test_the_milp_solver_plans_too() -> None:
     decision = rerouted(cluster.kill_node(cluster.first.plan, 1))
     assert decision.details["method"] in ("milp", "heuristic")  # the list schedule may already be optimal
     assert decision.details["makespan"] >= decision.details["lower_bound"] - 1e-12
-    assert decoupled(decision.programs) >= 0
 
 
 @pytest.mark.parametrize(("override", "message"), [("policy.solver=cplex", "policy.solver='cplex'"),

@@ -86,7 +86,8 @@ class ReCycle(Policy):
 
     # -- changes ---------------------------------------------------------------------------------------------------
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
-        layout = dataclasses.replace(self._layouts[change.plan.generation], generation=change.generation, step=change.step)
+        confirmed = self._layouts[change.plan.generation]
+        layout = dataclasses.replace(confirmed, generation=change.generation, step=change.step)
         alive = set(job.workers)
         if change.is_failure:
             lost = _lost_stages(layout, alive)
@@ -95,7 +96,10 @@ class ReCycle(Policy):
             return self._reroute(layout, alive, job, change.describe())
         return self._join(layout, alive, change, job)
 
-    def _reroute(self, layout: Plan, alive: Collection[int], job: Job, why: str, transfers: tuple[LayerTransfer, ...] = ()) -> Decision:
+    def _reroute(
+        self, layout: Plan, alive: Collection[int], job: Job, why: str, transfers: tuple[LayerTransfer, ...] = ()
+    ) -> Decision:
+        """The plan around the dead slots of ``layout`` (the fault-free grid when there is none)."""
         dead = frozenset(w for w in layout.workers if w not in alive)
         if not dead:
             return self._fault_free(layout, job, why, transfers=transfers)
