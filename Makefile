@@ -47,6 +47,7 @@ bench: setup
 	$(PYTHON) -m ftlab.experiments.bench_runtime
 	$(PYTHON) -m ftlab.experiments.bench_planner
 	$(PYTHON) -m ftlab.experiments.bench_recovery
+	$(PYTHON) -m ftlab.experiments.bench_staggered
 
 clean:
 	rm -rf $(VENV) .ftlab outputs multirun mlflow.db sweep.db mlruns mlartifacts ui-artifacts

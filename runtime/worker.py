@@ -2,6 +2,13 @@
 
 Every decision is the coordinator's. The worker reports an iteration Ready once its gradients are reduced and steps
 its optimizers only on the coordinator's Commit, so an iteration commits on every worker or on none.
+
+The staggered optimizer (``OptimizerStep(early=True)``) keeps that rule while taking the step off the path from
+the commit to the next iteration: the worker steps right after reporting Ready, while the coordinator still waits
+for the other stages and sends the commit, with the state from before the step copied aside (``optim.StepUndo``);
+a Commit keeps the step, an Abort puts the copy back, so every survivor reports the committed step after an abort.
+Why undo rather than computing the update into a buffer applied on Commit: the fused AdamW kernel updates in place,
+so a buffer costs the same copy plus a second pass on Commit, on the path this is meant to shorten; aborts are rare.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from ftlab.runtime.instructions import Instruction
 from ftlab.runtime.layer_state import decode, encode, layer_state
 from ftlab.runtime.model import StageModule, build_layer
 from ftlab.runtime.model_spec import ModelConfig, num_layers
-from ftlab.runtime.optim import layer_optimizer, step_all
+from ftlab.runtime.optim import StepUndo, layer_optimizer, step_all
 from ftlab.runtime.plan import Plan
 
 # Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
@@ -68,6 +75,8 @@ class Worker:
         self.executor: Executor | None = None
         self.program: list[Any] = []
         self.armed: set[tuple[int, str]] = set()
+        self.undo = StepUndo()
+        """An optimizer step taken before its commit (``OptimizerStep(early=True)``), until Commit or Abort."""
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _receive(self) -> Any:
@@ -211,10 +220,18 @@ class Worker:
             self.channel.send(msg.Failed(step, str(exc)))
             return
         self.channel.send(msg.Ready(step, result.loss, result.compute_s))
+        early = isinstance(self.program[-1], ins.OptimizerStep) and self.program[-1].early
+        if early:  # the staggered optimizer: step while the coordinator collects the iteration; undo on Abort
+            self._phase(step, "optimizer")
+            self.undo.save(self.optimizers)
+            step_all(self.optimizers, step, self.setup["optim"])
         decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
-            self._phase(step, "optimizer")
-            step_all(self.optimizers, step, self.setup["optim"])
+            if early:
+                self.undo.discard()
+            else:
+                self._phase(step, "optimizer")
+                step_all(self.optimizers, step, self.setup["optim"])
             self.step = step + 1
         elif isinstance(decision, msg.Abort):
             self._abort(decision.generation)
@@ -222,6 +239,8 @@ class Worker:
             raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
 
     def _abort(self, generation: int) -> None:
+        if self.undo.armed:
+            self.undo.restore()  # an early optimizer step of the abandoned iteration
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
         self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
