@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig, build, register
 from ftlab.faults.injector import Injector
-from ftlab.faults.schedules import ClusterShape, FaultEvent, build_schedule
+from ftlab.faults.schedules import ClusterShape, FaultEvent, build_schedule, failure_rate
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
@@ -83,10 +83,11 @@ def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Member
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * GIB)
     profile = cache(lambda: job_profile(cfg)[0])
+    rate, shape = failure_rate(cfg.faults) or (None, 1.0)
 
     def make(membership: Membership) -> Job:
         return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
-                   profile, start)  # fmt: skip
+                   profile, start, rate, shape)  # fmt: skip
 
     return make
 
@@ -144,6 +145,8 @@ def check_settings(cfg: JobConfig) -> None:
             f"train.lr={t.lr}, train.min_lr={t.min_lr}: the learning rate must be positive and the minimum between "
             f"0 and it"
         )
+    if t.zero not in (0, 1):
+        raise ConfigError(f"train.zero={t.zero}: use 0 (no optimizer sharding) or 1 (ZeRO-1)")
     if t.warmup_steps < 0 or t.weight_decay < 0 or not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
@@ -195,6 +198,7 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
         policy.check(protection)
         decision = policy.plan(job, protection)
         decision.plan.validate()
+        protection.check_plan(decision.plan, job)
     except PlanError as exc:
         raise ConfigError(str(exc)) from exc
     missing = set(decision.plan.workers) - set(decision.programs)
@@ -259,7 +263,10 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
     run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg))
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
-        result = _run(cfg, tracker, preflight(cfg))
+        checked = preflight(cfg)
+        for key, value in checked.protection.describe().items():
+            tracker.set_tag(f"protection.{key}", value)
+        result = _run(cfg, tracker, checked)
         result.run_id = run_id
         tracker.finish()
         return result
@@ -309,8 +316,10 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "tokens_path": str(checked.tokens),
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
+        "zero": t.zero,
     }
     cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
+    setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
     try:
         cluster.start(c.start_timeout_s)

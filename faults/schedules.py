@@ -75,8 +75,10 @@ FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 GENERATED_KINDS: tuple[str, ...] = ("node", "process", "hang")
 WORKER_KINDS: tuple[str, ...] = ("process", "hang")
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
-"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``."""
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer", "snapshot")
+"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``;
+``snapshot``: in the middle of copying the in-memory snapshot of ``at_step`` committed steps (``protection=reft``),
+after one record's bytes and before its commit record."""
 SCHEDULES: tuple[str, ...] = ("none", "explicit", "fixed", "exponential", "weibull", "trace")
 
 # A typo such as horizon_s=1e9 with mtbf_s=1 would otherwise build a list of a billion events before anything runs.
@@ -221,6 +223,18 @@ def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape)
         )
     _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule])
     return events
+
+
+def failure_rate(cfg: FaultsConfig) -> tuple[float, float] | None:
+    """(expected faults per second for the whole cluster, Weibull shape) of a generated schedule; None for those
+    that do not say (none, explicit, trace)."""
+    if cfg.schedule == "fixed" and cfg.interval_s:
+        return 1.0 / cfg.interval_s, 1.0
+    if cfg.schedule == "exponential" and cfg.mtbf_s:
+        return 1.0 / cfg.mtbf_s, 1.0
+    if cfg.schedule == "weibull" and cfg.weibull_shape and cfg.weibull_scale_s:
+        return 1.0 / (cfg.weibull_scale_s * math.gamma(1 + 1 / cfg.weibull_shape)), cfg.weibull_shape
+    return None
 
 
 def _clock(event: FaultEvent) -> float:

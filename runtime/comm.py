@@ -84,12 +84,15 @@ class GenerationComm:
         worker: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
+        helpers: Iterable[int] = (),
     ) -> None:
+        """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
+        workers, in order) to send what only their node holds, e.g. snapshot records after a restart."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        workers = plan.workers
+        workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
         self.world = _new_group(store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s)

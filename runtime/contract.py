@@ -53,6 +53,11 @@ class Job:
     """The per-layer costs of this model on this cluster's devices (measured or analytic; cached by the caller)."""
     start: Source | None = None
     """Saved state the first plan starts from (``train.resume_from``), or None for a fresh model."""
+    failures_per_s: float | None = None
+    """The fault schedule's expected failures per second of training, for the whole cluster (None: it does not
+    say, e.g. an explicit list or no faults). Protections that tune their interval to the failure rate read it."""
+    failure_shape: float = 1.0
+    """The Weibull shape of the schedule's times between failures (1: exponential)."""
 
     @property
     def workers(self) -> list[int]:
@@ -111,6 +116,8 @@ class Source:
 
     kind: ClassVar[str]
     step: int
+    reason: str = field(default="", kw_only=True, compare=False)
+    """Why the protection offers this state (e.g. why memory was not enough), for the event log."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,45 @@ class StorageSource(Source):
 
     kind: ClassVar[str] = "storage"
     directory: str
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """One record of an in-memory snapshot in a node's host memory (``runtime.snapshot_layout`` says what each
+    kind holds): a shard of a sharding group's state, a redundant copy of one, or an XOR parity."""
+
+    node: int
+    layers: tuple[int, ...]
+    """The sharding group's layers (the group's state is theirs, split into ``members`` shards)."""
+    members: int
+    index: int
+    """The shard's index (kinds shard and copy), or the index of the member that wrote the parity."""
+    kind: str
+    """shard | copy | parity"""
+    crc: int = 0
+    """CRC-32 of the record's bytes as written."""
+    nbytes: int = 0
+
+    @property
+    def name(self) -> str:
+        """Its file name in the node's memory: records of the same group, index and kind replace each other."""
+        return f"L{self.layers[0]}-{self.layers[-1]}.m{self.members}.{self.kind}{self.index}"
+
+
+@dataclass(frozen=True)
+class MemorySource(Source):
+    """An in-memory snapshot (REFT): records in the host memory of live nodes, from which every shard of every
+    sharding group of ``plan`` is read, copied from a peer, or decoded from parity."""
+
+    kind: ClassVar[str] = "memory"
+    plan: Plan
+    """The plan the snapshot was taken on: its sharding groups are the holders of each run of layers."""
+    workers_per_node: int
+    records: tuple[MemoryRecord, ...]
+    """Every intact record of step ``step`` on a live node."""
+    shard_crcs: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    """(group layers, shard index, CRC-32) of every shard as its owner wrote it: a shard rebuilt from a copy or
+    parity is checked against it, so a restore is bit-exact or fails."""
 
 
 # -- what the policies answer --------------------------------------------------------------------------------------
@@ -187,6 +233,20 @@ class SaveCheckpoint(Action):
     keep: int = 2
 
 
+@dataclass(frozen=True)
+class TakeSnapshot(Action):
+    """Copy the just-committed step's state into the host memory of the workers' nodes, sharded over each group of
+    holders of the same layers and protected by ``mode`` (``runtime.snapshot_layout``), without stopping training:
+    the copies overlap the next iteration and complete asynchronously, each writer reporting its records."""
+
+    plan: Plan
+    mode: str
+    """arc | aec | aor | arc+aec"""
+    workers_per_node: int
+    keep: int
+    """The newest complete snapshot's step (-1: none): no writer overwrites it, whatever happens to this one."""
+
+
 # -- the two roles -------------------------------------------------------------------------------------------------
 class Protection(ABC):
     """Where state is kept between failures."""
@@ -204,16 +264,30 @@ class Protection(ABC):
     def check(self, job: Job) -> None:
         """Raise ConfigError if this protection cannot protect ``job``."""
 
+    def check_plan(self, plan: Plan, job: Job) -> None:
+        """Raise ConfigError if this protection cannot protect the first plan of ``job`` (checked before any worker
+        starts)."""
+
+    def describe(self) -> dict[str, str]:
+        """Choices the protection made from the job (e.g. an interval tuned to the failure rate), recorded with the
+        run."""
+        return {}
+
     @abstractmethod
     def after_commit(self, step: int, plan: Plan) -> list[Action]:
         """What to save now that ``step`` steps are committed."""
 
-    def saved(self, action: Action, step: int) -> None:
-        """The coordinator carried out ``action`` for ``step`` completely."""
+    def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
+        """The coordinator carried out ``action`` for ``step``: completely, or, for an asynchronous snapshot, one
+        writer's part of it (the ``records`` that writer completed)."""
 
     def restore_source(self, change: Change | None = None) -> Source | None:
         """The newest complete saved state that survives ``change``, or None."""
         return None
+
+    def unusable(self, source: Source, reason: str) -> None:
+        """``source`` (which this protection offered) cannot be loaded after all (a record failed its checksum):
+        offer something else next time."""
 
 
 class Policy(ABC):

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import traceback
+import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ftlab.runtime import checkpoint
+from ftlab.runtime import checkpoint, shm
 from ftlab.runtime import instructions as ins
 from ftlab.runtime import messages as msg
 from ftlab.runtime.comm import Aborted, CommError, GenerationComm
+from ftlab.runtime.contract import MemorySource, Source, StorageSource
 from ftlab.runtime.data import Batches
-from ftlab.runtime.contract import Source, StorageSource
 from ftlab.runtime.executor import Executor
 from ftlab.runtime.instructions import Instruction
 from ftlab.runtime.layer_state import decode, encode, layer_state
@@ -33,9 +34,14 @@ from ftlab.runtime.model import StageModule, build_layer
 from ftlab.runtime.model_spec import ModelConfig, num_layers
 from ftlab.runtime.optim import layer_optimizer, step_all
 from ftlab.runtime.plan import Plan
+from ftlab.runtime.snapshot import (
+    Snapshotter, assemble, decode_shard, geometry, load_into, member_state, read_record,
+)  # fmt: skip
+from ftlab.runtime.snapshot_layout import Fetch, groups_of, load_plan
 
-# Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
+# Transfer tags sit far above the activation and gradient tags (2 per micro-batch); snapshot loads above those.
 _TRANSFER_TAG = 1 << 24
+_LOAD_TAG = 1 << 25
 
 
 class Channel:
@@ -51,9 +57,10 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, channel: Channel, aborts: Connection, worker: int, heartbeat_s: float) -> None:
+    def __init__(self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float) -> None:
         self.channel = channel
         self.aborts = aborts
+        self.node = node
         self.worker = worker
         self.heartbeat_s = heartbeat_s
         # The abort thread fails the main thread's communication; this lock orders it with a generation change.
@@ -68,6 +75,9 @@ class Worker:
         self.executor: Executor | None = None
         self.program: list[Any] = []
         self.armed: set[tuple[int, str]] = set()
+        self.snapshotter: Snapshotter | None = None
+        self._snapshot_s: float | None = None
+        """Time the main thread spent on snapshots since the last Ready (None: none was taken)."""
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _receive(self) -> Any:
@@ -118,12 +128,15 @@ class Worker:
                 self.armed.add((message.step, message.phase))
             elif isinstance(message, msg.SaveCheckpoint):
                 self._save(message)
+            elif isinstance(message, msg.TakeSnapshot):
+                self._snapshot(message)
             elif isinstance(message, msg.Commit):
                 pass  # a commit for an iteration this worker already abandoned: ignore
             else:
                 raise TypeError(f"unexpected control message {message!r}")
 
     def _configure(self, message: msg.Configure) -> None:
+        self._finish_snapshot()  # its layers may be dropped or replaced below
         if message.setup:
             self.setup = message.setup
         plan = Plan.from_dict(message.plan)
@@ -137,26 +150,34 @@ class Worker:
             )
         if self.comm is not None:
             self.comm.retire()
-        comm = GenerationComm(self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"])
+        comm = GenerationComm(
+            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers
+        )
         with self._comm_lock:
             self.comm = comm
             if self._aborted_generation >= plan.generation:  # the Abort overtook this Configure
                 comm.interrupt()
+        if self.worker not in plan.workers:  # a helper: it only sends its node's snapshot records
+            self.executor = None
+            self._configure_helper(plan, message)
+            return
+        _, _, stage = plan.stage_of(self.worker)
+        missing = [index for index in stage.layers if index not in self.layers]
         try:
             received = self._transfer(message.transfers)
+            missing = [index for index in missing if index not in self.layers]
+            if missing and plan.step != 0 and message.restore is None:
+                raise RuntimeError(f"layers {missing} are missing at step {plan.step} and nothing provides them")
+            for index in missing:
+                self._add_layer(index)
+            started = time.perf_counter()
+            restored, source = self._restore(missing, message.restore, plan, message.helpers)
         except Aborted:
             return  # a failure during the reconfiguration: the main loop acknowledges the Abort
         except CommError as exc:
             self.channel.send(msg.Failed(plan.step, str(exc)))
             return
-        _, _, stage = plan.stage_of(self.worker)
-        for index in stage.layers:
-            if index not in self.layers:
-                if plan.step != 0 and message.restore is None:
-                    raise RuntimeError(f"layer {index} is missing at step {plan.step} and nothing provides it")
-                self._add_layer(index)
-                if message.restore is not None:
-                    self._restore(index, message.restore)
+        restore_s = time.perf_counter() - started
         # Layers this stage no longer runs are kept until the plan's first step: should the reconfiguration fail,
         # they are still where the last confirmed plan put them.
         self.step = plan.step
@@ -166,7 +187,18 @@ class Worker:
         comm.bucket_gradients(self.layers)
         self.executor = Executor(stage_module, num_layers(model), model.hidden, comm, batches, self._phase)
         self.program = message.program
-        self.channel.send(msg.Configured(plan.generation, self.step, received))
+        self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
+
+    def _configure_helper(self, plan: Plan, message: msg.Configure) -> None:
+        try:
+            if isinstance(message.restore, MemorySource):
+                self._load_from_memory(message.restore, plan, message.helpers, [])
+        except Aborted:
+            return
+        except CommError as exc:
+            self.channel.send(msg.Failed(plan.step, str(exc)))
+            return
+        self.channel.send(msg.Configured(plan.generation, self.step))
 
     def _add_layer(self, index: int) -> None:
         self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"])
@@ -210,7 +242,9 @@ class Worker:
         except CommError as exc:
             self.channel.send(msg.Failed(step, str(exc)))
             return
-        self.channel.send(msg.Ready(step, result.loss, result.compute_s))
+        self._finish_snapshot()
+        snapshot_s, self._snapshot_s = self._snapshot_s, None
+        self.channel.send(msg.Ready(step, result.loss, result.compute_s, snapshot_s))
         decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
             self._phase(step, "optimizer")
@@ -222,6 +256,7 @@ class Worker:
             raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
 
     def _abort(self, generation: int) -> None:
+        self._finish_snapshot()  # the state it copies is the committed one: let it complete, and say so
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
         self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
@@ -243,12 +278,90 @@ class Worker:
             self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
         self.channel.send(msg.Saved(message.step, nbytes))
 
-    def _restore(self, index: int, source: Source) -> None:
+    def _restore(
+        self, layers: list[int], source: Source | None, plan: Plan, helpers: tuple[int, ...]
+    ) -> tuple[int, str]:
+        """Load ``layers`` (built fresh) from ``source``; (bytes loaded, where from: memory, parity or storage)."""
+        if source is None:
+            return 0, ""
+        if isinstance(source, MemorySource):
+            return self._load_from_memory(source, plan, helpers, layers)
         if not isinstance(source, StorageSource):
             raise TypeError(f"this worker cannot restore from {source!r}")
-        state = decode(checkpoint.layer_path(Path(source.directory), index).read_bytes())
-        self.layers[index].load_state_dict(state["module"])
-        self.optimizers[index].load_state_dict(state["optimizer"])
+        nbytes = 0
+        for index in layers:
+            data = checkpoint.layer_path(Path(source.directory), index).read_bytes()
+            state = decode(data)
+            self.layers[index].load_state_dict(state["module"])
+            self.optimizers[index].load_state_dict(state["optimizer"])
+            nbytes += len(data)
+        return nbytes, "storage"
+
+    # -- snapshots (REFT) --------------------------------------------------------------------------------------
+    @property
+    def memory(self) -> Path:
+        """This node's host memory for snapshots (its agent's directory)."""
+        return shm.node_dir(self.setup["memory_root"], self.node)
+
+    def _snapshot(self, message: msg.TakeSnapshot) -> None:
+        started = time.perf_counter()
+        self._finish_snapshot()
+        if self.snapshotter is None:
+            self.snapshotter = Snapshotter(self.memory, self._phase)
+        model = self.setup["model"]
+        assert self.executor is not None
+        groups = {g.layers: g for g in groups_of(self.comm.plan)}  # type: ignore[union-attr]
+        states = {
+            layers: member_state(model, groups[layers], self.layers, self.optimizers)
+            for layers in {r.layers for r in message.records}
+        }
+        self.snapshotter.start(states, message.records, message.step, message.keep)
+        self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
+
+    def _finish_snapshot(self) -> None:
+        """Wait for the snapshot being copied, if any, and report its records."""
+        if self.snapshotter is None or not self.snapshotter.running:
+            return
+        started = time.perf_counter()
+        report = self.snapshotter.finish()
+        self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
+        if report is not None:
+            self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s))
+
+    def _load_from_memory(self, source: MemorySource, plan: Plan, helpers: tuple[int, ...], layers: list[int]) -> tuple[int, str]:
+        """REFT-load: send the records of this node that others need, then rebuild every old group that overlaps
+        ``layers`` from this node's records, peers' records and parity; every shard is checked against the CRC its
+        owner reported, so the state loaded is the snapshot's bit for bit."""
+        assert self.comm is not None
+        mine = load_plan(source, plan, helpers)[self.worker]
+        for record, receiver, tag in mine.sends:
+            self.comm.send_bytes(read_record(self.memory, record, source.step, record.nbytes), receiver, _LOAD_TAG + tag)
+        model = self.setup["model"]
+        crcs = {(layers_, index): crc for layers_, index, crc in source.shard_crcs}
+        nbytes, decoded = 0, False
+        wanted = {index: self.layers[index] for index in layers}
+        for load in mine.groups:
+            g = geometry(model, load.group)
+            shards = {i: self._fetch(f, source.step) for i, f in load.shards.items()}
+            for i, fetches in load.decode.items():
+                shards[i] = decode_shard(g, i, shards, {f.record.index: self._fetch(f, source.step) for f in fetches})
+                decoded = True
+            for i, shard in shards.items():
+                expected = crcs.get((load.group.layers, i))
+                if expected is not None and zlib.crc32(shard.numpy()) != expected:
+                    raise shm.ChecksumError(f"shard {i} of {load.group.describe()} rebuilt for step {source.step} "
+                                            f"does not match the CRC its owner reported")  # fmt: skip
+            nbytes += load_into(model, load.group, assemble(g, shards), wanted, self.optimizers)
+        self.comm.flush_sends()
+        return nbytes, "parity" if decoded else "memory"
+
+    def _fetch(self, fetch: Fetch, step: int) -> torch.Tensor:
+        assert self.comm is not None
+        if fetch.sender is None:
+            data = read_record(self.memory, fetch.record, step, fetch.record.nbytes)
+        else:
+            data = self.comm.recv_bytes(fetch.sender, _LOAD_TAG + fetch.tag)
+        return torch.frombuffer(bytearray(data), dtype=torch.float32)
 
 
 def main() -> None:
@@ -265,7 +378,7 @@ def main() -> None:
     aborts = msg.connect(args.coordinator_port)
     aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker))
     try:
-        Worker(channel, aborts, args.worker, args.heartbeat_s).serve()
+        Worker(channel, aborts, args.node, args.worker, args.heartbeat_s).serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise
