@@ -1,12 +1,14 @@
-"""``make fault-ci``: a fault-injection job for CI, for every policy in conf/policy/.
+"""``make fault-ci``: a fault-injection job for CI, for every policy in conf/policy/ with each protection that keeps
+state (storage checkpoints, REFT's in-memory snapshots).
 
-Each policy trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
+Each pair trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
 fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. The invariants:
 
 - a policy that recovers finishes its MLflow run, and every step's loss (as finally committed) equals the
-  fault-free run's within the equivalence tolerance; it loses at most the steps since its last checkpoint, and
-  every committed checkpoint loads;
-- a policy that does not recover (``none``) stops at the failure and marks its run FAILED with the reason.
+  fault-free run's within the equivalence tolerance; it loses at most the steps since its last checkpoint (none
+  with a snapshot every step), and every committed checkpoint loads;
+- a policy that does not recover (``none``) stops at the failure and marks its run FAILED with the reason;
+- no job leaves its nodes' memory in /dev/shm.
 
 Prints one line per check and closes with ``N passed, N failed``; exits non-zero if any check failed.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime import checkpoint
+from ftlab.runtime import checkpoint, shm
 from ftlab.runtime.layer_state import decode
 from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
 from ftlab.runtime.coordinator import JobStopped
@@ -31,6 +33,11 @@ STEPS = 10
 CHECKPOINT_EVERY = 3
 LOSS_RTOL = 1e-5
 KILL = "faults.events=[{kind: node, node: 3, at_step: 5, phase: backward}]"
+PROTECTIONS = {
+    "storage": ["protection=storage", f"protection.every={CHECKPOINT_EVERY}"],
+    "reft": ["protection=reft", "protection.interval=1", f"protection.flush_every={CHECKPOINT_EVERY}"],
+}
+LOST_AT_MOST = {"storage": CHECKPOINT_EVERY, "reft": 0}
 
 
 class Checks:
@@ -61,11 +68,11 @@ def checkpoints_load(directory: str) -> bool:
     )
 
 
-def scenario(policy: str, workdir: Path) -> Callable[..., JobResult]:
+def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobResult]:
     def run(*extra: str) -> JobResult:
         overrides = [
             "experiment=plain", f"policy={policy}", "cluster=local-6", "cluster.device_memory_gb=0.04",
-            f"train.steps={STEPS}", "protection=storage", f"protection.every={CHECKPOINT_EVERY}", "progress=false",
+            f"train.steps={STEPS}", *PROTECTIONS[protection], "progress=false",
             f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints",
             *extra,
         ]  # fmt: skip
@@ -74,37 +81,50 @@ def scenario(policy: str, workdir: Path) -> Callable[..., JobResult]:
     return run
 
 
-def check_policy(policy: str, workdir: Path, checks: Checks) -> None:
-    run = scenario(policy, workdir)
+def segments() -> set[str]:
+    return {p.name for p in shm.ROOT.glob("ftlab-*")}
+
+
+def check_policy(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+    before = segments()
+    check_recovery(policy, protection, workdir, checks, f"{policy} + {protection}")
+    left = segments() - before
+    checks.check(f"{policy} + {protection}: no memory left in /dev/shm", not left, str(sorted(left)))
+
+
+def check_recovery(policy: str, protection: str, workdir: Path, checks: Checks, label: str) -> None:
+    run = scenario(policy, protection, workdir)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     if policy == "none":
         try:
             run("faults=explicit", KILL)
-            checks.check(f"{policy}: stops at the failure", False, "the job finished")
+            checks.check(f"{label}: stops at the failure", False, "the job finished")
         except JobStopped as stopped:
-            checks.check(f"{policy}: stops at the failure", "node 3" in str(stopped), str(stopped))
+            checks.check(f"{label}: stops at the failure", "node 3" in str(stopped), str(stopped))
         latest = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id], order_by=["start_time DESC"])[0]
-        checks.check(f"{policy}: run marked FAILED with the reason", latest.info.status == "FAILED" and "failure_reason" in latest.data.tags)
+        checks.check(f"{label}: run marked FAILED with the reason", latest.info.status == "FAILED" and "failure_reason" in latest.data.tags)
         return
     reference = run()
     faulty = run("faults=explicit", KILL)
     status = client.get_run(faulty.run_id).info.status
-    checks.check(f"{policy}: run FINISHED", status == "FINISHED", status)
-    checks.check(f"{policy}: every step committed", sorted(losses_by_step(faulty)) == list(range(STEPS)))
-    checks.check(f"{policy}: losses equal the fault-free run's", same_losses(losses_by_step(faulty), losses_by_step(reference)))
-    lost = [f.lost_steps for f in faulty.faults]
-    checks.check(f"{policy}: one failure, at most {CHECKPOINT_EVERY} committed steps lost", len(lost) == 1 and 0 <= (lost[0] or 0) <= CHECKPOINT_EVERY, str(lost))
-    checks.check(f"{policy}: committed checkpoints load", checkpoints_load(faulty.checkpoint_dir))
+    checks.check(f"{label}: run FINISHED", status == "FINISHED", status)
+    checks.check(f"{label}: every step committed", sorted(losses_by_step(faulty)) == list(range(STEPS)))
+    checks.check(f"{label}: losses equal the fault-free run's", same_losses(losses_by_step(faulty), losses_by_step(reference)))
+    lost, most = [f.lost_steps for f in faulty.faults], LOST_AT_MOST[protection]
+    checks.check(f"{label}: one failure, at most {most} committed steps lost", len(lost) == 1 and 0 <= (lost[0] or 0) <= most, str(lost))
+    checks.check(f"{label}: committed checkpoints load", checkpoints_load(faulty.checkpoint_dir))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", nargs="*", default=sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml")))
+    parser.add_argument("--protections", nargs="*", default=sorted(PROTECTIONS), choices=sorted(PROTECTIONS))
     args = parser.parse_args()
     checks = Checks()
     for policy in args.policies:
-        with tempfile.TemporaryDirectory(prefix=f"fault-ci-{policy}-") as workdir:
-            check_policy(policy, Path(workdir), checks)
+        for protection in args.protections:
+            with tempfile.TemporaryDirectory(prefix=f"fault-ci-{policy}-{protection}-") as workdir:
+                check_policy(policy, protection, Path(workdir), checks)
     print(f"{checks.passed} passed, {checks.failed} failed")
     sys.exit(1 if checks.failed else 0)
 

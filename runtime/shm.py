@@ -133,7 +133,13 @@ def inventory(directory: Path, step: int) -> tuple[dict[str, int], list[str]]:
 
 
 def remove(directory: Path) -> None:
+    """Remove a node's memory, and the job's directory with it once no node's memory is left in it."""
     shutil.rmtree(directory, ignore_errors=True)
+    if directory.parent != ROOT and directory.parent.name.startswith("ftlab-"):
+        try:
+            directory.parent.rmdir()
+        except OSError:
+            pass  # another node's memory is still there (or the directory is gone already)
 
 
 def job_root(tag: str) -> Path:
