@@ -28,6 +28,7 @@ bench: setup
 	$(PYTHON) -m experiments.bench_runtime
 	$(PYTHON) -m experiments.bench_planner
 	$(PYTHON) -m experiments.bench_recovery
+	$(PYTHON) -m experiments.bench_snapshots
 
 clean:
 	rm -rf $(VENV) .ftlab outputs multirun mlflow.db mlruns

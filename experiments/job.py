@@ -193,6 +193,11 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
     """The policy and protection of the job, checked against each other and the job, and the policy's first plan."""
     policy, protection = components(cfg)
     job = make_job(everyone(cfg))
+    if cfg.train.zero and policy.moves_layers:
+        raise ConfigError(
+            f"policy={policy.name} copies layers with their optimizer state between workers, which train.zero=1 "
+            f"splits across replicas: use train.zero=0, or a policy that restarts (checkpoint_restart)"
+        )
     try:
         protection.check(job)
         policy.check(protection)
@@ -317,6 +322,8 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
         "zero": t.zero,
+        "aor": False,
+        **checked.protection.runtime_options(),
     }
     cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
     setup["memory_root"] = str(cluster.memory_root)

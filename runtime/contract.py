@@ -148,7 +148,14 @@ class MemoryRecord:
     @property
     def name(self) -> str:
         """Its file name in the node's memory: records of the same group, index and kind replace each other."""
-        return f"L{self.layers[0]}-{self.layers[-1]}.m{self.members}.{self.kind}{self.index}"
+        runs: list[list[int]] = []
+        for layer in self.layers:
+            if runs and runs[-1][-1] == layer - 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        span = "_".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+        return f"L{span}.m{self.members}.{self.kind}{self.index}"
 
 
 @dataclass(frozen=True)
@@ -273,6 +280,11 @@ class Protection(ABC):
         run."""
         return {}
 
+    def runtime_options(self) -> dict[str, Any]:
+        """What every worker must do from the first step on for this protection (e.g. AOR's exchange of gradient
+        chunks), sent with the job's settings."""
+        return {}
+
     @abstractmethod
     def after_commit(self, step: int, plan: Plan) -> list[Action]:
         """What to save now that ``step`` steps are committed."""
@@ -292,6 +304,10 @@ class Protection(ABC):
 
 class Policy(ABC):
     """How the cluster reconfigures when its membership changes."""
+
+    moves_layers: ClassVar[bool] = False
+    """Copies layers with their optimizer state between live workers (in place), which ZeRO-1 (train.zero=1)
+    splits across replicas: such a policy cannot run with it."""
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings

@@ -58,6 +58,7 @@ class LocalBackend(Backend, FaultTarget):
         self._progress: list[SaveProgress] = []
         self._helpers: dict[int, tuple[int, ...]] = {}
         """The helpers of each generation configured with some."""
+        self._configured: Plan | None = None
 
     def clock(self) -> float:
         return time.monotonic()
@@ -89,6 +90,7 @@ class LocalBackend(Backend, FaultTarget):
         if isinstance(done, Failure):
             return done
         self._pending_joins -= {self.cluster.node_of(w) for w in plan.workers}
+        self._configured = plan
         sources = {m.restored_from for m in done.values()} - {""}
         return ConfigureReport(
             received_bytes=sum(m.received_bytes for m in done.values()),
@@ -159,6 +161,12 @@ class LocalBackend(Backend, FaultTarget):
         if isinstance(action, TakeSnapshot):
             return self._snapshot(step, action)
         assert isinstance(action, SaveCheckpoint), f"the local backend cannot carry out {action!r}"
+        if self.setup["zero"] and self._configured is not None:
+            # ZeRO-1: every member gathers its groups' optimizer chunks, so every worker of the plan takes part.
+            dead = set(self._configured.workers) - set(self.cluster.alive_workers())
+            if dead:
+                return Failure(workers={w: self.clock() for w in dead})
+            writers = {w: writers.get(w, ()) for w in self._configured.workers}
         for worker, layers in writers.items():
             self.cluster.send(worker, msg.SaveCheckpoint(step, action.directory, layers))
         saved = self._collect(set(writers), msg.Saved, lambda m: m.step == step)

@@ -2,7 +2,7 @@
 a snapshot back (REFT-load). ``runtime.snapshot_layout`` says what each record holds; ``runtime.shm`` how it sits in
 a file.
 
-**HAS, the choice.** The copy runs on a thread of the worker, started as soon as the committed step's state is
+**HAS, the choice.** The copy runs on a thread of the worker (its host thread), started as soon as the committed step's state is
 final (right after the optimizer step) and overlapping the whole next iteration: the forward and backward passes
 and the gradient all-reduce only read the parameters and optimizer state, so the copy sees step s untouched. The
 worker waits for it, if it is still running, before it reports the next iteration Ready, i.e. before the
@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import bisect
 import os
-import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -182,43 +182,36 @@ def write_records(
 
 
 class Snapshotter:
-    """One snapshot at a time, copied by a thread; ``finish`` waits for it (the only point on the critical path)."""
+    """One snapshot at a time, copied on the worker's host thread; ``finish`` waits for it (the only point on the
+    critical path). The host thread runs one job at a time, in order: AOR's recomputation of a step (``runtime.zero``)
+    before the snapshot of that step."""
 
-    def __init__(self, directory: Path, on_phase: Callable[[int, str], None]) -> None:
+    def __init__(self, directory: Path, on_phase: Callable[[int, str], None], host: ThreadPoolExecutor) -> None:
         self.files = ShardFiles(directory)
         self.on_phase = on_phase
-        self._thread: threading.Thread | None = None
-        self._result: SnapshotReport | BaseException | None = None
+        self.host = host
+        self._copy: Future[SnapshotReport] | None = None
 
     def start(self, states: dict[tuple[int, ...], GroupState], records: Sequence[MemoryRecord], step: int, keep: int) -> None:
-        assert self._thread is None, "a snapshot is already being copied"
-        self._result = None
+        assert self._copy is None, "a snapshot is already being copied"
 
-        def copy() -> None:
+        def copy() -> SnapshotReport:
             started = time.perf_counter()
-            try:
-                written = write_records(self.files, states, records, step, keep, lambda: self.on_phase(step, "snapshot"))
-                self._result = SnapshotReport(step, tuple(written), time.perf_counter() - started)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by finish()
-                self._result = exc
+            written = write_records(self.files, states, records, step, keep, lambda: self.on_phase(step, "snapshot"))
+            return SnapshotReport(step, tuple(written), time.perf_counter() - started)
 
-        self._thread = threading.Thread(target=copy, daemon=True, name=f"snapshot-{step}")
-        self._thread.start()
+        self._copy = self.host.submit(copy)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._copy is not None
 
     def finish(self) -> SnapshotReport | None:
-        """Wait for the snapshot in flight, if any; its report."""
-        if self._thread is None:
+        """Wait for the snapshot in flight, if any; its report (an error in the copy is raised here)."""
+        if self._copy is None:
             return None
-        self._thread.join()
-        self._thread = None
-        result, self._result = self._result, None
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        copy, self._copy = self._copy, None
+        return copy.result()
 
 
 # -- REFT-load -----------------------------------------------------------------------------------------------------

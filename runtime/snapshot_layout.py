@@ -58,7 +58,18 @@ class Group:
         return max(1, self.members - 1)
 
     def describe(self) -> str:
-        return f"layers {self.layers[0]}..{self.layers[-1]} (workers {list(self.holders)})"
+        return f"layers {layer_runs(self.layers, '..', ', ')} (workers {list(self.holders)})"
+
+
+def layer_runs(layers: Sequence[int], to: str = "-", sep: str = "_") -> str:
+    """Runs of consecutive layers: (0, 1, 2, 5) -> '0-2_5'."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and runs[-1][-1] == layer - 1:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+    return sep.join(f"{r[0]}{to}{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
 
 
 @dataclass(frozen=True)
@@ -89,15 +100,12 @@ class Geometry:
 
 
 def groups_of(plan: Plan) -> list[Group]:
-    """The plan's sharding groups: consecutive layers with the same holders, in layer order."""
-    groups: list[Group] = []
+    """The plan's sharding groups: the layers of each set of holders (as ``Plan.reduction_groups``, whose gradient
+    buckets, and ZeRO-1's chunks, have the same layout), by first layer; single holders included."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for layer in range(plan.num_layers):
-        holders = plan.holders(layer)
-        if groups and groups[-1].holders == holders and groups[-1].layers[-1] == layer - 1:
-            groups[-1] = Group((*groups[-1].layers, layer), holders)
-        else:
-            groups.append(Group((layer,), holders))
-    return groups
+        groups.setdefault(plan.holders(layer), []).append(layer)
+    return [Group(tuple(layers), holders) for holders, layers in groups.items()]
 
 
 def others(members: int, index: int) -> list[int]:

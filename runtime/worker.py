@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,13 @@ from ftlab.runtime.instructions import Instruction
 from ftlab.runtime.layer_state import decode, encode, layer_state
 from ftlab.runtime.model import StageModule, build_layer
 from ftlab.runtime.model_spec import ModelConfig, num_layers
-from ftlab.runtime.optim import layer_optimizer, step_all
+from ftlab.runtime.optim import layer_optimizer, lr_at, step_all
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.snapshot import (
     Snapshotter, assemble, decode_shard, geometry, load_into, member_state, read_record,
 )  # fmt: skip
 from ftlab.runtime.snapshot_layout import Fetch, groups_of, load_plan
+from ftlab.runtime.zero import ZeroGroup
 
 # Transfer tags sit far above the activation and gradient tags (2 per micro-batch); snapshot loads above those.
 _TRANSFER_TAG = 1 << 24
@@ -75,9 +77,14 @@ class Worker:
         self.executor: Executor | None = None
         self.program: list[Any] = []
         self.armed: set[tuple[int, str]] = set()
+        self.host = ThreadPoolExecutor(1, thread_name_prefix="host")
+        """The host thread: snapshot copies and AOR's recomputation, off the critical path, one at a time in order."""
         self.snapshotter: Snapshotter | None = None
         self._snapshot_s: float | None = None
         """Time the main thread spent on snapshots since the last Ready (None: none was taken)."""
+        self.zero: dict[tuple[int, ...], ZeroGroup] = {}
+        """ZeRO-1 (train.zero=1): this worker's part of each group of replicas it belongs to."""
+        self._recomputing: list[Future[None]] = []
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _receive(self) -> Any:
@@ -184,10 +191,27 @@ class Worker:
         tokens = np.load(self.setup["tokens_path"], mmap_mode="r")
         batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
         stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
-        comm.bucket_gradients(self.layers)
+        self._shard_optimizers(plan, comm)
         self.executor = Executor(stage_module, num_layers(model), model.hidden, comm, batches, self._phase)
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
+
+    def _shard_optimizers(self, plan: Plan, comm: GenerationComm) -> None:
+        """Gradient buckets for the plan, and with train.zero=1 the ZeRO-1 groups, which take over the layers'
+        optimizer state (loaded whole, from scratch, storage or memory)."""
+        if not self.setup["zero"]:
+            comm.bucket_gradients(self.layers)
+            return
+        if self.zero:
+            raise RuntimeError("train.zero=1: a worker was reconfigured without a restart, which ZeRO-1 does not support")
+        model = self.setup["model"]
+        groups = [g for g in groups_of(plan) if g.members > 1 and self.worker in g.holders]
+        comm.bucket_gradients(self.layers, {g.layers: geometry(model, g).members * geometry(model, g).chunk for g in groups})
+        for g in groups:
+            self.zero[g.layers] = ZeroGroup(model, g, g.holders.index(self.worker), self.layers, self.optimizers,
+                                            self.setup["optim"], comm, self.setup["aor"])  # fmt: skip
+            for index in g.layers:
+                self.optimizers[index].state.clear()  # the group's chunks hold it now
 
     def _configure_helper(self, plan: Plan, message: msg.Configure) -> None:
         try:
@@ -209,6 +233,8 @@ class Worker:
         its receives); returns the bytes received. Each layer has its own tag, the same at both ends."""
         assert self.comm is not None
         received = 0
+        if program and self.setup["zero"]:
+            raise RuntimeError("train.zero=1 splits each layer's optimizer state: layers cannot be copied in place")
         for instruction in program:
             tag = _TRANSFER_TAG + 2 * instruction.layer
             if isinstance(instruction, ins.SendLayer):
@@ -248,12 +274,34 @@ class Worker:
         decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
             self._phase(step, "optimizer")
-            step_all(self.optimizers, step, self.setup["optim"])
+            try:
+                self._step_optimizers(step)
+            except (Aborted, CommError) as exc:
+                # ZeRO-1's all-gather failed: this member's chunk stepped, others' never arrived. Nothing here is
+                # at one step any more; the restart that follows restores saved state.
+                self._forget_state()
+                if isinstance(exc, CommError):
+                    self.channel.send(msg.Failed(step, str(exc)))
+                return
             self.step = step + 1
         elif isinstance(decision, msg.Abort):
             self._abort(decision.generation)
         else:
             raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
+
+    def _step_optimizers(self, step: int) -> None:
+        zero_layers = {index for layers in self.zero for index in layers}
+        step_all({i: o for i, o in self.optimizers.items() if i not in zero_layers}, step, self.setup["optim"])
+        for group in self.zero.values():
+            recompute = group.step(lr_at(step, self.setup["optim"]))
+            if recompute is not None:
+                self._recomputing.append(self.host.submit(recompute))
+
+    def _forget_state(self) -> None:
+        self.layers.clear()
+        self.optimizers.clear()
+        self.zero.clear()
+        self.executor = None
 
     def _abort(self, generation: int) -> None:
         self._finish_snapshot()  # the state it copies is the committed one: let it complete, and say so
@@ -271,8 +319,11 @@ class Worker:
     def _save(self, message: msg.SaveCheckpoint) -> None:
         directory = checkpoint.step_dir(message.directory, message.step)
         nbytes = 0
+        optimizers = dict(self.optimizers)
+        for group in self.zero.values():  # every member of a ZeRO-1 group takes part, writer or not
+            optimizers.update(group.gather(self.layers))
         for index in message.layers:
-            data = encode(layer_state(self.layers[index], self.optimizers[index]))
+            data = encode(layer_state(self.layers[index], optimizers[index]))
             checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
             nbytes += len(data)
             self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
@@ -307,23 +358,30 @@ class Worker:
         started = time.perf_counter()
         self._finish_snapshot()
         if self.snapshotter is None:
-            self.snapshotter = Snapshotter(self.memory, self._phase)
+            self.snapshotter = Snapshotter(self.memory, self._phase, self.host)
+        if self.executor is None:
+            return  # its state was torn by a failed commit (ZeRO-1): this snapshot stays incomplete
         model = self.setup["model"]
-        assert self.executor is not None
         groups = {g.layers: g for g in groups_of(self.comm.plan)}  # type: ignore[union-attr]
         states = {
-            layers: member_state(model, groups[layers], self.layers, self.optimizers)
+            layers: self.zero[layers].state() if layers in self.zero
+            else member_state(model, groups[layers], self.layers, self.optimizers)
             for layers in {r.layers for r in message.records}
-        }
+        }  # fmt: skip
         self.snapshotter.start(states, message.records, message.step, message.keep)
         self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
 
     def _finish_snapshot(self) -> None:
-        """Wait for the snapshot being copied, if any, and report its records."""
-        if self.snapshotter is None or not self.snapshotter.running:
+        """Wait for the host thread's work (AOR's recomputation, the snapshot being copied) and report the
+        snapshot's records."""
+        running = self.snapshotter is not None and self.snapshotter.running
+        if not running and not self._recomputing:
             return
         started = time.perf_counter()
-        report = self.snapshotter.finish()
+        for recomputation in self._recomputing:
+            recomputation.result()
+        self._recomputing.clear()
+        report = self.snapshotter.finish() if running else None  # type: ignore[union-attr]
         self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
         if report is not None:
             self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s))

@@ -121,3 +121,17 @@ def test_bad_input_is_refused_before_any_worker(
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (record,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
     assert record.info.status == "FAILED"
+
+
+def test_auto_interval_reads_the_fault_schedule_and_is_recorded(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from ftlab.experiments.job import compose_config, preflight
+
+    cfg = OmegaConf.to_object(compose_config([
+        "experiment=plain", f"train.cache_dir={tmp_path}", "policy=checkpoint_restart", "protection=reft",
+        "protection.interval=auto", "faults=exponential", "faults.mtbf_s=600", "cluster.device=A100-40GB",
+    ]))  # fmt: skip
+    described = preflight(cfg).protection.describe()
+    assert described["interval"] == "1"
+    assert "Young's optimum" in described["interval_reason"] and "failures per hour" in described["interval_reason"]

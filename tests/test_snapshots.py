@@ -16,7 +16,7 @@ from ftlab.runtime.model_spec import ModelConfig
 from ftlab.runtime.optim import layer_optimizer
 from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
 from ftlab.runtime.snapshot import (
-    Snapshotter, assemble, decode_shard, geometry, load_into, member_state, read_record, write_records,
+    ShardFiles, assemble, decode_shard, geometry, load_into, member_state, read_record, write_records,
 )  # fmt: skip
 from ftlab.runtime.snapshot_layout import (
     Group, Unrecoverable, groups_of, load_plan, lost_shards, records_to_write,
@@ -85,15 +85,15 @@ def test_a_torn_slot_leaves_the_previous_step_and_a_flipped_byte_is_caught(tmp_p
     state, _, _ = replica()
     group = Group(tuple(range(4)), (0, 1))
     record = MemoryRecord(0, group.layers, 2, 0, "shard")
-    snapshotter = Snapshotter(tmp_path, lambda step, phase: None)
+    files = ShardFiles(tmp_path)
     states = {group.layers: member_state(MODEL, group, *state)}
-    (first,) = write_records(snapshotter.files, states, [record], step=4, keep=-1)
+    (first,) = write_records(files, states, [record], step=4, keep=-1)
 
     def torn() -> None:
         raise KeyboardInterrupt  # the writer dies between its bytes and its commit record
 
     with pytest.raises(KeyboardInterrupt):
-        write_records(snapshotter.files, states, [record], step=5, keep=4, on_record=torn)
+        write_records(files, states, [record], step=5, keep=4, on_record=torn)
     assert shm.inventory(tmp_path, 4) == ({record.name: first.crc}, [])
     assert shm.inventory(tmp_path, 5) == ({}, [])
     assert read_record(tmp_path, first, 4, first.nbytes)
@@ -131,7 +131,7 @@ def test_a_group_is_rebuilt_bit_exact_after_losing_any_member(tmp_path: Path, mo
         states = {group.layers: member_state(MODEL, group, layers, optimizers)}
         directory = tmp_path / f"node-{worker}"
         directory.mkdir()
-        written += write_records(Snapshotter(directory, print).files, states, records, 7, -1)
+        written += write_records(ShardFiles(directory), states, records, 7, -1)
     _, reference, reference_opt = replica()
     g = geometry(MODEL, group)
     for lost in range(members):

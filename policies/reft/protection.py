@@ -116,6 +116,9 @@ class ReftProtection(Protection):
         )  # fmt: skip
         self.interval, self.choice = choice.steps, choice.reason
 
+    def runtime_options(self) -> dict[str, object]:
+        return {"aor": self.settings.mode == "aor"}
+
     def describe(self) -> dict[str, str]:
         described = {"interval": str(self.interval)}
         if self.choice:
