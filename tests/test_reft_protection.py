@@ -133,5 +133,8 @@ def test_auto_interval_reads_the_fault_schedule_and_is_recorded(tmp_path: Path) 
         "protection.interval=auto", "faults=exponential", "faults.mtbf_s=600", "cluster.device=A100-40GB",
     ]))  # fmt: skip
     described = preflight(cfg).protection.describe()
-    assert described["interval"] == "1"
-    assert "Young's optimum" in described["interval_reason"] and "failures per hour" in described["interval_reason"]
+    # On an A100 gpt2-tiny's iteration takes well under a millisecond, far less than copying its state to the host:
+    # snapshots are worth taking only every so many steps.
+    assert int(described["interval"]) > 1
+    assert f"every {described['interval']} steps" in described["interval_reason"]
+    assert "Young's optimum" in described["interval_reason"] and "6 failures per hour" in described["interval_reason"]
