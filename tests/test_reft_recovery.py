@@ -170,6 +170,25 @@ def test_a_corrupted_record_is_caught_by_its_checksum_and_never_loaded(
     assert restore["source"] == "memory"
 
 
+def test_oobleck_falls_back_to_a_restart_from_memory(
+    run, tmp_path: Path, fault_free: JobResult, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """Two 2-node pipelines (f = 1): a worker process dies, so Oobleck counts its node lost and cannot recover in
+    place with three whole nodes; it restarts on all four nodes, whose memory survived, from the snapshot."""
+    from ftlab.experiments import job as job_module
+    from ftlab.runtime.profiler import analytic_profile
+
+    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
+        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    result = run(*REFT, "policy=oobleck", "policy.fault_threshold=1", "cluster.device_memory_gb=0.04",
+                 *explicit("{kind: process, node: 1, worker: 0, at_step: 4, phase: backward}"))  # fmt: skip
+    assert_on_fault_free_trajectory(result, fault_free)
+    events = events_of(result, tmp_path)
+    decided = next(e for e in events if e["kind"] == "recovery_decision")
+    assert decided["outcome"] == "restart" and decided["restore"] == "memory of step 4"
+    assert restores(events)[0]["source"] == "memory" and result.faults[0].lost_steps == 0
+
+
 def test_a_job_stopped_by_a_failure_leaves_no_memory(run) -> None:  # noqa: ANN001
     with pytest.raises(JobStopped):
         run("experiment=plain", "protection=reft", "train.steps=4", *explicit("{kind: node, node: 2, at_step: 2}"))
