@@ -121,10 +121,11 @@ def inventory(directory: Path, step: int) -> tuple[dict[str, int], list[str]]:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
             view = memoryview(mapped)
             try:
-                if find_slot(view, step) is None:
+                found = find_slot(view, step)
+                if found is None:
                     continue
-                capacity = (size - PAGE) // SLOTS
-                intact[path.name] = zlib.crc32(read_verified(view, capacity, step))
+                read_verified(view, (size - PAGE) // SLOTS, step).release()
+                intact[path.name] = found[1].crc
             except ChecksumError:
                 corrupt.append(path.name)
             finally:

@@ -215,15 +215,15 @@ class Snapshotter:
 
 
 # -- REFT-load -----------------------------------------------------------------------------------------------------
-def read_record(directory: Path, record: MemoryRecord, step: int, nbytes: int) -> bytes:
-    """A record of ``step`` from this node's memory, checked against its slot's checksum and the one reported when it
-    was written; ChecksumError if it does not match (it is then never loaded)."""
+def read_record(directory: Path, record: MemoryRecord, step: int, nbytes: int) -> torch.Tensor:
+    """A record of ``step`` from this node's memory (float32, read in place: no copy), checked against its slot's
+    checksum and the one reported when it was written; ChecksumError if it does not match (it is never loaded)."""
     path = directory / record.name
     if not path.exists():
         raise shm.ChecksumError(f"{record.name} is not in this node's memory")
     mapping = torch.from_file(str(path), shared=False, size=shm.file_bytes(nbytes), dtype=torch.uint8)
-    data = shm.read_verified(memoryview(mapping.numpy()), nbytes, step, record.crc or None)
-    return bytes(data)
+    return torch.frombuffer(shm.read_verified(memoryview(mapping.numpy()), nbytes, step, record.crc or None),
+                            dtype=torch.float32)  # fmt: skip
 
 
 def decode_shard(geometry: Geometry, missing: int, shards: dict[int, torch.Tensor], parities: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -388,12 +388,13 @@ class Worker:
 
     def _load_from_memory(self, source: MemorySource, plan: Plan, helpers: tuple[int, ...], layers: list[int]) -> tuple[int, str]:
         """REFT-load: send the records of this node that others need, then rebuild every old group that overlaps
-        ``layers`` from this node's records, peers' records and parity; every shard is checked against the CRC its
-        owner reported, so the state loaded is the snapshot's bit for bit."""
+        ``layers`` from this node's records, peers' records and parity. Every record is checked against the CRC
+        reported when it was written (where it is read), and a shard decoded from parity against the CRC its owner
+        reported, so the state loaded is the snapshot's bit for bit."""
         assert self.comm is not None
         mine = load_plan(source, plan, helpers)[self.worker]
         for record, receiver, tag in mine.sends:
-            self.comm.send_bytes(read_record(self.memory, record, source.step, record.nbytes), receiver, _LOAD_TAG + tag)
+            self.comm.send(read_record(self.memory, record, source.step, record.nbytes), receiver, _LOAD_TAG + tag)
         model = self.setup["model"]
         crcs = {(layers_, index): crc for layers_, index, crc in source.shard_crcs}
         nbytes, decoded = 0, False
@@ -404,22 +405,20 @@ class Worker:
             for i, fetches in load.decode.items():
                 shards[i] = decode_shard(g, i, shards, {f.record.index: self._fetch(f, source.step) for f in fetches})
                 decoded = True
-            for i, shard in shards.items():
                 expected = crcs.get((load.group.layers, i))
-                if expected is not None and zlib.crc32(shard.numpy()) != expected:
-                    raise shm.ChecksumError(f"shard {i} of {load.group.describe()} rebuilt for step {source.step} "
+                if expected is None or zlib.crc32(shards[i].numpy()) != expected:
+                    raise shm.ChecksumError(f"shard {i} of {load.group.describe()} decoded for step {source.step} "
                                             f"does not match the CRC its owner reported")  # fmt: skip
             nbytes += load_into(model, load.group, assemble(g, shards), wanted, self.optimizers)
         self.comm.flush_sends()
         return nbytes, "parity" if decoded else "memory"
 
     def _fetch(self, fetch: Fetch, step: int) -> torch.Tensor:
+        """A record read on this node, or received from the peer that read (and checked) it on its node."""
         assert self.comm is not None
         if fetch.sender is None:
-            data = read_record(self.memory, fetch.record, step, fetch.record.nbytes)
-        else:
-            data = self.comm.recv_bytes(fetch.sender, _LOAD_TAG + fetch.tag)
-        return torch.frombuffer(bytearray(data), dtype=torch.float32)
+            return read_record(self.memory, fetch.record, step, fetch.record.nbytes)
+        return self.comm.recv((fetch.record.nbytes // 4,), torch.float32, fetch.sender, _LOAD_TAG + fetch.tag)
 
 
 def main() -> None:
