@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -82,7 +83,8 @@ def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobRe
 
 
 def segments() -> set[str]:
-    return {p.name for p in shm.ROOT.glob("ftlab-*")}
+    """The nodes' memories of jobs this process coordinates (other jobs may run beside)."""
+    return {p.name for p in shm.ROOT.glob(f"ftlab-{os.getpid()}-*")}
 
 
 def check_policy(policy: str, protection: str, workdir: Path, checks: Checks) -> None:

@@ -41,15 +41,15 @@ def explicit(*events: str) -> list[str]:
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
-def segments() -> set[str]:
-    return {p.name for p in shm.ROOT.glob("ftlab-*")}
+def segments(coordinator: int | None = None) -> set[str]:
+    """The nodes' memories of jobs coordinated by this process (or ``coordinator``): other jobs may run beside."""
+    return {p.name for p in shm.ROOT.glob(f"ftlab-{coordinator or os.getpid()}-*")}
 
 
 @pytest.fixture(autouse=True)
 def no_segment_left() -> object:
-    before = segments()
     yield
-    assert segments() - before == set(), "a job left its nodes' memory in /dev/shm"
+    assert segments() == set(), "a job left its nodes' memory in /dev/shm"
 
 
 @pytest.fixture(scope="module")
@@ -196,22 +196,20 @@ def test_a_job_stopped_by_a_failure_leaves_no_memory(run) -> None:  # noqa: ANN0
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "coordinator-killed"])
 def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: list[str], sig: int) -> None:
-    before = segments()
     command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
     coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 300
-        mine: set[str] = set()
-        while not mine or not any(p.name.startswith("L") for p in shm.ROOT.glob(f"{next(iter(mine))}/node-*/*")):
+        while not list(shm.ROOT.glob(f"ftlab-{coordinator.pid}-*/node-*/L*")):
             assert time.monotonic() < deadline, "the job wrote no snapshot"
             assert coordinator.poll() is None, "the job ended early"
-            mine = {name for name in segments() - before if name.startswith(f"ftlab-{coordinator.pid}-")}
             time.sleep(0.2)
         coordinator.send_signal(sig)
         coordinator.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while segments() - before and time.monotonic() < deadline:
+        while segments(coordinator.pid) and time.monotonic() < deadline:
             time.sleep(0.1)  # a killed coordinator's agents free their nodes' memory on their own SIGTERM
+        assert segments(coordinator.pid) == set(), "the job left its nodes' memory in /dev/shm"
     finally:
         if coordinator.poll() is None:
             os.kill(coordinator.pid, signal.SIGKILL)
