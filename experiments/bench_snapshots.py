@@ -20,6 +20,11 @@ medians. Recovery is measured from the kill until the step the failure found com
 steps recomputed included); recovery_speedup_vs_storage is the ratio of the medians. On this machine a restart spends
 most of its time starting worker processes, which both protections pay alike.
 
+What "storage" is here matters: the checkpoint directory is on this machine's disk, and the files just written are
+still in its page cache, so a load from "storage" is a read from RAM, not the paper's NFS over 10 Gb/s. A load from
+memory, for its part, receives every shard its node does not hold from a peer over gloo (TCP on the loopback), and
+checks checksums. Expect load_speedup near 1 here; the ratio the paper reports needs a real network file system.
+
 The last line printed is one JSON object with at least ``overhead_arc``, ``overhead_aec``, ``overhead_aor``
 (fractions of iteration time added), ``load_speedup`` and ``recovery_speedup_vs_storage``.
 """
