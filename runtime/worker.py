@@ -169,21 +169,22 @@ class Worker:
             self._configure_helper(plan, message)
             return
         _, _, stage = plan.stage_of(self.worker)
-        missing = [index for index in stage.layers if index not in self.layers]
+        missing: list[int] = []
         try:
             received = self._transfer(message.transfers)
-            missing = [index for index in missing if index not in self.layers]
+            missing = [index for index in stage.layers if index not in self.layers]
             if missing and plan.step != 0 and message.restore is None:
                 raise RuntimeError(f"layers {missing} are missing at step {plan.step} and nothing provides them")
             for index in missing:
                 self._add_layer(index)
             started = time.perf_counter()
             restored, source = self._restore(missing, message.restore, plan, message.helpers)
-        except Aborted:
-            return  # a failure during the reconfiguration: the main loop acknowledges the Abort
-        except CommError as exc:
-            self.channel.send(msg.Failed(plan.step, str(exc)))
-            return
+        except (Aborted, CommError) as exc:
+            for index in missing:  # loaded in part, or not at all: this worker does not hold them
+                del self.layers[index], self.optimizers[index]
+            if isinstance(exc, CommError):
+                self.channel.send(msg.Failed(plan.step, str(exc)))
+            return  # the main loop acknowledges the Abort that follows
         restore_s = time.perf_counter() - started
         # Layers this stage no longer runs are kept until the plan's first step: should the reconfiguration fail,
         # they are still where the last confirmed plan put them.
