@@ -7,6 +7,12 @@ receives the sum of chunk i); the commit steps AdamW on chunk i only, then all-g
 member's parameters. AdamW is element-wise, so this is the update every replica would make on the whole layers (up
 to the order of the gradient sums, which the reduce-scatter chooses): the equivalence oracle holds.
 
+The commit is no longer local: a member lost during the all-gather leaves the survivors with their own chunk
+stepped and the others not, so they drop their state (``Worker._forget_state``) and the restart that follows
+restores the newest saved state: that one committed step is lost, where without ZeRO-1 none is. Layers are never
+copied in place under ZeRO-1 (no member holds a layer's whole optimizer state): policies that do
+(``Policy.moves_layers``) are refused with it.
+
 **AOR** (Asynchronous Optimizer Recomputing, the paper's Section 4.2). Under ZeRO-1 no member holds a peer's
 optimizer chunk, so ARC has nothing to copy. Member i therefore keeps chunk i+1's optimizer state on its host and
 advances it every step with the same AdamW, on chunk i+1's gradient (which member i+1 sends it right after the
