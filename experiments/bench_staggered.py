@@ -1,7 +1,7 @@
 """The staggered optimizer against the default commit-then-step, side by side on the same fault-free job.
 
-    .venv/bin/python -m experiments.bench_staggered                        # gpt2-tiny, 2 stages x 2 replicas
-    .venv/bin/python -m experiments.bench_staggered --rounds 1 --steps 6   # a smoke run
+    .venv/bin/python -m ftlab.experiments.bench_staggered                        # gpt2-tiny, 2 stages x 2 replicas
+    .venv/bin/python -m ftlab.experiments.bench_staggered --rounds 1 --steps 6   # a smoke run
 
 Both sides run ``policy=recycle`` fault-free on the same layout, batch and data; they differ only in
 ``policy.staggered_optimizer`` (``OptimizerStep(early=True)``: each worker steps right after its Ready and undoes

@@ -1,5 +1,5 @@
 """``make fault-ci``: a fault-injection job for CI, for every policy with every protection (conf/policy x
-conf/protection).
+conf/protection): none, storage checkpoints, REFT's in-memory snapshots.
 
 Each pair trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
 fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. The invariants:
@@ -10,7 +10,8 @@ fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. T
 - a pair that recovers finishes its MLflow run, commits every step, and every step's loss (as finally committed)
   equals the fault-free run's within the equivalence tolerance; the fault's lost steps are measured and within what
   the pair promises (none when the survivors kept running, at most the checkpoint interval when workers restarted);
-  with protection=storage at least one checkpoint was committed, and every committed checkpoint loads.
+  with protection=storage at least one checkpoint was committed, and every committed checkpoint loads;
+- no job leaves its nodes' memory in /dev/shm.
 
 Prints one line per check and closes with ``N passed, N failed``; exits non-zero if any check failed.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
-from ftlab.runtime import checkpoint
+from ftlab.runtime import checkpoint, shm
 from ftlab.runtime.contract import ConfigError
 from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.layer_state import decode
@@ -68,8 +70,21 @@ def checkpoint_loads(directory: Path) -> bool:
     )
 
 
+SETTINGS = {
+    "storage": [f"protection.every={CHECKPOINT_EVERY}"],
+    "reft": ["protection.interval=1", f"protection.flush_every={CHECKPOINT_EVERY}"],
+}
+# Committed steps a restart may lose: a storage checkpoint's interval; none from a snapshot taken every step.
+LOST_ON_RESTART = {"storage": CHECKPOINT_EVERY, "reft": 0}
+
+
 def protection_settings(protection: str) -> list[str]:
-    return [f"protection.every={CHECKPOINT_EVERY}"] if protection == "storage" else []
+    return SETTINGS.get(protection, [])
+
+
+def segments() -> set[str]:
+    """The nodes' memories of jobs this process coordinates (other jobs may run beside)."""
+    return {p.name for p in shm.ROOT.glob(f"ftlab-{os.getpid()}-*")}
 
 
 def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobResult]:
@@ -85,6 +100,13 @@ def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobRe
 
 
 def check_pair(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+    before = segments()
+    check_recovery(policy, protection, workdir, checks)
+    left = segments() - before
+    checks.check(f"{policy} + {protection}: no memory left in /dev/shm", not left, str(sorted(left)))
+
+
+def check_recovery(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
     name = f"{policy} + {protection}"
     run = scenario(policy, protection, workdir)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
@@ -109,7 +131,7 @@ def check_pair(policy: str, protection: str, workdir: Path, checks: Checks) -> N
     checks.check(f"{name}: losses equal the fault-free run's", same)
     lost = [f.lost_steps for f in faulty.faults]
     restarted = any(len(pids) > 1 for pids in faulty.worker_pids.values())
-    promise = CHECKPOINT_EVERY if restarted else 0
+    promise = LOST_ON_RESTART.get(protection, 0) if restarted else 0
     kept = len(lost) == 1 and lost[0] is not None and 0 <= lost[0] <= promise
     checks.check(f"{name}: one failure, its lost steps measured and at most {promise}", kept, str(lost))
     saved = committed_checkpoints(faulty.checkpoint_dir)

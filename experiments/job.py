@@ -24,7 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig, build, register
 from ftlab.faults.injector import Injector
-from ftlab.faults.schedules import ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, rate_label
+from ftlab.faults.schedules import (
+    ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
+)
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
@@ -88,10 +90,11 @@ def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Member
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * GIB)
     profile = cache(lambda: job_profile(cfg)[0])
+    rate = failure_rate(cfg.faults)
 
     def make(membership: Membership) -> Job:
         return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
-                   profile, start)  # fmt: skip
+                   profile, start, rate)  # fmt: skip
 
     return make
 
@@ -151,6 +154,8 @@ def check_settings(cfg: JobConfig) -> None:
             f"train.lr={t.lr}, train.min_lr={t.min_lr}: the learning rate must be positive and the minimum between "
             f"0 and it"
         )
+    if t.zero not in (0, 1):
+        raise ConfigError(f"train.zero={t.zero}: use 0 (no optimizer sharding) or 1 (ZeRO-1)")
     if t.warmup_steps < 0 or t.weight_decay < 0 or not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
@@ -202,11 +207,17 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
     """The policy and protection of the job, checked against each other and the job, and the policy's first plan."""
     policy, protection = components(cfg)
     job = make_job(everyone(cfg))
+    if cfg.train.zero and policy.moves_layers:
+        raise ConfigError(
+            f"policy={policy.name} copies layers with their optimizer state between workers, which train.zero=1 "
+            f"splits across replicas: use train.zero=0, or a policy that restarts (checkpoint_restart)"
+        )
     try:
         protection.check(job)
         policy.check(protection)
         decision = policy.plan(job, protection)
         decision.plan.validate()
+        protection.check_plan(decision.plan, job)
     except PlanError as exc:
         raise ConfigError(str(exc)) from exc
     missing = set(decision.plan.workers) - set(decision.programs)
@@ -308,7 +319,10 @@ def run_job(dict_cfg: DictConfig) -> JobResult:
     )  # fmt: skip
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
-        result = _run(cfg, tracker, preflight(cfg))
+        checked = preflight(cfg)
+        for key, value in checked.protection.describe().items():
+            tracker.set_tag(f"protection.{key}", value)
+        result = _run(cfg, tracker, checked)
         result.run_id = run_id
         tracker.describe(describe(cfg, result.summary))
         tracker.finish()
@@ -373,8 +387,12 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "tokens_path": str(checked.tokens),
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
+        "zero": t.zero,
+        "aor": False,
+        **checked.protection.runtime_options(),
     }
     cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c))
+    setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
     unfired = [(fault, f"the job runs steps before {t.steps} only (train.steps)") for fault in checked.beyond]
     _warn_unfired(bus, unfired, time.monotonic())

@@ -89,13 +89,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftlab.faults.trace import TraceError, TraceRecord, read_trace
+from ftlab.runtime.contract import FailureRate
 
 FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 GENERATED_KINDS: tuple[str, ...] = ("node", "process", "hang")
 WORKER_KINDS: tuple[str, ...] = ("process", "hang")
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
-"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``."""
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer", "snapshot")
+"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``;
+``snapshot``: in the middle of copying the in-memory snapshot of ``at_step`` committed steps (``protection=reft``),
+after one record's bytes and before its commit record."""
 SCHEDULES: tuple[str, ...] = ("none", "explicit", "fixed", "exponential", "weibull", "trace")
 
 # A typo such as horizon_s=1e9 with mtbf_s=1 would otherwise build a list of a billion events before anything runs.
@@ -250,6 +253,24 @@ def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape)
     unit = STEPS if clock_of(cfg) == STEPS else SECONDS
     _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule].format(unit=unit))
     return events
+
+
+def failure_rate(cfg: FaultsConfig) -> FailureRate | None:
+    """The cluster's mean time between failures under a generated schedule, in the clock it runs on; None for the
+    schedules that do not say (none, explicit, trace)."""
+    mean: tuple[float | None, float | None, float] | None = None
+    if cfg.schedule == "fixed":
+        mean = cfg.interval_steps, cfg.interval_s, 1.0
+    elif cfg.schedule == "exponential":
+        mean = cfg.mtbf_steps, cfg.mtbf_s, 1.0
+    elif cfg.schedule == "weibull" and cfg.weibull_shape:
+        scale = math.gamma(1 + 1 / cfg.weibull_shape)
+        steps, seconds = cfg.weibull_scale_steps, cfg.weibull_scale_s
+        mean = steps and steps * scale, seconds and seconds * scale, cfg.weibull_shape
+    if mean is None or not (mean[0] or mean[1]):
+        return None
+    steps, seconds, shape = mean
+    return FailureRate(mean_steps=steps or None, mean_s=None if steps else seconds, shape=shape)
 
 
 def _clock(event: FaultEvent) -> float:

@@ -23,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ftlab.runtime import messages as msg
-from ftlab.runtime.agent import die_with_parent
+from ftlab.runtime import shm
+from ftlab.runtime.agent import terminate_with_parent
 
 
 class ClusterError(RuntimeError):
@@ -82,6 +83,8 @@ class LocalCluster:
         self.port = self._listener.address[1]
         # The rendezvous store lives in the coordinator, which outlives every generation of workers.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.memory_root = shm.job_root(f"{os.getpid()}-{self.secret[:8]}")
+        """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
         self._closing = False
         self.started = False
         threading.Thread(target=self._accept, daemon=True, name="control-accept").start()
@@ -102,8 +105,9 @@ class LocalCluster:
             "--heartbeat-s", str(self.heartbeat_s),
             "--threads", str(self.threads_per_worker),
             "--workers", *map(str, self.workers_of(node)),
+            "--memory-root", str(self.memory_root),
         ]  # fmt: skip
-        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=terminate_with_parent)
         if node not in self.node_ids:
             self.node_ids.append(node)
 
@@ -228,12 +232,17 @@ class LocalCluster:
             _signal(member.pid, sig)
 
     def kill_node(self, node: int) -> None:
-        """A lost machine: the agent and every worker of the node die at once."""
+        """A lost machine: the agent and every worker of the node die at once, and its memory is gone."""
         agent = self.agents.get(node)
         if agent is not None:
             _signal(agent.pid, signal.SIGKILL)
         for worker in self.workers_of(node):
             self.kill_worker(worker)
+        self.lose_memory(node)
+
+    def lose_memory(self, node: int) -> None:
+        """The host memory of a node that died: its agent cannot free it, so the coordinator does."""
+        shm.remove(shm.node_dir(self.memory_root, node))
 
     # -- stopping ----------------------------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -251,6 +260,7 @@ class LocalCluster:
                 proc.wait()  # reap it: no zombie outlives the job
         for member in self.workers.values():
             _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
+        shm.remove(self.memory_root)  # agents free their own; this catches those that were killed
         self._listener.close()
 
 

@@ -48,6 +48,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     seed: int = 0
+    zero: int = 0
+    """1: ZeRO-1, each layer's optimizer state split across the layer's replicas (gradients reduce-scattered, each
+    replica steps its chunk, parameters all-gathered); 0: every replica holds its layers' whole optimizer state."""
     resume_from: str | None = None
     """A committed checkpoint directory (``.../step-NNNNNN``) or a directory of them (the newest is taken)."""
     data: str | None = None

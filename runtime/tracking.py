@@ -167,6 +167,10 @@ class Tracker:
         assert self.run_id is not None
         self.client.set_tag(self.run_id, NOTE_TAG, note)
 
+    def set_tag(self, key: str, value: str) -> None:
+        assert self.run_id is not None
+        self.client.set_tag(self.run_id, key, value)
+
     def log_text(self, path: str, text: str) -> None:
         assert self.run_id is not None
         self.client.log_text(self.run_id, text, path)
@@ -206,17 +210,25 @@ class RunRecorder:
         match event:
             case ev.StepCommitted():
                 samples = event.samples / event.iter_s
-                self.tracker.log_metrics(
-                    {
-                        "train/loss": event.loss,
-                        "perf/iter_s": event.iter_s,
-                        "perf/samples_per_s": samples,
-                        "perf/tokens_per_s": samples * self.seq_len,
-                        "cluster/alive_nodes": event.alive_nodes,
-                        "cluster/pipelines": event.pipelines,
-                    },
-                    event.step,
-                )
+                metrics = {
+                    "train/loss": event.loss,
+                    "perf/iter_s": event.iter_s,
+                    "perf/samples_per_s": samples,
+                    "perf/tokens_per_s": samples * self.seq_len,
+                    "cluster/alive_nodes": event.alive_nodes,
+                    "cluster/pipelines": event.pipelines,
+                }
+                if event.snapshot_s is not None:
+                    metrics["ft/snapshot_s"] = event.snapshot_s
+                self.tracker.log_metrics(metrics, event.step)
+            case ev.SnapshotTaken():
+                # At the index of the last step the snapshot holds, as train/loss of that step.
+                self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_bytes": event.nbytes},
+                                         event.step - 1)  # fmt: skip
+            case ev.StateRestored():
+                self.tracker.log_metrics({"ft/restore_s": event.seconds, "ft/restore_bytes": event.nbytes},
+                                         event.generation)  # fmt: skip
+                self.tracker.set_tag("restore_source", event.source)
             case ev.PlanConfigured():
                 self.tracker.log_text(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():

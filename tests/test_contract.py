@@ -31,10 +31,12 @@ CONTRACT = [
     "ftlab.runtime.coordinator",
     "ftlab.runtime.model_spec",
     "ftlab.runtime.checkpoint",
+    "ftlab.runtime.snapshot_layout",
+    "ftlab.runtime.shm",
 ]
 PROCESS_CODE = {
     "agent", "cluster", "comm", "executor", "local_backend", "model", "model_families", "layer_state", "worker",
-    "messages", "optim", "profiler", "tracking", "progress", "timeline", "data",
+    "messages", "optim", "profiler", "tracking", "progress", "timeline", "data", "snapshot", "shm", "zero",
 }  # fmt: skip
 
 

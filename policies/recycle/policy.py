@@ -61,6 +61,10 @@ PatternKey = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], frozense
 
 
 class ReCycle(Policy):
+    moves_layers = True
+    """A join takes a failed role back with its stage's layers and optimizer state from a peer; rerouted
+    micro-batches also change which replicas reduce each gradient, which ZeRO-1's fixed shards cannot follow."""
+
     def __init__(self, settings: Any) -> None:
         super().__init__(settings)
         self._layouts: dict[int, Plan] = {}
