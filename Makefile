@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test fault-ci bench clean
+.PHONY: setup run test ui-test sweep fault-ci soak bench clean
 
 # Pinned dependencies from requirements.lock, then the project itself (editable, so conf/ edits apply at once).
 $(STAMP): pyproject.toml requirements.lock
@@ -20,15 +20,36 @@ run: setup
 test: setup
 	$(PYTHON) -m pytest
 
-# A short fault-injection scenario (a node killed mid-run) for every policy in conf/policy, with its invariants.
+# The MLflow UI in headless Chromium (Debian's chromium and chromium-driver: apt-get install chromium chromium-driver):
+# a small sweep, the MLflow server on its store, the runs table and the compare view. Screenshots: ui-artifacts/.
+ui-test: setup
+	$(PYTHON) -m pytest -m ui tests/test_ui.py
+
+# A small sweep of policies x failure rates (Oobleck and checkpoint-restart, both with storage checkpoints, on the
+# quick-start cluster; exponential node faults every 8 or 16 steps on average). It leaves the comparison figure in
+# multirun/make-sweep/ftlab-sweep/comparison.png and on the sweep's MLflow run (store: sweep.db).
+SWEEP_DIR := multirun/make-sweep
+sweep: setup
+	rm -rf $(SWEEP_DIR)
+	$(VENV)/bin/ftlab -m experiment=quickstart policy=oobleck,checkpoint_restart protection=storage \
+		faults=exponential faults.mtbf_steps=8,16 tracking.uri=sqlite:///sweep.db hydra.sweep.dir=$(SWEEP_DIR)
+
+# A node killed mid-run under every policy with every protection (conf/policy x conf/protection), with its invariants.
 fault-ci: setup
-	$(PYTHON) -m experiments.fault_ci
+	$(PYTHON) -m ftlab.experiments.fault_ci
+
+# Seeded random fault scenarios checked against their fault-free twins: make soak N=200 SEED=7 (SEED: today's date).
+N ?= 10
+soak: setup
+	$(PYTHON) -m ftlab.experiments.soak --scenarios $(N) $(if $(SEED),--seed $(SEED))
 
 bench: setup
-	$(PYTHON) -m experiments.bench_runtime
-	$(PYTHON) -m experiments.bench_planner
-	$(PYTHON) -m experiments.bench_recovery
-	$(PYTHON) -m experiments.bench_simulator
+	$(PYTHON) -m ftlab.experiments.bench_runtime
+	$(PYTHON) -m ftlab.experiments.bench_planner
+	$(PYTHON) -m ftlab.experiments.bench_recovery
+	$(PYTHON) -m ftlab.experiments.bench_staggered
+	$(PYTHON) -m ftlab.experiments.bench_snapshots
+	$(PYTHON) -m ftlab.experiments.bench_simulator
 
 clean:
-	rm -rf $(VENV) .ftlab outputs multirun mlflow.db mlruns
+	rm -rf $(VENV) .ftlab outputs multirun mlflow.db sweep.db mlruns mlartifacts ui-artifacts

@@ -1,4 +1,4 @@
-"""Planner timings beside the published ones: ``python -m experiments.bench_planner``.
+"""Planner timings beside the published ones: ``python -m ftlab.experiments.bench_planner``.
 
 Templates (Oobleck, SOSP'23, Table 3): the time to generate the pipeline template for 8, 16 and 24 nodes of 1, 4
 and 8 GPUs, for models of 24, 32, 64 and 96 layers, from a cold planner (no memo), as the paper measured one
@@ -14,9 +14,10 @@ ReCycle (SOSP'24): the rerouting schedule after 1, 2 and 4 failed workers of a P
 micro-batches (4 per pipeline), from the list scheduler and from the MILP (``plan_recycle`` with method="heuristic"
 and "milp"). Stage costs are GPT-3 6.7B's 34 layers split evenly over 8 stages, from the analytic A100-80GB profile
 (ReCycle's GPUs) at micro-batch 2. The failed workers sit in different pipelines and stages (pipeline 0 stage 3,
-pipeline 1 stage 5, pipeline 2 stage 1, pipeline 3 stage 6; the first k of them). These instances have 1,800 to
-2,100 ordering binaries: the MILP runs into its time limit (``--recycle-time-limit``, default 20 s) and the table
-says so, with the makespan it reached, the proven lower bound and the gap.
+pipeline 1 stage 5, pipeline 2 stage 1, pipeline 3 stage 6; the first k of them). These instances have 900 to
+1,900 ordering binaries (pairs that no precedence or symmetry order decides): the MILP runs into its time limit
+(``--recycle-time-limit``, default 20 s) and the table says so, with the makespan it reached, the proven lower bound
+(a healthy pipeline's optimum, ``milp.improve``) and the gap.
 
 Every time is the fastest of several runs (the machine is shared; see ``fastest``), except the MILP's, which runs
 once to its time limit. The last line printed is one JSON object.

@@ -1,7 +1,7 @@
 """ftlab's runtime against DeepSpeed's own PipelineEngine: same model, layout, batch, data and optimizer.
 
-    .venv/bin/python -m experiments.bench_runtime                       # gpt2-tiny, 2 stages x 2 replicas
-    .venv/bin/python -m experiments.bench_runtime --model gpt2-small --rounds 1 --steps 10
+    .venv/bin/python -m ftlab.experiments.bench_runtime                       # gpt2-tiny, 2 stages x 2 replicas
+    .venv/bin/python -m ftlab.experiments.bench_runtime --model gpt2-small --rounds 1 --steps 10
 
 Both sides train from the same initial weights (``runtime.model.build_layer``) on the same micro-batches, so their
 losses must agree (step 0 to float rounding; later steps drift only by the order of floating-point sums). Each
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from omegaconf import OmegaConf
 
-    from ftlab.runtime.config import JobConfig
+    from ftlab.experiments.config import JobConfig
     from ftlab.runtime.data import tokenize_corpus
     from ftlab.experiments.job import compose_config
 

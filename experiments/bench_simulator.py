@@ -60,7 +60,7 @@ JOBS: dict[str, list[str]] = {
 SCALE = [
     "model=llama2-6.7b", "cluster=a100-125x8", "policy=oobleck", "train.activation_checkpointing=true",
     "train.global_batch=1024", "train.micro_batch=2", "train.steps=100000000", "sim.horizon_s=43200",
-    "faults=trace", "faults.trace=p3", "faults.trace_copies=4", "faults.time_compression=1",
+    "faults=trace", "faults.trace=p3", "faults.trace_copies=4", "faults.trace_s_per_step=null", "faults.time_compression=1",
 ]  # fmt: skip
 
 

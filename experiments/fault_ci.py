@@ -1,12 +1,17 @@
-"""``make fault-ci``: a fault-injection job for CI, for every policy in conf/policy/.
+"""``make fault-ci``: a fault-injection job for CI, for every policy with every protection (conf/policy x
+conf/protection): none, storage checkpoints, REFT's in-memory snapshots.
 
-Each policy trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
+Each pair trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
 fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. The invariants:
 
-- a policy that recovers finishes its MLflow run, and every step's loss (as finally committed) equals the
-  fault-free run's within the equivalence tolerance; it loses at most the steps since its last checkpoint, and
-  every committed checkpoint loads;
-- a policy that does not recover (``none``) stops at the failure and marks its run FAILED with the reason.
+- a pair the job refuses (a restart policy with nothing saved) is refused before any worker starts, with a message
+  that names the protection to choose;
+- a policy that does not recover (``none``) stops at the failure and marks its run FAILED with the reason;
+- a pair that recovers finishes its MLflow run, commits every step, and every step's loss (as finally committed)
+  equals the fault-free run's within the equivalence tolerance; the fault's lost steps are measured and within what
+  the pair promises (none when the survivors kept running, at most the checkpoint interval when workers restarted);
+  with protection=storage at least one checkpoint was committed, and every committed checkpoint loads;
+- no job leaves its nodes' memory in /dev/shm.
 
 Prints one line per check and closes with ``N passed, N failed``; exits non-zero if any check failed.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -22,10 +28,11 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime import checkpoint
-from ftlab.runtime.layer_state import decode
 from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
+from ftlab.runtime import checkpoint, shm
+from ftlab.runtime.contract import ConfigError
 from ftlab.runtime.coordinator import JobStopped
+from ftlab.runtime.layer_state import decode
 
 STEPS = 10
 CHECKPOINT_EVERY = 3
@@ -52,59 +59,101 @@ def same_losses(a: dict[int, float], b: dict[int, float]) -> bool:
     return a.keys() == b.keys() and all(math.isclose(a[s], b[s], rel_tol=LOSS_RTOL) for s in a)
 
 
-def checkpoints_load(directory: str) -> bool:
-    committed = [d for d in Path(directory).glob("step-*") if (d / checkpoint.MANIFEST).exists()]
-    return all(
-        decode(checkpoint.layer_path(d, layer).read_bytes())["module"]
-        for d in committed
-        for layer in range(checkpoint.find(d)[2])  # type: ignore[index]
+def committed_checkpoints(directory: str) -> list[Path]:
+    return sorted(d for d in Path(directory).glob("step-*") if (d / checkpoint.MANIFEST).exists())
+
+
+def checkpoint_loads(directory: Path) -> bool:
+    found = checkpoint.find(directory)
+    return found is not None and all(
+        decode(checkpoint.layer_path(directory, layer).read_bytes())["module"] for layer in range(found[2])
     )
 
 
-def scenario(policy: str, workdir: Path) -> Callable[..., JobResult]:
+SETTINGS = {
+    "storage": [f"protection.every={CHECKPOINT_EVERY}"],
+    "reft": ["protection.interval=1", f"protection.flush_every={CHECKPOINT_EVERY}"],
+}
+# Committed steps a restart may lose: a storage checkpoint's interval; none from a snapshot taken every step.
+LOST_ON_RESTART = {"storage": CHECKPOINT_EVERY, "reft": 0}
+
+
+def protection_settings(protection: str) -> list[str]:
+    return SETTINGS.get(protection, [])
+
+
+def segments() -> set[str]:
+    """The nodes' memories of jobs this process coordinates (other jobs may run beside)."""
+    return {p.name for p in shm.ROOT.glob(f"ftlab-{os.getpid()}-*")}
+
+
+def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobResult]:
     def run(*extra: str) -> JobResult:
         overrides = [
-            "experiment=plain", f"policy={policy}", "cluster=local-6", "cluster.device_memory_gb=0.04",
-            f"train.steps={STEPS}", "protection=storage", f"protection.every={CHECKPOINT_EVERY}", "progress=false",
-            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints",
-            *extra,
+            "experiment=plain", f"policy={policy}", f"protection={protection}", *protection_settings(protection),
+            "cluster=local-6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", "progress=false",
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints", *extra,
         ]  # fmt: skip
         return run_job(compose_config(overrides))
 
     return run
 
 
-def check_policy(policy: str, workdir: Path, checks: Checks) -> None:
-    run = scenario(policy, workdir)
+def check_pair(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+    before = segments()
+    check_recovery(policy, protection, workdir, checks)
+    left = segments() - before
+    checks.check(f"{policy} + {protection}: no memory left in /dev/shm", not left, str(sorted(left)))
+
+
+def check_recovery(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+    name = f"{policy} + {protection}"
+    run = scenario(policy, protection, workdir)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
-    if policy == "none":
-        try:
-            run("faults=explicit", KILL)
-            checks.check(f"{policy}: stops at the failure", False, "the job finished")
-        except JobStopped as stopped:
-            checks.check(f"{policy}: stops at the failure", "node 3" in str(stopped), str(stopped))
-        latest = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id], order_by=["start_time DESC"])[0]
-        checks.check(f"{policy}: run marked FAILED with the reason", latest.info.status == "FAILED" and "failure_reason" in latest.data.tags)
+    try:
+        faulty = run("faults=explicit", KILL)
+    except ConfigError as refused:
+        checks.check(f"{name}: refused before any worker, naming a protection", "protection=" in str(refused), str(refused))
         return
+    except JobStopped as stopped:
+        checks.check(f"{name}: stops at the failure", policy == "none" and "node 3" in str(stopped), str(stopped))
+        experiment = client.get_experiment_by_name("ftlab").experiment_id
+        latest = client.search_runs([experiment], order_by=["start_time DESC"])[0]
+        failed = latest.info.status == "FAILED" and "failure_reason" in latest.data.tags
+        checks.check(f"{name}: run marked FAILED with the reason", failed)
+        return
+    checks.check(f"{name}: recovers", policy != "none", "policy=none finished a job with a failure in it")
     reference = run()
-    faulty = run("faults=explicit", KILL)
     status = client.get_run(faulty.run_id).info.status
-    checks.check(f"{policy}: run FINISHED", status == "FINISHED", status)
-    checks.check(f"{policy}: every step committed", sorted(losses_by_step(faulty)) == list(range(STEPS)))
-    checks.check(f"{policy}: losses equal the fault-free run's", same_losses(losses_by_step(faulty), losses_by_step(reference)))
+    checks.check(f"{name}: run FINISHED", status == "FINISHED", status)
+    checks.check(f"{name}: every step committed", sorted(losses_by_step(faulty)) == list(range(STEPS)))
+    same = same_losses(losses_by_step(faulty), losses_by_step(reference))
+    checks.check(f"{name}: losses equal the fault-free run's", same)
     lost = [f.lost_steps for f in faulty.faults]
-    checks.check(f"{policy}: one failure, at most {CHECKPOINT_EVERY} committed steps lost", len(lost) == 1 and 0 <= (lost[0] or 0) <= CHECKPOINT_EVERY, str(lost))
-    checks.check(f"{policy}: committed checkpoints load", checkpoints_load(faulty.checkpoint_dir))
+    restarted = any(len(pids) > 1 for pids in faulty.worker_pids.values())
+    promise = LOST_ON_RESTART.get(protection, 0) if restarted else 0
+    kept = len(lost) == 1 and lost[0] is not None and 0 <= lost[0] <= promise
+    checks.check(f"{name}: one failure, its lost steps measured and at most {promise}", kept, str(lost))
+    saved = committed_checkpoints(faulty.checkpoint_dir)
+    if protection == "storage":
+        checks.check(f"{name}: checkpoints were committed", bool(saved), faulty.checkpoint_dir)
+    checks.check(f"{name}: committed checkpoints load", all(checkpoint_loads(d) for d in saved))
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policies", nargs="*", default=sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml")))
+    parser.add_argument("--policies", nargs="*", default=options("policy"))
+    parser.add_argument("--protections", nargs="*", default=options("protection"))
     args = parser.parse_args()
     checks = Checks()
     for policy in args.policies:
-        with tempfile.TemporaryDirectory(prefix=f"fault-ci-{policy}-") as workdir:
-            check_policy(policy, Path(workdir), checks)
+        for protection in args.protections:
+            with tempfile.TemporaryDirectory(prefix=f"fault-ci-{policy}-{protection}-") as workdir:
+                check_pair(policy, protection, Path(workdir), checks)
     print(f"{checks.passed} passed, {checks.failed} failed")
     sys.exit(1 if checks.failed else 0)
 

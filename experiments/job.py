@@ -13,6 +13,8 @@ same run and tags (``tracked``), the same subscribers (``observe``) and the same
 
 from __future__ import annotations
 
+import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,10 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig, build, register
 from ftlab.faults.injector import Injector
-from ftlab.faults.schedules import ClusterShape, FaultEvent, build_schedule
+from ftlab.faults.schedules import (
+    ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
+)
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
+from ftlab.runtime.config import ClusterConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
 from ftlab.runtime.coordinator import JobStopped
@@ -40,6 +45,8 @@ from ftlab.runtime.model_spec import layer_specs
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.profiler import analytic_profile, measure_profile
 from ftlab.runtime.tracking import RunRecorder, Tracker
+
+log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).parents[1] / "conf"
 GIB = 2**30
@@ -97,10 +104,11 @@ def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Member
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * GIB)
     profile = cache(lambda: job_profile(cfg)[0])
+    rate = failure_rate(cfg.faults)
 
     def make(membership: Membership) -> Job:
         return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
-                   profile, start)  # fmt: skip
+                   profile, start, rate)  # fmt: skip
 
     return make
 
@@ -134,6 +142,8 @@ def check_settings(cfg: JobConfig) -> None:
     c, t = cfg.cluster, cfg.train
     if c.nodes < 1 or c.workers_per_node < 1:
         raise ConfigError("cluster.nodes and cluster.workers_per_node must be at least 1")
+    if c.threads_per_worker < 0:
+        raise ConfigError(f"cluster.threads_per_worker={c.threads_per_worker}: use a count, or 0 for this job's share")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: use auto, gloo or nccl")
     if c.device_memory_gb <= 0:
@@ -158,6 +168,8 @@ def check_settings(cfg: JobConfig) -> None:
             f"train.lr={t.lr}, train.min_lr={t.min_lr}: the learning rate must be positive and the minimum between "
             f"0 and it"
         )
+    if t.zero not in (0, 1):
+        raise ConfigError(f"train.zero={t.zero}: use 0 (no optimizer sharding) or 1 (ZeRO-1)")
     if t.warmup_steps < 0 or t.weight_decay < 0 or not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
@@ -166,6 +178,11 @@ def check_settings(cfg: JobConfig) -> None:
         cfg.model.check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    if cfg.model.vocab_size < 3:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
+            "end-of-line tokens: use at least 3"
+        )
 
 
 def check_device(cfg: JobConfig) -> None:
@@ -230,11 +247,17 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
     """The policy and protection of the job, checked against each other and the job, and the policy's first plan."""
     policy, protection = components(cfg)
     job = make_job(everyone(cfg))
+    if cfg.train.zero and policy.moves_layers:
+        raise ConfigError(
+            f"policy={policy.name} copies layers with their optimizer state between workers, which train.zero=1 "
+            f"splits across replicas: use train.zero=0, or a policy that restarts (checkpoint_restart)"
+        )
     try:
         protection.check(job)
         policy.check(protection)
         decision = policy.plan(job, protection)
         decision.plan.validate()
+        protection.check_plan(decision.plan, job)
     except PlanError as exc:
         raise ConfigError(str(exc)) from exc
     missing = set(decision.plan.workers) - set(decision.programs)
@@ -262,6 +285,8 @@ class Preflight:
     decision: Decision
     faults: list[FaultEvent]
     make_job: Callable[[Membership], Job]
+    beyond: list[FaultEvent] = field(default_factory=list)
+    """Generated or replayed faults at steps the job never runs: warned of, not fired."""
     backend: str = ""
     """gloo or nccl (real processes only)."""
     tokens: Path | None = None
@@ -272,10 +297,14 @@ def check_job(cfg: JobConfig) -> Preflight:
     """What every job is checked for, real or simulated: settings, the policy and protection with their first
     plan, its memory, the fault schedule. Raises ConfigError (or the fault schedule's error) with what to change."""
     check_settings(cfg)
-    make_job = job_factory(cfg, resume_point(cfg))
+    start = resume_point(cfg)
+    make_job = job_factory(cfg, start)
     policy, protection, decision = first_decision(cfg, make_job)
-    faults = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
-    return Preflight(policy, protection, decision, faults, make_job)
+    scheduled = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
+    first_step = start.step if start is not None else 0
+    faults = check_reach(cfg.faults, scheduled, first_step, cfg.train.steps)
+    beyond = beyond_job(scheduled, first_step, cfg.train.steps)
+    return Preflight(policy, protection, decision, faults, make_job, beyond)
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -300,7 +329,33 @@ def run_tags(cfg: JobConfig) -> dict[str, str]:
         "model": cfg.model.name,
         "cluster": cfg.cluster.name,
         "faults": cfg.faults.schedule,
+        "fault_rate": rate_label(cfg.faults),
+        "seed": str(cfg.faults.seed),
     }
+
+
+def run_name(cfg: JobConfig) -> str:
+    """policy-protection-faults-seed: what tells the jobs of a sweep apart, readable in the runs table. The seed is
+    the fault schedule's (the draw of faults a job saw); the faults part carries the rate (``exponential-10steps``)."""
+    return f"{cfg.policy.name}-{cfg.protection.name}-{rate_label(cfg.faults)}-{cfg.faults.seed}"
+
+
+def describe(cfg: JobConfig, summary: dict[str, float] | None = None) -> str:
+    """The run's description (markdown): the job in one sentence, then its key figures once it has them."""
+    c = cfg.cluster
+    text = (
+        f"{cfg.model.name} on {c.name} ({c.nodes} nodes x {c.workers_per_node} workers), policy "
+        f"**{cfg.policy.name}**, protection **{cfg.protection.name}**, faults **{rate_label(cfg.faults)}** "
+        f"(seed {cfg.faults.seed}), {cfg.train.steps} steps."
+    )
+    if summary is None:
+        return text
+    s = summary
+    return text + (
+        f" Goodput **{s['summary/goodput_ratio']:.2f}**; {int(s['summary/failures'])} failures, recovery "
+        f"{s['summary/recovery_s_total']:.2f} s, {int(s['summary/lost_steps_total'])} steps lost; "
+        f"{s['summary/samples_per_s']:.1f} samples/s; final loss {s['summary/final_loss']:.4f}."
+    )
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
@@ -312,19 +367,36 @@ def tracked(dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult
     otherwise. A job the policy stopped is FAILED too, after its summary is logged."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
-    tags = {**run_tags(cfg), "backend": backend}
-    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
+    run_id = tracker.start(
+        OmegaConf.to_container(dict_cfg, resolve=True), {**run_tags(cfg), "backend": backend},
+        OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg),
+    )  # fmt: skip
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
         result = body(cfg, tracker)
         result.run_id = run_id
         if result.stopped is not None:
             raise JobStopped(result.stopped)
+        tracker.describe(describe(cfg, result.summary))
         tracker.finish()
         return result
     except BaseException as exc:
+        tracker.describe(f"{describe(cfg)} **Failed**: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
         tracker.finish(failure=f"{type(exc).__name__}: {exc}")
         raise
+
+
+def failed_run(dict_cfg: DictConfig, error: Exception) -> str:
+    """A FAILED run for a job refused before it could open one (an unknown mode), so every job of a sweep has its
+    run; its id."""
+    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    tracker = Tracker(cfg.tracking)
+    run_id = tracker.start(
+        OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
+        describe(cfg),
+    )  # fmt: skip
+    tracker.finish(failure=f"{type(error).__name__}: {error}")
+    return run_id
 
 
 @dataclass
@@ -357,17 +429,20 @@ def observe(cfg: JobConfig, tracker: Tracker | None, clock_origin: float, repeat
 
 
 def conclude(
-    cfg: JobConfig, tracker: Tracker | None, seen: Observers, stopped: JobStopped | None,
-    worker_pids: dict[int, list[int]] | None = None,
+    cfg: JobConfig, tracker: Tracker | None, seen: Observers, checked: Preflight, injector: Injector | None,
+    stopped: JobStopped | None, worker_pids: dict[int, list[int]] | None = None,
 ) -> JobResult:  # fmt: skip
-    """The job's result, its summary metrics and timeline.png."""
+    """The job's result, its summary metrics and timeline.png; the faults that never fired are warned of."""
     seen.progress.close()
+    ended = [(fault, "the job ended before it fired") for fault in injector.pending()] if injector else []
+    _warn_unfired(seen.bus, ended, seen.collector.last_at)
     if seen.recorder is not None:
         seen.recorder.close()
     steps, plans = seen.collector.steps, seen.collector.plans
     summary: dict[str, float] = {}
     if steps and plans and seen.collector.started is not None:
-        summary = summarise(steps, seen.ledger, plans[0], seen.collector.started)
+        summary = summarise(steps, seen.ledger, plans[0].generation)
+        summary["summary/faults_unfired"] = float(len(checked.beyond) + len(ended))
         if tracker is not None:
             tracker.log_metrics(summary, cfg.train.steps)
             title = f"{cfg.policy.name} | {cfg.faults.schedule}"
@@ -378,6 +453,13 @@ def conclude(
     )  # fmt: skip
 
 
+def record_checks(cfg: JobConfig, tracker: Tracker | None, seen: Observers, checked: Preflight, at: float) -> None:
+    """What the checks before the job found: the protection's choices as tags, faults beyond the job warned of."""
+    if tracker is not None:
+        for key, value in checked.protection.describe().items():
+            tracker.set_tag(f"protection.{key}", value)
+    beyond = [(fault, f"the job runs steps before {cfg.train.steps} only (train.steps)") for fault in checked.beyond]
+    _warn_unfired(seen.bus, beyond, at)
 @dataclass
 class _Collector:
     """What the job's result and summary need from the event stream."""
@@ -386,8 +468,11 @@ class _Collector:
     plans: list[Plan] = field(default_factory=list)
     events: list[ev.Event] = field(default_factory=list)
     started: float | None = None
+    last_at: float = 0.0
+    """The time of the latest event (the job's clock: monotonic, or simulated)."""
 
     def __call__(self, event: ev.Event) -> None:
+        self.last_at = max(self.last_at, event.at)
         match event:
             case ev.StepStarting() if self.started is None:
                 self.started = event.at
@@ -409,6 +494,7 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
 
     t, c = cfg.train, cfg.cluster
     seen = observe(cfg, tracker, clock_origin=time.monotonic())
+    record_checks(cfg, tracker, seen, checked, time.monotonic())
     setup = {
         "model": cfg.model,
         "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
@@ -417,8 +503,12 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
         "activation_checkpointing": t.activation_checkpointing,
+        "zero": t.zero,
+        "aor": False,
+        **checked.protection.runtime_options(),
     }
-    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, c.threads_per_worker)
+    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c))
+    setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
     stopped: JobStopped | None = None
     try:
@@ -436,24 +526,67 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
             injector.stop()
         seen.progress.close()
         cluster.shutdown()
-    return conclude(cfg, tracker, seen, stopped, dict(cluster.worker_pids))
+    return conclude(cfg, tracker, seen, checked, injector, stopped, dict(cluster.worker_pids))
 
 
-def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first: Plan, started: float) -> dict[str, float]:
-    """Run figures. Goodput compares useful samples per second (each committed step once, over the whole training
-    time) with the fault-free rate of the same job, taken as the median iteration of the first plan (of the first
-    plan that committed a step, if a failure struck before the first plan's first)."""
-    wall = steps[-1].at - started
-    useful = len({s.step for s in steps}) * first.global_batch
-    generation = min((s.generation for s in steps), key=lambda g: (g != first.generation, g))
-    fault_free_iter = statistics.median(s.iter_s for s in steps if s.generation == generation)
+def worker_threads(c: ClusterConfig) -> int:
+    """``cluster.threads_per_worker``, or with 0 the job's share of this machine's CPUs (split among the jobs that
+    run at once, then among the job's workers), at least one."""
+    if c.threads_per_worker > 0:
+        return c.threads_per_worker
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
+
+
+def _warn_unfired(bus: ev.EventBus, unfired: list[tuple[FaultEvent, str]], at: float) -> None:
+    """A scheduled fault that does not fire is a warning in the log and an event in the run (``events.jsonl``)."""
+    for fault, reason in unfired:
+        log.warning("fault not fired: the %s fault at %s: %s", fault.kind, fault.when, reason)
+        bus.publish(ev.FaultUnfired(at=at, fault=fault.to_dict(), reason=reason))
+
+
+WARMUP_STEPS = 2
+"""Iterations that start a job (allocations, first gloo connections, cold caches): on local-4 here the first two
+took 0.29-0.30 s against a median of 0.23 s. Goodput counts neither their time nor their samples."""
+
+
+def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generation: int) -> dict[str, float]:
+    """Run figures, goodput defined once.
+
+    Goodput ratio = useful samples per second / fault-free samples per second, both after start-up:
+
+    - useful samples per second: each step committed after the warm-up counted once (a step executed again after a
+      rollback is wasted time, not more samples), over the time from the end of the warm-up to the last commit.
+      Everything a fault costs lies in that window: detection, recovery, lost steps, slower plans on fewer nodes,
+      and so does every checkpoint a protection writes.
+    - fault-free samples per second: the same job's own iterations of its first plan after the warm-up, taken as
+      their total samples over their total time (a mean rate: a median iteration would ignore the occasional slow
+      iteration that a fault-free run also has, and read a fault-free run below 1). Measured in the same run, so
+      the machine's load at the time is in both. If a fault comes before any such iteration, the warm-up
+      iterations of the first plan stand in, and the ratio is pessimistic.
+
+    A fault-free run without checkpoints therefore reads 1.0 up to the coordinator's gaps between iterations.
+    """
+    warm = min(WARMUP_STEPS, len(steps) - 1)
+    after = steps[warm:]
+    window_start = steps[warm - 1].at if warm > 0 else steps[0].at - steps[0].iter_s
+    done_in_warmup = {s.step for s in steps[:warm]}
+    useful = {s.step: s.samples for s in after if s.step not in done_in_warmup}
+    rate = sum(useful.values()) / (steps[-1].at - window_start)
+    reference = [s for s in after if s.generation == first_generation] or [
+        s for s in steps if s.generation == first_generation
+    ]
+    fault_free = sum(s.samples for s in reference) / sum(s.iter_s for s in reference)
     recovered = [r.recover_s for r in ledger.records if r.recover_s is not None]
+    lost = [r.lost_steps for r in ledger.records if r.lost_steps is not None]
     return {
-        "summary/samples_per_s": useful / wall,
-        "summary/goodput_ratio": (useful / wall) / (first.global_batch / fault_free_iter),
+        "summary/samples_per_s": rate,
+        "summary/fault_free_samples_per_s": fault_free,
+        "summary/goodput_ratio": rate / fault_free,
         "summary/recovery_s_total": sum(recovered),
+        "summary/lost_steps_total": float(sum(lost)),
         "summary/failures": float(len([r for r in ledger.records if r.noticed_at is not None])),
-        "summary/median_iter_s": fault_free_iter,
+        "summary/median_iter_s": statistics.median(s.iter_s for s in reference),
         "summary/final_loss": steps[-1].loss,
         "summary/steps": float(len({s.step for s in steps})),
     }

@@ -2,17 +2,28 @@
 
 Composition and the checks before any worker starts import no torch, transformers or DeepSpeed: a typo or an
 impossible setting is answered in seconds. The training machinery loads only for a job that passed them.
+
+A single job that fails prints its message (no traceback for a user error) and exits non-zero. In a sweep a failing
+job never ends the sweep: its failure is recorded (its MLflow run is FAILED with the reason, and its outcome goes
+to the sweep, ``experiments/sweep.py``), and the next job runs; the sweep prints how many jobs failed at the end and
+``ftlab`` exits non-zero if any did. (Hydra's launchers would stop at a ``sys.exit``, and the basic sweeper re-raises
+the first failed job's exception after its batch, so the task function returns instead of raising.)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
+import traceback
 from typing import TYPE_CHECKING
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
 
+from ftlab.experiments import sweep
 from ftlab.experiments.config import register
 from ftlab.faults.schedules import FaultConfigError
 from ftlab.runtime.backend import WorkerCrashed
@@ -38,11 +49,14 @@ def report(result: JobResult, tracking_uri: str) -> None:
     loss = s["summary/final_loss"]
     lines = [
         f"\nftlab: {int(s['summary/steps'])} steps, "
-        + ("" if math.isnan(loss) else f"final loss {loss:.4f}, ")
-        + f"{s['summary/samples_per_s']:.1f} samples/s overall",
+        + ("" if math.isnan(loss) else f"final loss {loss:.4f}, ")  # a simulation computes no loss
+        + f"{s['summary/samples_per_s']:.1f} samples/s after start-up",
         f"failures {int(s['summary/failures'])}, recovery {s['summary/recovery_s_total']:.2f} s in all, "
-        f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate",
+        f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate "
+        f"({s['summary/fault_free_samples_per_s']:.1f} samples/s)",
     ]
+    if s["summary/faults_unfired"]:
+        lines.append(f"{int(s['summary/faults_unfired'])} scheduled faults did not fire (see the warnings above)")
     for i, fault in enumerate(result.faults):
         lines.append(
             f"  fault {i} ({fault.kind}): detected in {fault.detect_s or 0:.3f} s, recovered in "
@@ -53,34 +67,88 @@ def report(result: JobResult, tracking_uri: str) -> None:
     print("\n".join(lines))
 
 
+def run(cfg: DictConfig) -> str:
+    """Run (or plan) the job; its MLflow run id."""
+    if cfg.mode not in MODES:
+        from ftlab.experiments.job import failed_run
+
+        error = ConfigError(
+            f"mode={cfg.mode}: use mode=train (run the job), mode=plan (show its plan) or mode=simulate (run it on "
+            f"a simulated cluster)"
+        )
+        failed_run(cfg, error)
+        raise error
+    if cfg.mode == "plan":
+        from ftlab.experiments.plan_report import plan_job
+
+        planned = plan_job(cfg)
+        print(planned.text, end="")
+        print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
+        return planned.run_id
+    if cfg.mode == "simulate":
+        from ftlab.experiments.simulate import simulate_job
+
+        result = simulate_job(cfg)
+    else:
+        from ftlab.experiments.job import run_job
+
+        result = run_job(cfg)
+    report(result, cfg.tracking.uri)
+    return result.run_id
+
+
+def parallel_jobs() -> int:
+    """Jobs this sweep runs at once on this machine: the joblib launcher's ``n_jobs`` (-1: one per CPU), else 1."""
+    launcher = HydraConfig.get().launcher
+    if "joblib" not in str(launcher.get("_target_", "")):
+        return 1
+    n_jobs = int(launcher.get("n_jobs") or 1)
+    return len(os.sched_getaffinity(0)) if n_jobs < 0 else n_jobs
+
+
+def join_sweep(cfg: DictConfig, context: sweep.SweepContext) -> None:
+    """Make the job's run a child of the sweep's, when it writes to the sweep's experiment; its progress is the
+    sweep's bar, not a bar of its own; its share of the CPUs accounts for the jobs beside it. (The joblib launcher
+    also limits each job process's own math threads to its share.)"""
+    with open_dict(cfg):
+        cfg.progress = False
+        cfg.cluster.parallel_jobs = parallel_jobs()
+        if cfg.tracking.uri == context.tracking_uri and cfg.tracking.experiment == context.experiment:
+            cfg.tracking.parent_run_id = context.parent_run_id
+            cfg.tracking.sweep_id = context.sweep_id
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    context = sweep.current_sweep() if HydraConfig.get().mode == RunMode.MULTIRUN else None
+    if context is None:
+        try:
+            run(cfg)
+        except user_errors() as exc:
+            print(f"ftlab: {exc}", file=sys.stderr)
+            sys.exit(1)
+        return
+    num = int(HydraConfig.get().job.num)
+    overrides = list(HydraConfig.get().overrides.task)
+    sweep.job_started(context, num)
+    join_sweep(cfg, context)
     try:
-        if cfg.mode not in MODES:
-            raise ConfigError(
-                f"mode={cfg.mode}: use mode=train (run the job), mode=plan (show its plan) or mode=simulate (run it "
-                f"on a simulated cluster)"
-            )
-        if cfg.mode == "plan":
-            from ftlab.experiments.plan_report import plan_job
+        run_id = run(cfg)
+    except Exception as exc:  # noqa: BLE001 - every failure is the job's, recorded, and the sweep goes on
+        if not isinstance(exc, user_errors()):
+            traceback.print_exc()
+        print(f"ftlab: job {num} failed: {exc}", file=sys.stderr)
+        sweep.job_ended(context, sweep.JobOutcome(num, overrides, "FAILED", f"{type(exc).__name__}: {exc}"))
+        return
+    sweep.job_ended(context, sweep.JobOutcome(num, overrides, "FINISHED", run_id=run_id))
 
-            planned = plan_job(cfg)
-            print(planned.text, end="")
-            print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
-            return
-        if cfg.mode == "simulate":
-            from ftlab.experiments.simulate import simulate_job
 
-            result = simulate_job(cfg)
-        else:
-            from ftlab.experiments.job import run_job
-
-            result = run_job(cfg)
-    except user_errors() as exc:
-        print(f"ftlab: {exc}", file=sys.stderr)
+def cli() -> None:
+    """The ``ftlab`` command: the Hydra app, then a non-zero exit if a sweep had failed jobs."""
+    main()
+    if sweep.failed_jobs:
         sys.exit(1)
-    report(result, cfg.tracking.uri)
 
 
 if __name__ == "__main__":
-    main()
+    cli()

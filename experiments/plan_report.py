@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import (
     check_device, check_memory, check_settings, components, everyone, job_factory, job_profile, run_tags,
+    describe, run_name,
 )  # fmt: skip
 from ftlab.policies.oobleck.policy import Oobleck
 from ftlab.policies.oobleck.templates import PipelineTemplate
@@ -85,7 +86,10 @@ def plan_job(dict_cfg: DictConfig) -> PlanReport:
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
     tags = {**run_tags(cfg), "mode": "plan", "device": cfg.cluster.device}
-    run_id = tracker.start(OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg))
+    run_id = tracker.start(
+        OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg), f"plan-{run_name(cfg)}",
+        describe(cfg),
+    )  # fmt: skip
     try:
         report = plan_report(cfg, tracker)
     except BaseException as exc:
@@ -390,7 +394,7 @@ def _render_plan(d: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
+    """``python -m ftlab.experiments.plan_report OVERRIDES...``: the plan of ``ftlab mode=plan OVERRIDES...``."""
     from ftlab.experiments.job import compose_config
 
     overrides = sys.argv[1:] if argv is None else argv

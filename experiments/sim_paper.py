@@ -114,7 +114,7 @@ def table2(models: list[str], traces: list[str]) -> list[dict[str, Any]]:
             horizon = last_failure_s(trace)
             for policy, settings in POLICIES.items():
                 faults = [] if policy == "fault-free" else ["faults=trace", f"faults.trace={trace}",
-                                                            "faults.time_compression=1"]  # fmt: skip
+                                                            "faults.trace_s_per_step=null", "faults.time_compression=1"]  # fmt: skip
                 overrides = [*TABLE2_MODELS[model], "cluster=a40-30x1", "train.activation_checkpointing=true",
                              "train.steps=100000000", f"sim.horizon_s={horizon}", *STORAGE, *settings, *faults]  # fmt: skip
                 cell = {"model": model, "trace": trace, "policy": policy, **simulated(overrides)}
@@ -154,7 +154,8 @@ def sweep(sizes: list[int], hours: float, sources: list[str]) -> list[dict[str, 
         for nodes in sizes:
             gpus = 8 * nodes
             mtbf = cluster_mtbf_s(source, gpus)
-            faults = ["faults=exponential", f"faults.mtbf_s={mtbf:.6g}", f"faults.horizon_s={hours * 3600:g}",
+            faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={mtbf:.6g}", "faults.max_failures=null",
+                      f"faults.horizon_s={hours * 3600:g}",
                       "faults.replace_after_s=3600", "faults.seed=0"]  # fmt: skip
             for combination, settings in COMBINATIONS.items():
                 overrides = [

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from ftlab.experiments.config import JobConfig
-from ftlab.experiments.job import JobResult, check_device, check_job, conclude, everyone, observe, tracked
+from ftlab.experiments.job import (
+    JobResult, check_device, check_job, conclude, everyone, observe, record_checks, tracked,
+)
 from ftlab.faults.injector import Injector
 from ftlab.runtime.contract import ConfigError
 from ftlab.runtime.coordinator import Coordinator, JobStopped
@@ -43,9 +45,20 @@ def simulate_job(dict_cfg: DictConfig) -> JobResult:
     return tracked(dict_cfg, lambda cfg, tracker: simulate(cfg, tracker).result, backend="sim")
 
 
+SIMULATED_PROTECTIONS = ("none", "storage")
+"""Protections whose saves and restores the simulator has costs for (``runtime.sim_backend.register_action`` /
+``register_source``). REFT's snapshots are asynchronous, completed by the writers' records, which the simulated
+workers do not produce: it runs on the real runtime only."""
+
+
 def check_sim(cfg: JobConfig) -> None:
-    """What only a simulation needs: a profile for the device, a positive horizon."""
+    """What only a simulation needs: a profile for the device, a positive horizon, a protection it can cost."""
     check_device(cfg)
+    if cfg.protection.name not in SIMULATED_PROTECTIONS:
+        raise ConfigError(
+            f"mode=simulate has no model of protection={cfg.protection.name}'s saves: use protection="
+            f"{' or protection='.join(SIMULATED_PROTECTIONS)}, or run the job for real (mode=train)"
+        )
     horizon = cfg.sim.horizon_s
     if horizon is not None and not horizon > 0:
         raise ConfigError(f"sim.horizon_s={horizon}: give the simulated seconds of training, > 0, or null")
@@ -58,6 +71,7 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     c, t = cfg.cluster, cfg.train
     job = checked.make_job(everyone(cfg))
     seen = observe(cfg, tracker, clock_origin=0.0, repeats=False)
+    record_checks(cfg, tracker, seen, checked, 0.0)
     backend = SimBackend(
         c.nodes, c.workers_per_node, job.costs, cfg.sim, c.heartbeat_timeout_s, seen.bus,
         shared_host=c.device not in DEVICES,
@@ -77,5 +91,5 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     finally:
         injector.stop()
         seen.progress.close()
-    return Simulated(conclude(cfg, tracker, seen, stopped), horizon, backend.timer.components)
+    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.timer.components)
 

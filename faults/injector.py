@@ -47,6 +47,8 @@ class Injector:
         self._timed = sorted((e for e in events if e.at_time_s is not None), key=lambda e: e.at_time_s or 0.0)
         self._stepped = [e for e in events if e.at_step is not None and e.phase is None]
         self._phased = [e for e in events if e.phase is not None]
+        self._pending = list(events)
+        """Not fired yet (fired or skipped events leave it): what the job ends without, see ``pending``."""
         self._armed: dict[int, FaultEvent] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -102,6 +104,11 @@ class Injector:
     def stop(self) -> None:
         self._stop.set()
 
+    def pending(self) -> list[FaultEvent]:
+        """The events that have not fired (the job ended first, or never entered their phase)."""
+        with self._lock:
+            return list(self._pending)
+
     # -- firing ------------------------------------------------------------------------------------------------
     def _target_worker(self, fault: FaultEvent) -> int:
         return self.target.workers_of(fault.node)[fault.worker or 0]
@@ -112,6 +119,8 @@ class Injector:
 
     def _cause(self, fault: FaultEvent) -> ev.Event:
         with self._lock:
+            if fault in self._pending:
+                self._pending.remove(fault)
             if fault.kind == "join":
                 # "Joins at step k" means: is up by step k, whatever this machine's start-up time.
                 self.target.start_node(fault.node, wait=fault.at_step is not None)

@@ -9,7 +9,22 @@ as the schedule is concerned: what becomes of the worker is the policy's busines
 
 Clocks. An event fires when the job reaches a training step (``at_step``, optionally in one ``phase`` of it) or a
 number of seconds after training starts (``at_time_s``). Steps and seconds cannot be ordered against each other
-before the run, so a schedule uses one clock for all its events; the generated and trace schedules use seconds.
+before the run, so a schedule uses one clock for all its events.
+
+The generated and trace schedules take their rates in either clock: ``mtbf_steps`` or ``mtbf_s``, ``interval_steps``
+or ``interval_s``, ``weibull_scale_steps`` or ``weibull_scale_s``, ``trace_s_per_step`` or ``time_compression``, with
+``horizon_*`` and ``replace_after_*`` in the same clock. The shipped configs give rates per step. A rate in seconds
+means a different number of faults on every machine and under every load (a default job trains for 10 s on an idle
+machine and 40 s on a busy one), so with seconds a shipped MTBF either fires nothing in a default job or kills every
+node of a long one; a rate in steps gives the same faults at the same steps everywhere, which is what a sweep over
+policies compares. The step clock turns the generated times into steps by flooring: a fault drawn at 7.4 steps
+fires as step 7 starts. Seconds stay for what they are good for: replaying a real trace at its own pace, or
+measuring a policy against failures that arrive while it is slow.
+
+Reach. Whether a fault fires within the job is checked before the run where the clock allows: an explicit event at or
+after ``train.steps`` is an error, a generated or replayed one a warning (the schedule is a distribution; the job is
+too short for its tail). Faults still pending when the job ends (time-clocked ones the job did not live to see, or a
+phase the job never entered) are reported then, as a warning and an event (``experiments/job.py``).
 
 Nodes. The cluster starts with nodes ``0..N-1``, each with workers ``0..W-1``. A join gets the next index never used
 (N, N+1, ...) and W workers: indices are never reused, so an index names one node for the whole run.
@@ -24,20 +39,22 @@ Schedules (``FaultsConfig.schedule``):
 
 - ``none``: no events.
 - ``explicit``: ``events``, as given.
-- ``fixed``: a fault at ``interval_s``, ``2 * interval_s``, ...
-- ``exponential``: gaps between consecutive faults drawn from an exponential distribution of mean ``mtbf_s``: a
-  Poisson process of faults for the whole cluster, not per node, so the rate does not change as nodes die.
-- ``weibull``: gaps drawn from a Weibull distribution (``weibull_shape``, ``weibull_scale_s``); a shape below 1 gives
-  bursts of early failures, above 1 wear-out.
+- ``fixed``: a fault at ``interval``, ``2 * interval``, ... (``interval_steps`` or ``interval_s``)
+- ``exponential``: gaps between consecutive faults drawn from an exponential distribution of mean ``mtbf_steps`` (or
+  ``mtbf_s``): a Poisson process of faults for the whole cluster, not per node, so the rate does not change as nodes
+  die.
+- ``weibull``: gaps drawn from a Weibull distribution (``weibull_shape``, ``weibull_scale_steps`` or
+  ``weibull_scale_s``); a shape below 1 gives bursts of early failures, above 1 wear-out.
 
   Generated faults are of ``kind`` (node, process or hang). Each picks a node uniformly among the nodes alive at
   that moment, and a worker uniformly, from one ``random.Random(seed)`` stream, so the same config and cluster give
   the same events and another seed other ones. Generation stops after ``max_failures`` faults or at ``horizon_s``,
-  whichever comes first; one of them must be set. With ``replace_after_s``, every node fault is followed that many
-  seconds later by the join of a fresh node (a spot replacement), which later faults may hit in turn; replacement
-  joins at or after ``horizon_s`` are dropped.
+  whichever comes first; one of them must be set. With ``replace_after``, every node fault is followed that many
+  steps (seconds) later by the join of a fresh node (a spot replacement), which later faults may hit in turn;
+  replacement joins at or after the horizon are dropped.
 - ``trace``: replays a node-availability trace (see ``faults/trace.py`` for the format). Run time 0 is the trace's
-  first timestamp, and trace times are divided by ``time_compression`` (trace seconds per run second). A trace
+  first timestamp; each training step stands for ``trace_s_per_step`` trace seconds, or trace times are divided by
+  ``time_compression`` (trace seconds per run second; 1, real time, when neither is set). A trace
   describes a cluster of its own size, usually larger than the run's, so the run replays the lives of some of the
   trace's nodes:
 
@@ -56,10 +73,11 @@ Schedules (``FaultsConfig.schedule``):
     Copy j's events after the first timestamp are delayed by j times the trace's mean time between removals over
     k, so the copies' preemptions interleave instead of striking k nodes at once; copies run past the trace's
     end by at most that delay. Without either, a larger cluster is refused rather than left mostly failure-free.
-  * ``max_failures`` ends the replay with that fault, ``horizon_s`` (run seconds) at that time.
+  * ``max_failures`` ends the replay with that fault, ``horizon_steps`` / ``horizon_s`` (run steps or seconds) there.
 
 Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over
-``faults.mtbf_s`` under ``faults=fixed`` fails loudly instead of running the same job several times.
+``faults.mtbf_steps`` under ``faults=fixed`` fails loudly instead of running the same job several times; so are
+settings of the other clock (``horizon_s`` with ``mtbf_steps``).
 """
 
 from __future__ import annotations
@@ -70,19 +88,23 @@ import random
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftlab.faults.trace import TraceError, TraceRecord, read_trace
+from ftlab.runtime.contract import FailureRate
 
 FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 GENERATED_KINDS: tuple[str, ...] = ("node", "process", "hang")
 WORKER_KINDS: tuple[str, ...] = ("process", "hang")
-PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
-"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``."""
+PHASES: tuple[str, ...] = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer", "snapshot")
+"""``transfer``: while the target receives layers in an in-place reconfiguration that resumes at step ``at_step``;
+``snapshot``: in the middle of copying the in-memory snapshot of ``at_step`` committed steps (``protection=reft``),
+after one record's bytes and before its commit record."""
 SCHEDULES: tuple[str, ...] = ("none", "explicit", "fixed", "exponential", "weibull", "trace")
 
 # A typo such as horizon_s=1e9 with mtbf_s=1 would otherwise build a list of a billion events before anything runs.
@@ -168,22 +190,31 @@ class FaultsConfig:
     """Kind of the generated faults (fixed, exponential, weibull): node, process or hang."""
     events: list[FaultEventConfig] = field(default_factory=list)
     """explicit: the events."""
+    interval_steps: float | None = None
+    """fixed: training steps between faults (or interval_s: seconds)."""
     interval_s: float | None = None
-    """fixed: seconds of training between faults."""
+    mtbf_steps: float | None = None
+    """exponential: mean training steps between faults of the cluster (or mtbf_s: seconds)."""
     mtbf_s: float | None = None
-    """exponential: mean seconds between faults of the cluster."""
     weibull_shape: float | None = None
+    weibull_scale_steps: float | None = None
+    """weibull: the scale in training steps (or weibull_scale_s: seconds)."""
     weibull_scale_s: float | None = None
     max_failures: int | None = None
     """Generated and trace schedules: stop after this many faults."""
+    horizon_steps: float | None = None
+    """Generated and trace schedules: events only before this step (horizon_s: this many seconds) of training."""
     horizon_s: float | None = None
-    """Generated and trace schedules: events only before this many seconds of training."""
+    replace_after_steps: float | None = None
+    """Generated schedules: each killed node is replaced by a joining node this many steps (replace_after_s:
+    seconds) later."""
     replace_after_s: float | None = None
-    """Generated schedules: each killed node is replaced by a joining node this many seconds later."""
     trace: str | None = None
     """trace: a bundled trace name (p3, g4dn, scale_p3, scale_gcp, 5m, 10m, 30m, 1h, 3h, 6h) or a CSV path."""
-    time_compression: float = 1.0
-    """trace: trace seconds per run second (600: ten trace minutes per second of training)."""
+    trace_s_per_step: float | None = None
+    """trace: trace seconds each training step stands for (120: two trace minutes per step)."""
+    time_compression: float | None = None
+    """trace, on the seconds clock: trace seconds per run second (600: ten trace minutes per second of training)."""
     node_map: dict[str, int] | None = None
     """trace: trace node name -> cluster node index; default: the first N trace nodes in order of appearance."""
     max_nodes: int | None = None
@@ -227,8 +258,27 @@ def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape)
             f"the {cfg.schedule} schedule holds {len(events)} events, more than {MAX_EVENTS}; "
             "lower horizon_s or set max_failures"
         )
-    _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule])
+    unit = STEPS if clock_of(cfg) == STEPS else SECONDS
+    _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule].format(unit=unit))
     return events
+
+
+def failure_rate(cfg: FaultsConfig) -> FailureRate | None:
+    """The cluster's mean time between failures under a generated schedule, in the clock it runs on; None for the
+    schedules that do not say (none, explicit, trace)."""
+    mean: tuple[float | None, float | None, float] | None = None
+    if cfg.schedule == "fixed":
+        mean = cfg.interval_steps, cfg.interval_s, 1.0
+    elif cfg.schedule == "exponential":
+        mean = cfg.mtbf_steps, cfg.mtbf_s, 1.0
+    elif cfg.schedule == "weibull" and cfg.weibull_shape:
+        scale = math.gamma(1 + 1 / cfg.weibull_shape)
+        steps, seconds = cfg.weibull_scale_steps, cfg.weibull_scale_s
+        mean = steps and steps * scale, seconds and seconds * scale, cfg.weibull_shape
+    if mean is None or not (mean[0] or mean[1]):
+        return None
+    steps, seconds, shape = mean
+    return FailureRate(mean_steps=steps or None, mean_s=None if steps else seconds, shape=shape)
 
 
 def _clock(event: FaultEvent) -> float:
@@ -239,14 +289,56 @@ def _clock(event: FaultEvent) -> float:
 
 
 # The settings each schedule reads; schedule and seed are read by all (a seed sweep may span schedules).
+_GENERATED = {"kind", "max_failures", "horizon_steps", "horizon_s", "replace_after_steps", "replace_after_s"}
 _USES: dict[str, set[str]] = {
     "none": set(),
     "explicit": {"events"},
-    "fixed": {"kind", "interval_s", "max_failures", "horizon_s", "replace_after_s"},
-    "exponential": {"kind", "mtbf_s", "max_failures", "horizon_s", "replace_after_s"},
-    "weibull": {"kind", "weibull_shape", "weibull_scale_s", "max_failures", "horizon_s", "replace_after_s"},
-    "trace": {"trace", "time_compression", "node_map", "max_nodes", "max_failures", "horizon_s", "trace_copies"},
+    "fixed": {"interval_steps", "interval_s"} | _GENERATED,
+    "exponential": {"mtbf_steps", "mtbf_s"} | _GENERATED,
+    "weibull": {"weibull_shape", "weibull_scale_steps", "weibull_scale_s"} | _GENERATED,
+    "trace": {"trace", "trace_s_per_step", "time_compression", "node_map", "max_nodes", "max_failures",
+              "horizon_steps", "horizon_s", "trace_copies"},
+}  # fmt: skip
+
+# The setting that gives a schedule's rate in each clock: (steps, seconds).
+_RATES: dict[str, tuple[str, str]] = {
+    "fixed": ("interval_steps", "interval_s"),
+    "exponential": ("mtbf_steps", "mtbf_s"),
+    "weibull": ("weibull_scale_steps", "weibull_scale_s"),
+    "trace": ("trace_s_per_step", "time_compression"),
 }
+STEPS, SECONDS = "steps", "s"
+
+
+def clock_of(cfg: FaultsConfig) -> str | None:
+    """``steps`` or ``s``: the clock a generated or trace schedule runs on, from the rate it is given (a trace with
+    neither rate replays in real time); None for none and explicit, whose events carry their own clock."""
+    if cfg.schedule not in _RATES:
+        return None
+    in_steps, in_seconds = (getattr(cfg, name) is not None for name in _RATES[cfg.schedule])
+    if in_steps and in_seconds:
+        a, b = _RATES[cfg.schedule]
+        raise FaultConfigError(f"faults.{a} and faults.{b} are both set; give the {cfg.schedule} rate in one clock")
+    if not in_steps and not in_seconds and cfg.schedule != "trace":
+        a, b = _RATES[cfg.schedule]
+        raise FaultConfigError(
+            f"the {cfg.schedule} schedule needs faults.{a} (or faults.{b}, in seconds); set it to a number > 0"
+        )
+    clock = STEPS if in_steps else SECONDS
+    for setting in ("horizon", "replace_after"):
+        other = f"{setting}_s" if clock == STEPS else f"{setting}_steps"
+        if getattr(cfg, other) is not None:
+            mine = f"{setting}_steps" if clock == STEPS else f"{setting}_s"
+            raise FaultConfigError(
+                f"faults.{other} is set but the {cfg.schedule} rate is in {'steps' if clock == STEPS else 'seconds'}; "
+                f"use faults.{mine}"
+            )
+    return clock
+
+
+def _setting(cfg: FaultsConfig, name: str, clock: str | None) -> Any:
+    """``horizon`` or ``replace_after`` in the schedule's clock."""
+    return getattr(cfg, f"{name}_{STEPS if clock == STEPS else SECONDS}")
 
 
 def _reject_unused(cfg: FaultsConfig) -> None:
@@ -292,20 +384,31 @@ def _positive(cfg: FaultsConfig, name: str) -> float:
     return float(value)
 
 
+def _rate(cfg: FaultsConfig) -> float:
+    """The schedule's rate setting in its own clock (steps or seconds)."""
+    in_steps, in_seconds = _RATES[cfg.schedule]
+    return _positive(cfg, in_steps if clock_of(cfg) == STEPS else in_seconds)
+
+
 def _fixed(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
-    interval = _positive(cfg, "interval_s")
+    interval = _rate(cfg)
     # Multiples rather than a running sum, so the times are exact (interval, 2*interval, ...).
     return _generate(cfg, cluster, lambda _rng, t, n: (n + 1) * interval)
 
 
 def _exponential(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
-    rate = 1.0 / _positive(cfg, "mtbf_s")
+    rate = 1.0 / _rate(cfg)
     return _generate(cfg, cluster, lambda rng, t, _n: t + rng.expovariate(rate))
 
 
 def _weibull(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
-    shape, scale = _positive(cfg, "weibull_shape"), _positive(cfg, "weibull_scale_s")
+    shape, scale = _positive(cfg, "weibull_shape"), _rate(cfg)
     return _generate(cfg, cluster, lambda rng, t, _n: t + rng.weibullvariate(scale, shape))
+
+
+def _at(clock: str | None, t: float) -> dict[str, Any]:
+    """The firing point of a generated time ``t``: the step it falls in, or the second."""
+    return {"at_step": math.floor(t)} if clock == STEPS else {"at_time_s": t}
 
 
 NextTime = Callable[[random.Random, float, int], float]
@@ -318,13 +421,16 @@ def _generate(cfg: FaultsConfig, cluster: ClusterShape, next_time: NextTime) -> 
             f"faults.kind {cfg.kind!r} cannot be generated; use one of {', '.join(GENERATED_KINDS)} "
             "(joins come from replace_after_s, explicit events or traces)"
         )
+    clock = clock_of(cfg)
+    unit = "steps" if clock == STEPS else "s"
     max_failures, horizon = _bounds(cfg)
     if max_failures is None and horizon is None:
         raise FaultConfigError(
-            f"the {cfg.schedule} schedule never ends; set faults.max_failures or faults.horizon_s (or both)"
+            f"the {cfg.schedule} schedule never ends; set faults.max_failures or faults.horizon_{unit} (or both)"
         )
-    if cfg.replace_after_s is not None and not (math.isfinite(cfg.replace_after_s) and cfg.replace_after_s >= 0):
-        raise FaultConfigError(f"faults.replace_after_s is {cfg.replace_after_s}; set it to seconds >= 0")
+    replace_after = _setting(cfg, "replace_after", clock)
+    if replace_after is not None and not (math.isfinite(replace_after) and replace_after >= 0):
+        raise FaultConfigError(f"faults.replace_after_{unit} is {replace_after}; set it to {unit} >= 0")
 
     rng = random.Random(cfg.seed)
     alive = list(range(cluster.nodes))
@@ -343,12 +449,12 @@ def _generate(cfg: FaultsConfig, cluster: ClusterShape, next_time: NextTime) -> 
             events.append(join)
         node = rng.choice(alive)
         worker = rng.randrange(cluster.workers_per_node) if cfg.kind in WORKER_KINDS else None
-        events.append(FaultEvent(cfg.kind, node, worker, at_time_s=t))
+        events.append(FaultEvent(cfg.kind, node, worker, **_at(clock, t)))
         failures += 1
         if cfg.kind == "node":
             alive.remove(node)
-            if cfg.replace_after_s is not None:
-                replacements.append(FaultEvent("join", next_index, at_time_s=t + cfg.replace_after_s))
+            if replace_after is not None:
+                replacements.append(FaultEvent("join", next_index, **_at(clock, t + replace_after)))
                 next_index += 1
             if not alive:
                 break  # every node is dead: _check_against_cluster reports it with the schedule's hint
@@ -359,9 +465,11 @@ def _generate(cfg: FaultsConfig, cluster: ClusterShape, next_time: NextTime) -> 
 def _bounds(cfg: FaultsConfig) -> tuple[int | None, float | None]:
     if cfg.max_failures is not None and cfg.max_failures < 0:
         raise FaultConfigError(f"faults.max_failures is {cfg.max_failures}; set it to 0 or more")
-    if cfg.horizon_s is not None:
-        _positive(cfg, "horizon_s")
-    return cfg.max_failures, cfg.horizon_s
+    clock = clock_of(cfg)
+    name = f"horizon_{STEPS if clock == STEPS else SECONDS}"
+    if getattr(cfg, name) is not None:
+        _positive(cfg, name)
+    return cfg.max_failures, getattr(cfg, name)
 
 
 # --- trace replay -------------------------------------------------------------------------------------------------
@@ -370,11 +478,18 @@ def _bounds(cfg: FaultsConfig) -> tuple[int | None, float | None]:
 def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
     if cfg.trace is None:
         raise FaultConfigError("the trace schedule needs faults.trace: a bundled trace name or a CSV path")
-    if not (math.isfinite(cfg.time_compression) and cfg.time_compression > 0):
+    clock = clock_of(cfg)
+    if clock == STEPS:
+        per_unit = _positive(cfg, "trace_s_per_step")
+    elif cfg.time_compression is None:
+        per_unit = 1.0
+    elif not (math.isfinite(cfg.time_compression) and cfg.time_compression > 0):
         raise FaultConfigError(
             f"faults.time_compression is {cfg.time_compression}; set it to trace seconds per run second, > 0 "
             "(1 replays in real time, 600 plays ten trace minutes per second)"
         )
+    else:
+        per_unit = cfg.time_compression
     max_nodes = cluster.nodes if cfg.max_nodes is None else cfg.max_nodes
     if max_nodes < cluster.nodes:
         raise FaultConfigError(
@@ -406,7 +521,7 @@ def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
     alive_count, next_index, failures = cluster.nodes, cluster.nodes, 0
     events: list[FaultEvent] = []
     for r in records:
-        t = (r.time_ms - start_ms) / 1000.0 / cfg.time_compression
+        t = (r.time_ms - start_ms) / 1000.0 / per_unit
         if (horizon is not None and t >= horizon) or failures == max_failures:
             break
         if r.action == "add":
@@ -414,10 +529,10 @@ def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
                 first_added.add(r.node)  # up since time 0 already
             elif r.time_ms > start_ms and alive_count < max_nodes:
                 standing[r.node] = next_index
-                events.append(FaultEvent("join", next_index, at_time_s=t))
+                events.append(FaultEvent("join", next_index, **_at(clock, t)))
                 alive_count, next_index = alive_count + 1, next_index + 1
         elif r.node in standing:
-            events.append(FaultEvent("node", standing.pop(r.node), at_time_s=t))
+            events.append(FaultEvent("node", standing.pop(r.node), **_at(clock, t)))
             alive_count, failures = alive_count - 1, failures + 1
     return events
 
@@ -478,13 +593,14 @@ _BUILDERS: dict[str, Callable[[FaultsConfig, ClusterShape], list[FaultEvent]]] =
     "trace": _trace,
 }
 
+_GENERATED_HINT = "lower max_failures or horizon_{unit}, or set replace_after_{unit} so killed nodes are replaced by joins"
 _SURVIVAL_HINTS: dict[str, str] = {
     "none": "",
     "explicit": "remove a node fault, or add a join before it",
-    "fixed": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
-    "exponential": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
-    "weibull": "lower max_failures or horizon_s, or set replace_after_s so killed nodes are replaced by joins",
-    "trace": "set max_failures or horizon_s to end the replay sooner, or give the cluster more nodes or max_nodes",
+    "fixed": _GENERATED_HINT,
+    "exponential": _GENERATED_HINT,
+    "weibull": _GENERATED_HINT,
+    "trace": "set max_failures or horizon_{unit} to end the replay sooner, or give the cluster more nodes or max_nodes",
 }
 
 
@@ -534,3 +650,47 @@ def _check_against_cluster(events: list[FaultEvent], cluster: ClusterShape, surv
                     f"no node survives {event.when}: the schedule kills every node alive before it ({at_once} node "
                     f"faults at that instant); at least one node must survive: {survival_hint}"
                 )
+
+
+# --- reach: can the events fire within the job? -------------------------------------------------------------------
+
+
+def beyond_job(events: list[FaultEvent], first_step: int, steps: int) -> list[FaultEvent]:
+    """Step-clocked events the job never reaches: at or after ``steps`` (the job runs steps ``first_step`` to
+    ``steps - 1``), or before ``first_step`` (a resumed job starts there). Time-clocked events cannot be judged
+    before the run."""
+    return [e for e in events if e.at_step is not None and not first_step <= e.at_step < steps]
+
+
+def check_reach(cfg: FaultsConfig, events: list[FaultEvent], first_step: int, steps: int) -> list[FaultEvent]:
+    """The events of ``cfg`` that the job can reach. An explicit event it cannot is an error (the user named that
+    step); a generated or replayed one is dropped, and the caller warns of it (see ``beyond_job``)."""
+    beyond = beyond_job(events, first_step, steps)
+    if beyond and cfg.schedule == "explicit":
+        what = ", ".join(f"the {e.kind} fault at {e.when}" for e in beyond)
+        raise FaultConfigError(
+            f"{what} cannot fire: the job runs steps {first_step} to {steps - 1} (train.steps={steps}); move "
+            f"{'it' if len(beyond) == 1 else 'them'} into that range or raise train.steps"
+        )
+    return [e for e in events if e not in beyond]
+
+
+# --- names ----------------------------------------------------------------------------------------------------------
+
+
+def rate_label(cfg: FaultsConfig) -> str:
+    """The schedule with its rate, short enough for a run name and a table column: ``none``, ``explicit``,
+    ``fixed-10steps``, ``exponential-20s``, ``weibull-8steps``, ``trace-p3-120s_per_step``. Jobs that differ only in
+    their seed share a label, so a comparison averages over seeds."""
+    if cfg.schedule not in _RATES:
+        return cfg.schedule
+    try:
+        clock = clock_of(cfg)
+    except FaultConfigError:  # the preflight refuses the schedule with its message; the run still needs a name
+        return cfg.schedule
+    in_steps, in_seconds = _RATES[cfg.schedule]
+    value = getattr(cfg, in_steps if clock == STEPS else in_seconds)
+    if cfg.schedule == "trace":
+        pace = "real_time" if value is None else (f"{value:g}s_per_step" if clock == STEPS else f"x{value:g}")
+        return f"trace-{Path(cfg.trace or '').stem}-{pace}"
+    return f"{cfg.schedule}-{value:g}{'steps' if clock == STEPS else 's'}"

@@ -42,7 +42,7 @@ def read_trace(trace: str) -> list[TraceRecord]:
     """Read a bundled trace by short name, or any trace file by path (a bundled name wins over a same-named path)."""
     if trace in BUNDLED_TRACES:
         # importlib.resources rather than __file__, so the bundled traces are found in an installed wheel too.
-        return parse_trace(files("ftlab.faults").joinpath("traces", BUNDLED_TRACES[trace]).read_text(), source=trace)
+        return parse_trace(files(__package__).joinpath("traces", BUNDLED_TRACES[trace]).read_text(), source=trace)
     path = Path(trace).expanduser()
     if not path.is_file():
         raise TraceError(

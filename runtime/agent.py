@@ -1,8 +1,15 @@
-"""The node agent: one per node. Starts the node's workers, watches them, and heartbeats to the coordinator.
+"""The node agent: one per node. Starts the node's workers, watches them, heartbeats to the coordinator, and owns
+the node's host memory for snapshots.
 
 The agent imports no torch, so a node comes up fast and its own death is noticed the moment its control connection
 closes. Workers are started with PR_SET_PDEATHSIG so that a killed agent takes its workers with it, exactly like a
-lost machine; the agent likewise dies with the coordinator.
+lost machine; the agent likewise dies with the coordinator, by a SIGTERM it answers by freeing the node's memory.
+
+The node's memory is a directory under /dev/shm (``runtime.shm``): its workers write their snapshot records there,
+and they outlive a worker's crash but not the node. The agent creates it, answers inventories of it (which records
+of a step pass their checksums, read without torch) and removes it whenever it ends: shut down, its coordinator
+gone, or terminated. A node killed outright cannot clean up: the coordinator removes its memory, as the loss of the
+machine would.
 """
 
 from __future__ import annotations
@@ -16,15 +23,23 @@ import sys
 import threading
 import time
 
+from pathlib import Path
+
 from ftlab.runtime import messages as msg
+from ftlab.runtime import shm
 
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; a no-op elsewhere)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def terminate_with_parent() -> None:
+    """For agents: a SIGTERM when the coordinator dies, which the agent answers by freeing its node's memory."""
+    die_with_parent(signal.SIGTERM)
 
 
 class Agent:
@@ -33,13 +48,21 @@ class Agent:
         self.conn = msg.connect(args.coordinator_port)
         self._send_lock = threading.Lock()
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.memory = shm.node_dir(args.memory_root, args.node)
+        self.memory.mkdir(parents=True, exist_ok=True)
 
     def send(self, message: object) -> None:
         with self._send_lock:
             self.conn.send(message)
 
-    def spawn(self, worker: int) -> None:
+    def spawn(self, worker: int, incarnation: int) -> None:
+        """Start ``worker``; an earlier process of it that still runs (one a restart interrupted while it started)
+        is ended first, so it can never register in place of this one."""
         # Called from the main thread only: PDEATHSIG fires when the *thread* that forked the child exits.
+        earlier = self.workers.get(worker)
+        if earlier is not None and earlier.poll() is None:
+            earlier.kill()
+            earlier.wait()
         command = [
             sys.executable, "-m", "ftlab.runtime.worker",
             "--coordinator-port", str(self.args.coordinator_port),
@@ -47,6 +70,7 @@ class Agent:
             "--worker", str(worker),
             "--heartbeat-s", str(self.args.heartbeat_s),
             "--threads", str(self.args.threads),
+            "--incarnation", str(incarnation),
         ]  # fmt: skip
         proc = subprocess.Popen(command, preexec_fn=die_with_parent)
         self.workers[worker] = proc
@@ -55,7 +79,7 @@ class Agent:
     def _watch(self, worker: int, proc: subprocess.Popen[bytes]) -> None:
         code = proc.wait()
         try:
-            self.send(msg.WorkerExited(worker, code))
+            self.send(msg.WorkerExited(worker, code, proc.pid))
         except OSError:
             pass  # the coordinator is gone; so are we shortly
 
@@ -70,7 +94,7 @@ class Agent:
     def serve(self) -> None:
         self.send(msg.Hello("agent", self.args.node, os.getpid()))
         for worker in self.args.workers:
-            self.spawn(worker)
+            self.spawn(worker, incarnation=0)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         while True:
             try:
@@ -79,7 +103,10 @@ class Agent:
                 return  # the coordinator is gone; PDEATHSIG takes the workers down with us
             if isinstance(message, msg.SpawnWorkers):
                 for worker in message.workers:
-                    self.spawn(worker)
+                    self.spawn(worker, message.incarnation)
+            elif isinstance(message, msg.TakeInventory):
+                intact, corrupt = shm.inventory(self.memory, message.step)
+                self.send(msg.Inventory(self.args.node, message.step, intact, tuple(corrupt)))
             elif isinstance(message, msg.Shutdown):
                 for proc in self.workers.values():
                     try:
@@ -96,8 +123,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="*", default=[])
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--memory-root", type=Path, required=True)
     args = parser.parse_args()
-    Agent(args).serve()
+    memory = shm.node_dir(args.memory_root, args.node)
+
+    def terminated(signum: int, frame: object) -> None:
+        shm.remove(memory)
+        os._exit(0)  # the workers follow (PR_SET_PDEATHSIG)
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        Agent(args).serve()
+    finally:
+        shm.remove(memory)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ftlab.runtime.contract import Action, Source
+from ftlab.runtime.contract import Action, MemoryRecord, Source
 from ftlab.runtime.instructions import Program
 from ftlab.runtime.plan import Plan
 
@@ -59,12 +59,44 @@ class StepReport:
     """The iteration's mean loss over the global batch."""
     compute_s: float
     """The busiest worker's forward and backward time."""
+    snapshot_s: float | None = None
+    """The longest time a worker's training thread spent on a snapshot in this iteration (None: none was taken)."""
 
 
 @dataclass(frozen=True)
 class SaveReport:
     nbytes: int
     location: str
+    pending: bool = False
+    """An asynchronous action (a snapshot): the writers copy on while training goes on, and each one's completion
+    comes later from ``completed_saves``."""
+
+
+@dataclass(frozen=True)
+class SaveProgress:
+    """One writer's part of an asynchronous save, done."""
+
+    step: int
+    action: Action
+    worker: int
+    records: tuple[MemoryRecord, ...]
+    complete: bool
+    """Every writer of the save is done now."""
+    nbytes: int
+    """Every writer's bytes so far."""
+    copy_s: float
+    """The slowest writer's copy time so far."""
+
+
+@dataclass(frozen=True)
+class ConfigureReport:
+    received_bytes: int = 0
+    """Layer state copied between workers."""
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    """The slowest worker's load of the restore source."""
+    restored_from: str = ""
+    """memory | parity | storage | "" (nothing restored)"""
 
 
 class WorkerCrashed(RuntimeError):
@@ -86,9 +118,14 @@ class Backend(ABC):
     @abstractmethod
     def configure(
         self, plan: Plan, programs: Mapping[int, Program], transfers: Mapping[int, Program], restore: Source | None
-    ) -> int | Failure:
+    ) -> ConfigureReport | Failure:
         """Give every worker of ``plan`` its program, run the layer transfers (``transfers``: each worker's
-        SendLayer/RecvLayer program), load what is still missing from ``restore``; returns the bytes transferred."""
+        SendLayer/RecvLayer program), load what is still missing from ``restore``."""
+
+    @abstractmethod
+    def verify(self, source: Source) -> Source | str | Failure:
+        """Check that ``source`` can be loaded now, before anything is restarted for it: the source narrowed to what
+        is intact (a record that fails its checksum is left out), or why it cannot be loaded."""
 
     @abstractmethod
     def begin_step(self, plan: Plan, step: int) -> None:
@@ -109,7 +146,12 @@ class Backend(ABC):
 
     @abstractmethod
     def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
-        """Carry out a protection's action for committed ``step``: ``writers`` says which worker saves which layers."""
+        """Carry out a protection's action for committed ``step``: ``writers`` says which worker saves which layers
+        (a snapshot names its own writers)."""
+
+    @abstractmethod
+    def completed_saves(self) -> list[SaveProgress]:
+        """Parts of asynchronous saves that completed since the last call, in order."""
 
     @abstractmethod
     def joined(self) -> list[int]:

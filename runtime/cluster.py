@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ftlab.runtime import messages as msg
-from ftlab.runtime.agent import die_with_parent
+from ftlab.runtime import shm
+from ftlab.runtime.agent import terminate_with_parent
 
 
 class ClusterError(RuntimeError):
@@ -42,6 +44,8 @@ class ClusterEvent:
     role: str  # "agent" | "worker"
     ident: int  # node id for agents, worker id for workers
     message: Any  # a message, or None when the connection closed
+    pid: int
+    """The process it came from: a worker id outlives its processes, and only its current one counts."""
     at: float = field(default_factory=time.monotonic)
 
 
@@ -72,11 +76,15 @@ class LocalCluster:
         self._connecting: dict[int, tuple[Member, msg.Hello]] = {}
         self.worker_pids: dict[int, list[int]] = {}
         """Every process each worker id has had, in order: a restarted worker has several."""
+        self.incarnation: dict[int, int] = {}
+        """Worker id -> the start of it that may register now (0 until it is respawned)."""
         self._agent_procs: dict[int, subprocess.Popen[bytes]] = {}
         self._listener = Listener(("127.0.0.1", 0), authkey=self.secret.encode())
         self.port = self._listener.address[1]
         # The rendezvous store lives in the coordinator, which outlives every generation of workers.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.memory_root = shm.job_root(f"{os.getpid()}-{self.secret[:8]}")
+        """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
         self._closing = False
         self.started = False
         threading.Thread(target=self._accept, daemon=True, name="control-accept").start()
@@ -97,8 +105,9 @@ class LocalCluster:
             "--heartbeat-s", str(self.heartbeat_s),
             "--threads", str(self.threads_per_worker),
             "--workers", *map(str, self.workers_of(node)),
+            "--memory-root", str(self.memory_root),
         ]  # fmt: skip
-        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
+        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=terminate_with_parent)
         if node not in self.node_ids:
             self.node_ids.append(node)
 
@@ -110,11 +119,14 @@ class LocalCluster:
         self.wait_for_workers(expected, timeout_s)
         self.started = True
 
-    def wait_for_workers(self, expected: set[int], timeout_s: float) -> None:
+    def wait_for_workers(self, expected: set[int], timeout_s: float, watch: Iterable[int] = ()) -> None:
+        """Wait until every expected worker has registered; NodeLost if the agent of a node they are on, or of a
+        node in ``watch``, dies meanwhile."""
         deadline = time.monotonic() + timeout_s
+        watched = {self.node_of(w) for w in expected} | set(watch)
         while not expected <= {w for w, m in self.workers.items() if m.alive}:
             for node, proc in self._agent_procs.items():
-                if proc.poll() is not None and node in {self.node_of(w) for w in expected}:
+                if proc.poll() is not None and node in watched:
                     raise NodeLost(node, proc.returncode)
             if time.monotonic() > deadline:
                 missing = sorted(expected - set(self.workers))
@@ -132,6 +144,9 @@ class LocalCluster:
             if not isinstance(hello, msg.Hello):
                 conn.close()
                 continue
+            if hello.role != "agent" and hello.incarnation != self.incarnation.get(hello.worker, 0):
+                conn.close()  # a process of an earlier start, which its agent ends: it must not replace this one
+                continue
             if hello.role == "worker":
                 # A worker counts once its second connection is there too: an Abort must reach it at any time.
                 self._connecting[hello.pid] = Member(hello.role, hello.worker, hello.node, hello.pid, conn), hello
@@ -147,7 +162,8 @@ class LocalCluster:
                 member = Member(hello.role, hello.node, hello.node, hello.pid, conn)
             (self.workers if member.role == "worker" else self.agents)[member.ident] = member
             if self.started:
-                self.events.put(ClusterEvent(member.role, member.ident, hello))  # how the backend learns of joins and restarts
+                # How the backend learns of joins and restarts.
+                self.events.put(ClusterEvent(member.role, member.ident, hello, member.pid))
             threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{member.role}{member.ident}").start()
 
     def _read(self, member: Member) -> None:
@@ -155,11 +171,11 @@ class LocalCluster:
             try:
                 message = member.conn.recv()
             except (EOFError, OSError):
-                self.events.put(ClusterEvent(member.role, member.ident, None))
+                self.events.put(ClusterEvent(member.role, member.ident, None, member.pid))
                 return
             member.last_seen = time.monotonic()
             if not isinstance(message, msg.Heartbeat):
-                self.events.put(ClusterEvent(member.role, member.ident, message))
+                self.events.put(ClusterEvent(member.role, member.ident, message, member.pid))
 
     def send(self, worker: int, message: object) -> bool:
         """Send to a worker; False if its connection is already gone (the failure arrives as an event)."""
@@ -180,12 +196,26 @@ class LocalCluster:
     def send_agent(self, node: int, message: object) -> bool:
         return _send(self.agents.get(node), message)
 
+    def respawn(self, node: int) -> set[int]:
+        """Start fresh processes for every worker of ``node`` (their earlier ones must be dead); returns them."""
+        workers = self.workers_of(node)
+        incarnation = 1 + max(self.incarnation.get(w, 0) for w in workers)
+        for worker in workers:
+            self.workers.pop(worker, None)
+            self.incarnation[worker] = incarnation
+        self.send_agent(node, msg.SpawnWorkers(tuple(workers), incarnation))
+        return set(workers)
+
     # -- membership --------------------------------------------------------------------------------------------
     def alive_workers(self) -> list[int]:
         return sorted(w for w, m in self.workers.items() if m.alive)
 
     def alive_nodes(self) -> list[int]:
         return sorted(n for n, m in self.agents.items() if m.alive)
+
+    def exited_agents(self) -> list[int]:
+        """Nodes counted alive whose agent process has ended (its closed connection may not have been read yet)."""
+        return sorted(n for n, proc in self._agent_procs.items() if proc.poll() is not None and n in self.alive_nodes())
 
     def mark_dead(self, role: str, ident: int) -> None:
         table = self.workers if role == "worker" else self.agents
@@ -202,12 +232,17 @@ class LocalCluster:
             _signal(member.pid, sig)
 
     def kill_node(self, node: int) -> None:
-        """A lost machine: the agent and every worker of the node die at once."""
+        """A lost machine: the agent and every worker of the node die at once, and its memory is gone."""
         agent = self.agents.get(node)
         if agent is not None:
             _signal(agent.pid, signal.SIGKILL)
         for worker in self.workers_of(node):
             self.kill_worker(worker)
+        self.lose_memory(node)
+
+    def lose_memory(self, node: int) -> None:
+        """The host memory of a node that died: its agent cannot free it, so the coordinator does."""
+        shm.remove(shm.node_dir(self.memory_root, node))
 
     # -- stopping ----------------------------------------------------------------------------------------------
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -225,6 +260,7 @@ class LocalCluster:
                 proc.wait()  # reap it: no zombie outlives the job
         for member in self.workers.values():
             _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
+        shm.remove(self.memory_root)  # agents free their own; this catches those that were killed
         self._listener.close()
 
 

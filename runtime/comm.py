@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,8 @@ import torch.distributed as dist
 from ftlab.runtime.plan import Plan
 
 _RETIRED: list[GenerationComm] = []
+# The tag of AOR's gradient-chunk exchange inside a reduce group (which carries nothing else point to point).
+_AOR_TAG = 7
 # No message is ever sent with this tag: a receive on it only exists to time out and close its connection.
 _INTERRUPT_TAG = 1 << 30
 _INTERRUPT_TIMEOUT = datetime.timedelta(milliseconds=1)
@@ -64,6 +66,12 @@ def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: st
 
 
 @dataclass
+class _Sharded:
+    chunk: torch.Tensor
+    peer_chunk: Callable[[], torch.Tensor] | None
+
+
+@dataclass
 class PostedRecv:
     comm: GenerationComm
     work: dist.Work
@@ -84,12 +92,15 @@ class GenerationComm:
         worker: int,
         backend: str = "gloo",
         timeout_s: float = 120.0,
+        helpers: Iterable[int] = (),
     ) -> None:
+        """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
+        workers, in order) to send what only their node holds, e.g. snapshot records after a restart."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        workers = plan.workers
+        workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
         self.world = _new_group(store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s)
@@ -97,14 +108,18 @@ class GenerationComm:
         self._groups = [(self.world, self._rank[worker], len(workers))]
         # One group per distinct replica set; every member builds the groups in the same order.
         self.reduce_groups: list[tuple[tuple[int, ...], dist.ProcessGroup]] = []
+        self._member: dict[tuple[int, ...], tuple[int, int]] = {}
+        """This worker's (rank, size) in the reduce group of each set of layers."""
         for holders, layers in plan.reduction_groups():
             if worker in holders:
                 key = "-".join(map(str, holders))
                 group = _new_group(store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s)
                 self.reduce_groups.append((layers, group))
                 self._groups.append((group, holders.index(worker), len(holders)))
+                self._member[layers] = holders.index(worker), len(holders)
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self._buckets: list[tuple[torch.Tensor, dist.ProcessGroup]] = []
+        self._buckets: dict[tuple[int, ...], tuple[torch.Tensor, dist.ProcessGroup]] = {}
+        self._sharded: dict[tuple[int, ...], _Sharded] = {}
 
     # -- waiting and aborting ------------------------------------------------------------------------------------
     def wait(self, work: dist.Work) -> None:
@@ -167,20 +182,38 @@ class GenerationComm:
         self._pending_sends.clear()
 
     # -- collectives -----------------------------------------------------------------------------------------------
-    def bucket_gradients(self, layers: dict[int, torch.nn.Module]) -> None:
+    def bucket_gradients(self, layers: dict[int, torch.nn.Module], padded: dict[tuple[int, ...], int] | None = None) -> None:
         """Make the gradients of each replica set's layers views into one flat buffer, which ``all_reduce_gradients``
         reduces in place: no copy in or out (DDP's ``gradient_as_bucket_view``). Autograd accumulates into the views
-        and the optimizers zero them in place, so they stay views for the whole generation."""
-        self._buckets = []
+        and the optimizers zero them in place, so they stay views for the whole generation. ``padded``: groups whose
+        buffer is longer (ZeRO-1 cuts it into equal chunks; the padding stays zero)."""
+        self._buckets = {}
+        self._sharded = {}
         for group_layers, group in self.reduce_groups:
             params = [p for index in group_layers for p in layers[index].parameters()]
             (dtype,) = {p.dtype for p in params}
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=self.device)
+            size = (padded or {}).get(group_layers, sum(p.numel() for p in params))
+            flat = torch.zeros(size, dtype=dtype, device=self.device)
             offset = 0
             for p in params:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
-            self._buckets.append((flat, group))
+            self._buckets[group_layers] = (flat, group)
+
+    def gradient_bucket(self, group_layers: tuple[int, ...]) -> torch.Tensor:
+        return self._buckets[group_layers][0]
+
+    def member(self, group_layers: tuple[int, ...]) -> tuple[int, int]:
+        """This worker's (rank, size) among the holders of ``group_layers``."""
+        return self._member[group_layers]
+
+    def shard_gradients(
+        self, group_layers: tuple[int, ...], chunk: torch.Tensor, peer_chunk: Callable[[], torch.Tensor] | None = None
+    ) -> None:
+        """ZeRO-1 for this group: ``all_reduce_gradients`` reduce-scatters its bucket, leaving this member's chunk of
+        the sum in ``chunk``. With ``peer_chunk`` (AOR) the member then sends its chunk to the member before it and
+        receives the next member's chunk into the tensor ``peer_chunk()`` gives."""
+        self._sharded[group_layers] = _Sharded(chunk, peer_chunk)
 
     def all_reduce_gradients(self) -> None:
         """Sum each layer's gradients over every replica of the layer, in place.
@@ -189,11 +222,33 @@ class GenerationComm:
         that sits in several replica sets never waits on one group while a peer waits on another.
         """
         started = []
-        for flat, group in self._buckets:
+        for group_layers, (flat, group) in self._buckets.items():
+            sharded = self._sharded.get(group_layers)
             with self._failures():
-                started.append(group.allreduce([flat]))
+                if sharded is None:
+                    started.append(group.allreduce([flat]))
+                else:
+                    started.append(group._reduce_scatter_base(sharded.chunk, flat))
         for work in started:
             self.wait(work)
+        exchanged = []
+        for group_layers, sharded in self._sharded.items():
+            if sharded.peer_chunk is None:
+                continue
+            group = self._buckets[group_layers][1]
+            rank, size = self._member[group_layers]
+            with self._failures():
+                exchanged.append(group.send([sharded.chunk], (rank - 1) % size, _AOR_TAG))
+                exchanged.append(group.recv([sharded.peer_chunk()], (rank + 1) % size, _AOR_TAG))
+        for work in exchanged:
+            self.wait(work)
+
+    def all_gather(self, group_layers: tuple[int, ...], out: torch.Tensor, chunk: torch.Tensor) -> None:
+        """``out`` (every member's chunk, in member order) from each member's ``chunk``, over the group's holders."""
+        group = self._buckets[group_layers][1]
+        with self._failures():
+            work = group._allgather_base(out, chunk)
+        self.wait(work)
 
     def retire(self) -> None:
         """Keep this generation's groups alive forever: destroying one with work in flight blocks (see above)."""

@@ -27,6 +27,10 @@ class ClusterConfig:
     """A worker silent for this long is declared hung, killed and treated as failed."""
     comm_timeout_s: float = 120.0
     threads_per_worker: int = 1
+    """0: this job's share of the machine's CPUs, split among its workers (in a parallel sweep the CPUs are first
+    split among the jobs that run at once: ``experiments/main.py``)."""
+    parallel_jobs: int = 1
+    """Jobs sharing this machine at once; set by a parallel sweep (the joblib launcher's n_jobs)."""
     start_timeout_s: float = 300.0
 
 
@@ -47,6 +51,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     seed: int = 0
+    zero: int = 0
+    """1: ZeRO-1, each layer's optimizer state split across the layer's replicas (gradients reduce-scattered, each
+    replica steps its chunk, parameters all-gathered); 0: every replica holds its layers' whole optimizer state."""
     resume_from: str | None = None
     """A committed checkpoint directory (``.../step-NNNNNN``) or a directory of them (the newest is taken)."""
     data: str | None = None
@@ -62,6 +69,10 @@ class TrackingConfig:
     uri: str = "sqlite:///mlflow.db"
     experiment: str = "ftlab"
     run_name: str | None = None
+    """None: policy-protection-faults-seed."""
+    parent_run_id: str | None = None
+    """The sweep's run, when the job is one of a sweep (set by ``ftlab -m``): the job's run is its child."""
+    sweep_id: str | None = None
 
 
 @dataclass

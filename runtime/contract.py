@@ -38,6 +38,29 @@ class ConfigError(ValueError):
 
 # -- what the policies see -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class FailureRate:
+    """The whole cluster's mean time between failures, on the clock the fault schedule runs on: steps (the same
+    faults at the same steps on any machine) or seconds. One of the two is set."""
+
+    mean_steps: float | None = None
+    mean_s: float | None = None
+    shape: float = 1.0
+    """The Weibull shape of the times between failures (1: exponential)."""
+
+    def __post_init__(self) -> None:
+        if (self.mean_steps is None) == (self.mean_s is None):
+            raise ValueError("a failure rate is in steps or in seconds: give mean_steps or mean_s")
+
+    def per_s(self, iteration_s: float) -> float:
+        """Expected failures per second of training at this iteration time."""
+        return 1.0 / self.mean_s if self.mean_s is not None else 1.0 / (self.mean_steps * iteration_s)  # type: ignore[operator]
+
+    def steps_between(self, iteration_s: float) -> float:
+        """Expected committed steps between two failures at this iteration time."""
+        return self.mean_steps if self.mean_steps is not None else self.mean_s / iteration_s  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
 class Job:
     """What a policy plans for: the model, the training settings and who is alive now."""
 
@@ -53,6 +76,9 @@ class Job:
     """The per-layer costs of this model on this cluster's devices (measured or analytic; cached by the caller)."""
     start: Source | None = None
     """Saved state the first plan starts from (``train.resume_from``), or None for a fresh model."""
+    failure_rate: FailureRate | None = None
+    """How often the cluster is expected to fail (None: the fault schedule does not say, e.g. an explicit list or no
+    faults). Protections that tune their interval to it and policies that weigh a recovery's future cost read it."""
 
     @property
     def workers(self) -> list[int]:
@@ -111,6 +137,8 @@ class Source:
 
     kind: ClassVar[str]
     step: int
+    reason: str = field(default="", kw_only=True, compare=False)
+    """Why the protection offers this state (e.g. why memory was not enough), for the event log."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +147,52 @@ class StorageSource(Source):
 
     kind: ClassVar[str] = "storage"
     directory: str
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """One record of an in-memory snapshot in a node's host memory (``runtime.snapshot_layout`` says what each
+    kind holds): a shard of a sharding group's state, a redundant copy of one, or an XOR parity."""
+
+    node: int
+    layers: tuple[int, ...]
+    """The sharding group's layers (the group's state is theirs, split into ``members`` shards)."""
+    members: int
+    index: int
+    """The shard's index (kinds shard and copy), or the index of the member that wrote the parity."""
+    kind: str
+    """shard | copy | parity"""
+    crc: int = 0
+    """CRC-32 of the record's bytes as written."""
+    nbytes: int = 0
+
+    @property
+    def name(self) -> str:
+        """Its file name in the node's memory: records of the same group, index and kind replace each other."""
+        runs: list[list[int]] = []
+        for layer in self.layers:
+            if runs and runs[-1][-1] == layer - 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        span = "_".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+        return f"L{span}.m{self.members}.{self.kind}{self.index}"
+
+
+@dataclass(frozen=True)
+class MemorySource(Source):
+    """An in-memory snapshot (REFT): records in the host memory of live nodes, from which every shard of every
+    sharding group of ``plan`` is read, copied from a peer, or decoded from parity."""
+
+    kind: ClassVar[str] = "memory"
+    plan: Plan
+    """The plan the snapshot was taken on: its sharding groups are the holders of each run of layers."""
+    workers_per_node: int
+    records: tuple[MemoryRecord, ...]
+    """Every intact record of step ``step`` on a live node."""
+    shard_crcs: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    """(group layers, shard index, CRC-32) of every shard as its owner wrote it: a shard rebuilt from a copy or
+    parity is checked against it, so a restore is bit-exact or fails."""
 
 
 # -- what the policies answer --------------------------------------------------------------------------------------
@@ -187,6 +261,20 @@ class SaveCheckpoint(Action):
     keep: int = 2
 
 
+@dataclass(frozen=True)
+class TakeSnapshot(Action):
+    """Copy the just-committed step's state into the host memory of the workers' nodes, sharded over each group of
+    holders of the same layers and protected by ``mode`` (``runtime.snapshot_layout``), without stopping training:
+    the copies overlap the next iteration and complete asynchronously, each writer reporting its records."""
+
+    plan: Plan
+    mode: str
+    """arc | aec | aor | arc+aec"""
+    workers_per_node: int
+    keep: int
+    """The newest complete snapshot's step (-1: none): no writer overwrites it, whatever happens to this one."""
+
+
 # -- the two roles -------------------------------------------------------------------------------------------------
 class Protection(ABC):
     """Where state is kept between failures."""
@@ -204,20 +292,43 @@ class Protection(ABC):
     def check(self, job: Job) -> None:
         """Raise ConfigError if this protection cannot protect ``job``."""
 
+    def check_plan(self, plan: Plan, job: Job) -> None:
+        """Raise ConfigError if this protection cannot protect the first plan of ``job`` (checked before any worker
+        starts)."""
+
+    def describe(self) -> dict[str, str]:
+        """Choices the protection made from the job (e.g. an interval tuned to the failure rate), recorded with the
+        run."""
+        return {}
+
+    def runtime_options(self) -> dict[str, Any]:
+        """What every worker must do from the first step on for this protection (e.g. AOR's exchange of gradient
+        chunks), sent with the job's settings."""
+        return {}
+
     @abstractmethod
     def after_commit(self, step: int, plan: Plan) -> list[Action]:
         """What to save now that ``step`` steps are committed."""
 
-    def saved(self, action: Action, step: int) -> None:
-        """The coordinator carried out ``action`` for ``step`` completely."""
+    def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
+        """The coordinator carried out ``action`` for ``step``: completely, or, for an asynchronous snapshot, one
+        writer's part of it (the ``records`` that writer completed)."""
 
     def restore_source(self, change: Change | None = None) -> Source | None:
         """The newest complete saved state that survives ``change``, or None."""
         return None
 
+    def unusable(self, source: Source, reason: str) -> None:
+        """``source`` (which this protection offered) cannot be loaded after all (a record failed its checksum):
+        offer something else next time."""
+
 
 class Policy(ABC):
     """How the cluster reconfigures when its membership changes."""
+
+    moves_layers: ClassVar[bool] = False
+    """Copies layers with their optimizer state between live workers (in place), which ZeRO-1 (train.zero=1)
+    splits across replicas: such a policy cannot run with it."""
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings

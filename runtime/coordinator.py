@@ -13,11 +13,14 @@ turn, from the last plan every worker was configured for. What the machines do i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Backend, Failure, Membership
-from ftlab.runtime.contract import Change, Decision, Job, Keep, Outcome, Policy, Protection, SaveCheckpoint, Stop
+from ftlab.runtime.contract import (
+    Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, SaveCheckpoint, Stop,
+)  # fmt: skip
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.scheduler import transfer_programs
 
@@ -49,6 +52,8 @@ class Coordinator:
         """The last plan every worker was configured for: what a recovery starts from."""
         self.tried = -1
         """The newest generation any plan was tried with."""
+        self._change: Change | None = None
+        """The change the current decision answers (asked again if its restore source cannot be loaded)."""
 
     def job(self) -> Job:
         return self.make_job(self.backend.membership())
@@ -58,6 +63,11 @@ class Coordinator:
         decision: Decision | None = first
         step = first.plan.step
         while decision is not None:
+            loadable = self._loadable(decision)
+            if isinstance(loadable, Failure):
+                decision, step = self._recover(loadable, self.confirmed or decision.plan, step)
+                continue
+            decision = loadable
             failure = self._carry_out(decision)
             if failure:
                 decision, step = self._recover(failure, decision.plan, step)
@@ -73,11 +83,17 @@ class Coordinator:
             if failure:
                 return failure
         plan = decision.plan
-        received = self.backend.configure(plan, decision.programs, transfer_programs(decision.transfers), decision.restore)
-        if isinstance(received, Failure):
-            return received
+        report = self.backend.configure(plan, decision.programs, transfer_programs(decision.transfers), decision.restore)
+        if isinstance(report, Failure):
+            return report
         if decision.transfers:
-            self._publish(ev.LayersCopied, copies=len(decision.transfers), nbytes=received, generation=plan.generation)
+            self._publish(ev.LayersCopied, copies=len(decision.transfers), nbytes=report.received_bytes,
+                          generation=plan.generation)  # fmt: skip
+        restore = decision.restore
+        if restore is not None:
+            self._publish(ev.StateRestored, step=restore.step, source=report.restored_from or restore.kind,
+                          reason=restore.reason, seconds=report.restore_s, nbytes=report.restored_bytes,
+                          generation=plan.generation)  # fmt: skip
         self.confirmed = plan
         self._publish(ev.PlanConfigured, generation=plan.generation, step=plan.step,
                       pipelines=len(plan.pipelines), plan=plan)  # fmt: skip
@@ -101,6 +117,7 @@ class Coordinator:
             result = self.backend.finish_step(plan, step)
             if isinstance(result, Failure):
                 return self._recover(result, plan, step)
+            self._absorb_saves()
             self.backend.commit(plan, step)
             step += 1
             committed_at = self.backend.clock()
@@ -108,6 +125,7 @@ class Coordinator:
                 at=committed_at, step=step - 1, loss=result.loss, iter_s=committed_at - started,
                 compute_s=result.compute_s, generation=plan.generation, samples=plan.global_batch,
                 alive_nodes=len(self.backend.membership().nodes), pipelines=len(plan.pipelines),
+                snapshot_s=result.snapshot_s,
             )  # fmt: skip
             for action in self.protection.after_commit(step, plan):
                 self._report(unreported)
@@ -135,15 +153,24 @@ class Coordinator:
             self._stop(outcome, step, holdings)
         return outcome if isinstance(outcome, Decision) else None
 
-    def _save(self, step: int, action: SaveCheckpoint, writers: dict[int, tuple[int, ...]], num_layers: int) -> Failure | None:
+    def _save(self, step: int, action: Action, writers: dict[int, tuple[int, ...]], num_layers: int) -> Failure | None:
         started = self.backend.clock()
         report = self.backend.save(step, action, writers, num_layers)
         if isinstance(report, Failure):
             return report
+        if report.pending:
+            return None  # its parts complete later (_absorb_saves)
         self.protection.saved(action, step)
         self._publish(ev.StateSaved, step=step, seconds=self.backend.clock() - started, nbytes=report.nbytes,
                       location=report.location)  # fmt: skip
         return None
+
+    def _absorb_saves(self) -> None:
+        """Tell the protection which parts of its asynchronous saves completed."""
+        for progress in self.backend.completed_saves():
+            self.protection.saved(progress.action, progress.step, progress.records)
+            if progress.complete:
+                self._publish(ev.SnapshotTaken, step=progress.step, copy_s=progress.copy_s, nbytes=progress.nbytes)
 
     # -- recovery ------------------------------------------------------------------------------------------------
     def _recover(self, failure: Failure, attempted: Plan, step: int) -> tuple[Decision, int]:
@@ -155,6 +182,7 @@ class Coordinator:
         self._publish(ev.FailureDetected, nodes=tuple(sorted(failure.nodes)), workers=tuple(sorted(failure.workers)),
                       step=step, noticed_at=failure.noticed_at)  # fmt: skip
         holdings = self.backend.abort(attempted, failure, step)
+        self._absorb_saves()  # survivors finish the snapshot they were copying before they acknowledge the abort
         on_live_nodes = {w for ws in self.backend.membership().slots_of_node.values() for w in ws}
         change = Change(
             plan=self.confirmed or attempted,
@@ -172,6 +200,7 @@ class Coordinator:
         return outcome, outcome.plan.step
 
     def _decide(self, change: Change) -> Outcome:
+        self._change = change
         outcome = self.policy.on_change(change, self.job(), self.protection)
         fields = {"policy": self.policy.name, "reason": outcome.reason, "committed_step": change.step}
         if isinstance(outcome, Decision):
@@ -179,11 +208,35 @@ class Coordinator:
             self._publish(
                 ev.Decided, outcome=outcome.kind, resume_step=outcome.plan.step, generation=outcome.plan.generation,
                 transfers=len(outcome.transfers), restore=f"{restore.kind} of step {restore.step}" if restore else None,
-                details=dict(outcome.details), **fields,
+                restore_reason=restore.reason if restore else "", details=dict(outcome.details), **fields,
             )  # fmt: skip
         else:
             self._publish(ev.Decided, outcome=type(outcome).__name__.lower(), **fields)
         return outcome
+
+    def _loadable(self, decision: Decision) -> Decision | Failure:
+        """``decision`` with its restore source verified (narrowed to what is intact), or the policy's answer once
+        the protection knows that source cannot be loaded; a Failure if a member died meanwhile."""
+        while decision.restore is not None:
+            checked = self.backend.verify(decision.restore)
+            if isinstance(checked, Failure):
+                return checked
+            if not isinstance(checked, str):
+                return dataclasses.replace(decision, restore=checked)
+            source = decision.restore
+            self._publish(ev.RestoreRefused, source=f"{source.kind} of step {source.step}", reason=checked)
+            self.protection.unusable(source, checked)
+            if self._change is None:
+                raise JobStopped(f"the saved state to start from ({source.kind} of step {source.step}) cannot be "
+                                 f"loaded: {checked}")  # fmt: skip
+            change = dataclasses.replace(self._change, generation=self.tried + 1)
+            outcome = self._decide(change)
+            if isinstance(outcome, Stop):
+                self._stop(outcome, change.step, dict(change.holdings))
+            if isinstance(outcome, Keep):
+                raise JobStopped(f"policy {self.policy.name} kept the running plan after a failure: {outcome.reason}")
+            decision = outcome
+        return decision
 
     def _stop(self, stop: Stop, step: int, holdings: dict[int, tuple[int, ...]]) -> None:
         message = stop.reason + self._save_survivors(step, holdings)

@@ -43,6 +43,8 @@ class StepCommitted(Event):
     samples: int
     alive_nodes: int
     pipelines: int
+    snapshot_s: float | None = None
+    """Time a snapshot took on the critical path of this iteration (the slowest worker's); None: none was taken."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ class FaultInjected(Event):
 @dataclass(frozen=True)
 class FaultSkipped(Event):
     kind: ClassVar[str] = "fault_skipped"
+    fault: dict[str, Any]
+    reason: str
+
+
+@dataclass(frozen=True)
+class FaultUnfired(Event):
+    """A scheduled fault the job did not fire: it lies beyond the job's steps, or the job ended first."""
+
+    kind: ClassVar[str] = "fault_unfired"
     fault: dict[str, Any]
     reason: str
 
@@ -151,6 +162,8 @@ class Decided(Event):
     transfers: int = 0
     restore: str | None = None
     """Where missing state comes from: '<kind> of step <s>'."""
+    restore_reason: str = ""
+    """Why the protection offered that state (e.g. why its memory snapshot was not enough)."""
     details: dict[str, Any] = field(default_factory=dict)
 
 
@@ -171,6 +184,55 @@ class StateSaved(Event):
     seconds: float
     nbytes: int
     location: str
+
+
+@dataclass(frozen=True)
+class SnapshotTaken(Event):
+    """Every record of an in-memory snapshot of ``step`` committed steps is written (they were copied while the next
+    iterations ran)."""
+
+    kind: ClassVar[str] = "snapshot"
+    logged: ClassVar[bool] = False
+    step: int
+    copy_s: float
+    """The slowest writer's copy time."""
+    nbytes: int
+    """Every record's bytes, redundancy included."""
+
+
+@dataclass(frozen=True)
+class StateRestored(Event):
+    """Workers loaded the saved state of ``step`` they lacked."""
+
+    kind: ClassVar[str] = "restore"
+    step: int
+    source: str
+    """memory | parity (some shard decoded from parity) | storage"""
+    reason: str
+    """Why this source (the protection's words)."""
+    seconds: float
+    """The slowest worker's load."""
+    nbytes: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class RecordCorrupted(Event):
+    """A snapshot record failed its checksum in a node's memory: it is left out and never loaded."""
+
+    kind: ClassVar[str] = "record_corrupted"
+    node: int
+    record: str
+    step: int
+
+
+@dataclass(frozen=True)
+class RestoreRefused(Event):
+    """Saved state a policy chose cannot be loaded after all; the policy is asked again."""
+
+    kind: ClassVar[str] = "restore_refused"
+    source: str
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,7 @@ The loss of micro-batch ``m`` is the mean token cross-entropy of ``m`` scaled by
 sum over every micro-batch of every pipeline is the mean loss over the global batch, and the per-layer gradient sum
 over replicas (``ReduceGrads``) is its gradient, whatever the layout.
 
-With activation checkpointing the stage's forward runs under ``torch.utils.checkpoint`` (non-reentrant): only its
-input is kept, and the backward recomputes the forward first. Recomputation replays the same operations on the
-same inputs (and the same random state), so losses and gradients are bitwise those without it; a decoupled
-backward recomputes once for its input half and keeps the graph for the weight half.
+With activation checkpointing (``runtime.passes``) a stage keeps only its inputs between forward and backward.
 """
 
 from __future__ import annotations
@@ -18,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.comm import Aborted, GenerationComm, PostedRecv
 from ftlab.runtime.data import Batches
 from ftlab.runtime.model import StageModule
+from ftlab.runtime.passes import MicroBatch, StagePasses
 
 # p2p tags: one stream of activations and one of gradients per micro-batch.
 _ACTIVATION, _GRADIENT = 0, 1
@@ -46,10 +43,12 @@ class StepResult:
 @dataclass
 class _Buffers:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Loaded tokens or received activations, until the forward."""
     labels: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    output_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    live: dict[int, MicroBatch] = field(default_factory=dict)
+    """Micro-batches from their forward until their weight gradients."""
     input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Input gradients until they are sent."""
 
 
 class _Receives:
@@ -92,14 +91,13 @@ class Executor:
         checkpointing: bool = False,
     ) -> None:
         self.stage = stage
-        self.checkpointing = checkpointing
         self.first = stage.start == 0
         self.last = stage.stop == num_layers
         self.comm = comm
         self.batches = batches
         self.on_phase = on_phase
         plan = comm.plan
-        self.loss_scale = plan.micro_batch / plan.global_batch
+        self.passes = StagePasses(stage, plan.micro_batch / plan.global_batch, checkpointing)
         self.activation_shape = (plan.micro_batch, batches.seq_len, hidden)
 
     def run(self, program: ins.Program, step: int) -> StepResult:
@@ -133,22 +131,26 @@ class Executor:
             if self.last:
                 b.labels[instruction.microbatch] = labels
         elif isinstance(instruction, ins.ForwardPass):
-            return self._forward(instruction.microbatch, b)
+            mb = instruction.microbatch
+            b.live[mb] = self.passes.forward(b.inputs.pop(mb), b.labels.pop(mb, None))
+            return float(b.live[mb].result.detach()) if self.last else 0.0
         elif isinstance(instruction, ins.BackwardPass):
-            self._backward(instruction.microbatch, b, weights=True, inputs=True)
+            self._keep_input_grad(instruction.microbatch, b, self.passes.backward(b.live.pop(instruction.microbatch)))
         elif isinstance(instruction, ins.BackwardInput):
-            self._backward(instruction.microbatch, b, weights=False, inputs=True)
+            mb = instruction.microbatch
+            self._keep_input_grad(mb, b, self.passes.backward_input(b.live[mb]))
         elif isinstance(instruction, ins.BackwardWeight):
-            self._backward(instruction.microbatch, b, weights=True, inputs=False)
+            self.passes.backward_weight(b.live.pop(instruction.microbatch))
         elif isinstance(instruction, ins.SendActivation):
-            self.comm.send(b.outputs[instruction.microbatch], instruction.peer, _tag(instruction.microbatch, _ACTIVATION))
+            mb = instruction.microbatch
+            self.comm.send(b.live[mb].result, instruction.peer, _tag(mb, _ACTIVATION))
         elif isinstance(instruction, ins.RecvActivation):
             b.inputs[instruction.microbatch] = receives.take(instruction).requires_grad_()
         elif isinstance(instruction, ins.SendGrad):
             grad = b.input_grads.pop(instruction.microbatch)
             self.comm.send(grad, instruction.peer, _tag(instruction.microbatch, _GRADIENT))
         elif isinstance(instruction, ins.RecvGrad):
-            b.output_grads[instruction.microbatch] = receives.take(instruction)
+            b.live[instruction.microbatch].grad = receives.take(instruction)
         elif isinstance(instruction, ins.ReduceGrads):
             self.comm.flush_sends()
             self._reduce()
@@ -156,33 +158,10 @@ class Executor:
             raise TypeError(f"the executor cannot run {instruction!r}")
         return 0.0
 
-    def _forward(self, mb: int, b: _Buffers) -> float:
-        if self.checkpointing:
-            out = checkpoint(self.stage, b.inputs[mb], b.labels.pop(mb, None), use_reentrant=False)
-        else:
-            out = self.stage(b.inputs[mb], b.labels.pop(mb, None))
-        if self.last:
-            out = out * self.loss_scale
-            b.outputs[mb] = out
-            return float(out.detach())
-        b.outputs[mb] = out
-        return 0.0
-
-    def _backward(self, mb: int, b: _Buffers, weights: bool, inputs: bool) -> None:
-        """Full backward (weights and inputs), or one half of a decoupled backward."""
-        out, x = b.outputs[mb], b.inputs[mb]
-        grad = None if self.last else b.output_grads[mb]
-        if not weights:
-            if not self.first:  # the first stage's input is token ids: no input gradient to send
-                (b.input_grads[mb],) = torch.autograd.grad(out, x, grad_outputs=grad, retain_graph=True)
-            return
-        # After BackwardInput the graph is still alive; restrict accumulation to the parameters.
-        targets = None if inputs else list(self.stage.parameters())
-        torch.autograd.backward(out, grad_tensors=grad, inputs=targets)
-        if inputs and not self.first:
-            b.input_grads[mb] = x.grad
-        del b.outputs[mb], b.inputs[mb]
-        b.output_grads.pop(mb, None)
+    @staticmethod
+    def _keep_input_grad(mb: int, b: _Buffers, grad: torch.Tensor | None) -> None:
+        if grad is not None:  # the first stage's input is token ids: no input gradient to send
+            b.input_grads[mb] = grad
 
     def _reduce(self) -> None:
         for p in self.stage.parameters():

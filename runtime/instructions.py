@@ -92,7 +92,15 @@ class ReduceGrads(Instruction):
 
 @dataclass(frozen=True)
 class OptimizerStep(Instruction):
-    """Commit point: the worker reports the iteration ready and steps its optimizers once the coordinator commits."""
+    """Commit point: the worker reports the iteration ready and steps its optimizers once the coordinator commits.
+
+    ``early`` (the staggered optimizer): the worker steps as soon as its own gradients are reduced and it reported
+    Ready, while the other stages still work and the coordinator collects the iteration, and keeps the state from
+    before the step until the commit; an Abort puts that state back, so the iteration still commits everywhere or
+    nowhere (``runtime.worker``).
+    """
+
+    early: bool = False
 
 
 @dataclass(frozen=True)

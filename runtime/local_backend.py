@@ -6,23 +6,34 @@ happened, with no locks in the protocol. While it waits for one kind of message 
 a death (a closed connection, an agent's report of a worker's exit, a heartbeat missed for
 ``heartbeat_timeout_s``) ends the wait with a ``Failure``; a short window then lets the rest of the failure arrive
 (a node's agent and workers report apart, and simultaneous kills should be one recovery).
+
+Snapshots (``TakeSnapshot``) are asynchronous: ``save`` hands each writer its records and returns; each writer's
+``Snapshotted`` report arrives later, among the other messages, and is passed on by ``completed_saves``. A restore
+from memory is verified first: every live agent takes an inventory of its node's records of the step (checksums
+included), and a record that is missing or corrupted is left out of the source. Live workers outside the new plan
+join its generation as helpers, so that the records only their node holds can still be sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime import messages as msg
-from ftlab.runtime.backend import Backend, Failure, FaultTarget, Membership, SaveReport, StepReport, WorkerCrashed
+from ftlab.runtime.backend import (
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+)  # fmt: skip
 from ftlab.runtime.cluster import ClusterEvent, LocalCluster, NodeLost
-from ftlab.runtime.contract import Action, SaveCheckpoint, Source
+from ftlab.runtime.contract import Action, MemorySource, SaveCheckpoint, Source, TakeSnapshot
+from ftlab.runtime.snapshot_layout import lost_shards, records_to_write
 from ftlab.runtime.instructions import Program
 from ftlab.runtime.plan import Plan
 
@@ -42,6 +53,12 @@ class LocalBackend(Backend, FaultTarget):
         """Model, training and data settings every worker needs; sent with each Configure."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._pending_joins: set[int] = set()
+        self._snapshots: dict[int, _Snapshot] = {}
+        """Snapshots in flight, by step."""
+        self._progress: list[SaveProgress] = []
+        self._helpers: dict[int, tuple[int, ...]] = {}
+        """The helpers of each generation configured with some."""
+        self._configured: Plan | None = None
 
     def clock(self) -> float:
         return time.monotonic()
@@ -58,17 +75,52 @@ class LocalBackend(Backend, FaultTarget):
     # -- the protocol ------------------------------------------------------------------------------------------
     def configure(
         self, plan: Plan, programs: Mapping[int, Program], transfers: Mapping[int, Program], restore: Source | None
-    ) -> int | Failure:
-        for worker in plan.workers:
+    ) -> ConfigureReport | Failure:
+        helpers: tuple[int, ...] = ()
+        if isinstance(restore, MemorySource):
+            helpers = tuple(w for w in self.cluster.alive_workers() if w not in plan.workers)
+            self._helpers[plan.generation] = helpers
+        for worker in (*plan.workers, *helpers):
             configure = msg.Configure(
-                plan.to_dict(), programs[worker], self.cluster.store.port, self.setup, restore, tuple(transfers.get(worker, ()))
-            )
+                plan.to_dict(), programs.get(worker, []), self.cluster.store.port, self.setup, restore,
+                tuple(transfers.get(worker, ())), helpers,
+            )  # fmt: skip
             self.cluster.send(worker, configure)
-        done = self._collect(set(plan.workers), msg.Configured, lambda m: m.generation == plan.generation)
+        done = self._collect({*plan.workers, *helpers}, msg.Configured, lambda m: m.generation == plan.generation)
         if isinstance(done, Failure):
             return done
         self._pending_joins -= {self.cluster.node_of(w) for w in plan.workers}
-        return sum(m.received_bytes for m in done.values())
+        self._configured = plan
+        sources = {m.restored_from for m in done.values()} - {""}
+        return ConfigureReport(
+            received_bytes=sum(m.received_bytes for m in done.values()),
+            restored_bytes=sum(m.restored_bytes for m in done.values()),
+            restore_s=max(m.restore_s for m in done.values()),
+            restored_from="parity" if "parity" in sources else next(iter(sorted(sources)), ""),
+        )
+
+    def verify(self, source: Source) -> Source | str | Failure:
+        if not isinstance(source, MemorySource):
+            return source
+        nodes = set(self.cluster.alive_nodes())
+        for node in nodes:
+            self.cluster.send_agent(node, msg.TakeInventory(source.step))
+        found = self._collect(nodes, msg.Inventory, lambda m: m.step == source.step, role="agent")
+        if isinstance(found, Failure):
+            return found
+        intact = []
+        for record in source.records:
+            report = found.get(record.node)
+            if report is None:
+                continue
+            if record.name in report.corrupt:
+                self._publish(ev.RecordCorrupted, node=record.node, record=record.name, step=source.step)
+            elif report.intact.get(record.name) == record.crc:
+                intact.append(record)
+        lost = lost_shards(source.plan, intact)
+        if lost:
+            return f"the records left in memory cannot rebuild {'; '.join(lost)}"
+        return dataclasses.replace(source, records=tuple(intact))
 
     def begin_step(self, plan: Plan, step: int) -> None:
         for worker in plan.workers:
@@ -78,14 +130,19 @@ class LocalBackend(Backend, FaultTarget):
         ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
         if isinstance(ready, Failure):
             return ready
-        return StepReport(loss=sum(r.loss for r in ready.values()), compute_s=max(r.compute_s for r in ready.values()))
+        snapshot = [r.snapshot_s for r in ready.values() if r.snapshot_s is not None]
+        return StepReport(
+            loss=sum(r.loss for r in ready.values()),
+            compute_s=max(r.compute_s for r in ready.values()),
+            snapshot_s=max(snapshot) if snapshot else None,
+        )
 
     def commit(self, plan: Plan, step: int) -> None:
         for worker in plan.workers:
             self.cluster.send(worker, msg.Commit(step))
 
     def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
-        survivors = set(plan.workers) & set(self.cluster.alive_workers())
+        survivors = {*plan.workers, *self._helpers.get(plan.generation, ())} & set(self.cluster.alive_workers())
         for worker in survivors:
             self.cluster.abort(worker, msg.Abort(plan.generation))
         while True:
@@ -101,7 +158,15 @@ class LocalBackend(Backend, FaultTarget):
         return {w: m.layers for w, m in done.items()}
 
     def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+        if isinstance(action, TakeSnapshot):
+            return self._snapshot(step, action)
         assert isinstance(action, SaveCheckpoint), f"the local backend cannot carry out {action!r}"
+        if self.setup["zero"] and self._configured is not None:
+            # ZeRO-1: every member gathers its groups' optimizer chunks, so every worker of the plan takes part.
+            dead = set(self._configured.workers) - set(self.cluster.alive_workers())
+            if dead:
+                return Failure(workers={w: self.clock() for w in dead})
+            writers = {w: writers.get(w, ()) for w in self._configured.workers}
         for worker, layers in writers.items():
             self.cluster.send(worker, msg.SaveCheckpoint(step, action.directory, layers))
         saved = self._collect(set(writers), msg.Saved, lambda m: m.step == step)
@@ -111,6 +176,30 @@ class LocalBackend(Backend, FaultTarget):
         if action.keep:
             checkpoint.prune(action.directory, action.keep)
         return SaveReport(sum(s.nbytes for s in saved.values()), str(directory))
+
+    def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
+        records = records_to_write(action.plan, action.mode, action.workers_per_node)
+        for worker, mine in records.items():
+            self.cluster.send(worker, msg.TakeSnapshot(step, action.keep, tuple(mine)))
+        self._snapshots[step] = _Snapshot(action, set(records))
+        return SaveReport(0, "memory", pending=True)
+
+    def completed_saves(self) -> list[SaveProgress]:
+        done, self._progress = self._progress, []
+        return done
+
+    def _snapshotted(self, worker: int, report: msg.Snapshotted) -> None:
+        snapshot = self._snapshots.get(report.step)
+        if snapshot is None or worker not in snapshot.waiting:
+            return
+        snapshot.waiting.discard(worker)
+        snapshot.nbytes += sum(r.nbytes for r in report.records)
+        snapshot.copy_s = max(snapshot.copy_s, report.copy_s)
+        complete = not snapshot.waiting
+        if complete:
+            del self._snapshots[report.step]
+        self._progress.append(SaveProgress(report.step, snapshot.action, worker, report.records, complete,
+                                           snapshot.nbytes, snapshot.copy_s))  # fmt: skip
 
     def restart_workers(self) -> Failure | None:
         """End every worker process and start fresh ones on every live node.
@@ -124,16 +213,13 @@ class LocalBackend(Backend, FaultTarget):
         for worker in self.cluster.alive_workers():
             self.cluster.kill_worker(worker)
             self.cluster.mark_dead("worker", worker)
+        self._snapshots.clear()  # copies in flight die with their workers: those snapshots stay incomplete
         for member in list(self.cluster.workers.values()):
             _wait_gone(member.pid)
         failure = self._drain_events()
         expected: set[int] = set()
         for node in self.cluster.alive_nodes():
-            workers = tuple(self.cluster.workers_of(node))
-            for worker in workers:
-                self.cluster.workers.pop(worker, None)
-            self.cluster.send_agent(node, msg.SpawnWorkers(workers))
-            expected |= set(workers)
+            expected |= self.cluster.respawn(node)
         self._pending_joins.clear()  # every live node is now restarting: the next plan includes them all
         lost = self._wait_for(expected)
         if lost:
@@ -174,8 +260,10 @@ class LocalBackend(Backend, FaultTarget):
         self.cluster.send(worker, msg.ArmFault(step, phase))
 
     # -- waiting for messages ----------------------------------------------------------------------------------
-    def _collect(self, expected: set[int], kind: type[M], accept: Callable[[M], bool]) -> dict[int, M] | Failure:
-        """One ``kind`` message from every expected worker, or the Failure that interrupted the wait."""
+    def _collect(
+        self, expected: set[int], kind: type[M], accept: Callable[[M], bool], role: str = "worker"
+    ) -> dict[int, M] | Failure:
+        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait."""
         got: dict[int, M] = {}
         while set(got) < expected:
             failure = Failure()
@@ -186,7 +274,7 @@ class LocalBackend(Backend, FaultTarget):
             if event is None:
                 continue
             message = event.message
-            if event.role == "worker" and isinstance(message, kind) and accept(message):
+            if event.role == role and isinstance(message, kind) and accept(message):
                 got[event.ident] = message
             elif isinstance(message, msg.Failed):
                 self._publish(ev.CommError, worker=event.ident, error=message.error)
@@ -211,26 +299,35 @@ class LocalBackend(Backend, FaultTarget):
         if isinstance(message, msg.AtPhase):
             self._publish(ev.WorkerAtPhase, worker=event.ident, step=message.step, phase=message.phase)
             return
+        if isinstance(message, msg.Snapshotted):
+            self._snapshotted(event.ident, message)
+            return
         if isinstance(message, msg.Hello):
             if message.role == "agent":
                 self._pending_joins.add(message.node)
             return
-        dead_worker = (event.role == "worker" and message is None) or isinstance(message, msg.WorkerExited)
-        if dead_worker:
-            worker = message.worker if isinstance(message, msg.WorkerExited) else event.ident
-            self._lose_worker(worker, event.at, failure)
+        if isinstance(message, msg.WorkerExited):
+            self._lose_worker(message.worker, message.pid, event.at, failure)
+        elif event.role == "worker" and message is None:
+            self._lose_worker(event.ident, event.pid, event.at, failure)
         elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
             node = event.ident
             self.cluster.mark_dead("agent", node)
+            self.cluster.lose_memory(node)
             failure.nodes[node] = event.at
             for worker in self.cluster.workers_of(node):
                 self.cluster.kill_worker(worker)  # a lost node loses all of its workers
-                self._lose_worker(worker, event.at, failure)
+                member = self.cluster.workers.get(worker)
+                if member is not None:
+                    self._lose_worker(worker, member.pid, event.at, failure)
+                else:  # one a restart was starting: lost with its node all the same
+                    failure.workers.setdefault(worker, event.at)
 
-    def _lose_worker(self, worker: int, at: float, failure: Failure) -> None:
-        """Record a worker's death once, the first time any sign of it arrives."""
+    def _lose_worker(self, worker: int, pid: int, at: float, failure: Failure) -> None:
+        """Record a worker's death once, the first time any sign of it arrives; the signs of an earlier process
+        of the same worker id (one a restart ended) are not its death."""
         member = self.cluster.workers.get(worker)
-        if member is not None and member.alive:
+        if member is not None and member.alive and member.pid == pid:
             self.cluster.mark_dead("worker", worker)
             failure.workers[worker] = at
 
@@ -247,14 +344,20 @@ class LocalBackend(Backend, FaultTarget):
         return failure
 
     def _wait_for(self, workers: set[int]) -> Failure | None:
-        """Wait for workers to register; a node that dies meanwhile is a failure to recover from."""
+        """Wait for workers to register; any node that dies meanwhile is a failure to recover from at once."""
         try:
-            self.cluster.wait_for_workers(workers, timeout_s=_RESTART_TIMEOUT_S)
+            self.cluster.wait_for_workers(workers, _RESTART_TIMEOUT_S, watch=self.cluster.alive_nodes())
         except NodeLost as lost:
-            self.cluster.mark_dead("agent", lost.node)
-            self._publish(ev.NodeLostWhileStarting, node=lost.node)
-            now = time.monotonic()
-            return Failure(nodes={lost.node: now}, workers={w: now for w in self.cluster.workers_of(lost.node)})
+            noticed = time.monotonic()
+            time.sleep(_FAILURE_WINDOW_S)  # nodes lost together (a burst of a spot trace) are one failure
+            failure = Failure()
+            for node in {lost.node, *self.cluster.exited_agents()}:
+                self.cluster.mark_dead("agent", node)
+                self.cluster.lose_memory(node)
+                self._publish(ev.NodeLostWhileStarting, node=node)
+                failure.nodes[node] = noticed
+                failure.workers.update({w: noticed for w in self.cluster.workers_of(node)})
+            return failure
         return None
 
     def _drain_events(self) -> Failure:
@@ -266,6 +369,14 @@ class LocalBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], **fields: object) -> None:
         self.bus.publish(kind(at=self.clock(), **fields))
+
+
+@dataclass
+class _Snapshot:
+    action: TakeSnapshot
+    waiting: set[int]
+    nbytes: int = 0
+    copy_s: float = 0.0
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:

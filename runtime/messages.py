@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from ftlab.runtime.contract import Source
+from ftlab.runtime.contract import MemoryRecord, Source
 from ftlab.runtime.instructions import Instruction
 
 SECRET_ENV = "FTLAB_SECRET"
@@ -43,6 +43,8 @@ class Hello:
     node: int
     pid: int
     worker: int | None = None
+    incarnation: int = 0
+    """Which start of this worker id the process is (0 at the node's start, then one more per respawn)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class WorkerExited:
 
     worker: int
     returncode: int
+    pid: int
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class Configured:
     """The step the worker's layers are at (every optimizer step it has committed)."""
     received_bytes: int = 0
     """Layer state received from peers for this configuration."""
+    restored_bytes: int = 0
+    """State loaded from the Configure's ``restore`` source."""
+    restore_s: float = 0.0
+    restored_from: str = ""
+    """memory | parity (some shard decoded) | storage | "" (nothing restored)"""
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,8 @@ class Ready:
     step: int
     loss: float  # this worker's share of the global mean loss (non-zero on last stages only)
     compute_s: float
+    snapshot_s: float | None = None
+    """Time this iteration's thread spent on a snapshot (starting its copy, waiting for it); None: no snapshot."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,27 @@ class Saved:
 
 
 @dataclass(frozen=True)
+class Snapshotted:
+    """The worker's records of a snapshot are in its node's memory, committed (sent before the Ready or AbortDone
+    that follows the copy)."""
+
+    step: int
+    records: tuple[MemoryRecord, ...]
+    copy_s: float
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """From an agent: the records of ``step`` in its node's memory whose bytes pass their checksums."""
+
+    node: int
+    step: int
+    intact: dict[str, int]
+    """File name -> CRC-32."""
+    corrupt: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Crashed:
     error: str
 
@@ -124,6 +155,9 @@ class Configure:
     transfers: tuple[Instruction, ...] = ()
     """This worker's SendLayer/RecvLayer program: layers with their optimizer state copied in place, over the new
     generation's group, before the worker reports Configured."""
+    helpers: tuple[int, ...] = ()
+    """Live workers outside the plan that join this generation's group only to send the snapshot records of their
+    node (a restore from memory); a worker in ``helpers`` runs no program."""
 
 
 @dataclass(frozen=True)
@@ -156,10 +190,27 @@ class SaveCheckpoint:
 
 
 @dataclass(frozen=True)
+class TakeSnapshot:
+    """Copy the committed state of ``step`` into these records of the node's memory, off the critical path."""
+
+    step: int
+    keep: int
+    records: tuple[MemoryRecord, ...]
+
+
+@dataclass(frozen=True)
+class TakeInventory:
+    """To an agent: report the intact records of ``step`` in the node's memory."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class SpawnWorkers:
-    """To an agent: start these workers (restart after a failure, or a node that joined)."""
+    """To an agent: start these workers (a restart after a failure), ending any earlier process of theirs first."""
 
     workers: tuple[int, ...]
+    incarnation: int
 
 
 @dataclass(frozen=True)

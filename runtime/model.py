@@ -68,6 +68,18 @@ def build_layer(cfg: ModelConfig, index: int, seed: int, device: str | torch.dev
     return module.to(device=device, dtype=torch.float32)
 
 
+_NUMELS: dict[tuple[str, int], tuple[int, ...]] = {}
+
+
+def layer_numels(cfg: ModelConfig, index: int) -> tuple[int, ...]:
+    """The element count of each parameter of layer ``index``, in module order, without building its weights."""
+    key = (repr(cfg), index)
+    if key not in _NUMELS:
+        with torch.device("meta"):
+            _NUMELS[key] = tuple(p.numel() for p in _construct(cfg, index).parameters())
+    return _NUMELS[key]
+
+
 class StageModule(nn.Module):
     """A contiguous range of layers [start, stop): the part of the model one pipeline stage runs."""
 

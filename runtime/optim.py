@@ -42,6 +42,55 @@ def layer_optimizer(layer: torch.nn.Module, s: OptimSettings) -> torch.optim.Ada
     )
 
 
+class StepUndo:
+    """What undoes an optimizer step taken before its iteration committed (the staggered optimizer).
+
+    AdamW changes the weights and both moments in place, and no arithmetic gives the old values back bit for bit, so
+    the state from before the step is copied aside: into buffers allocated once and reused while the layers stay the
+    same (a copy into memory already touched runs several times faster than into fresh pages). A layer whose
+    optimizer had no state yet (its first step) gets none back, exactly as before.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._fresh: list[tuple[torch.optim.Optimizer, torch.Tensor]] = []
+        self.armed = False
+
+    def save(self, optimizers: dict[int, torch.optim.Optimizer]) -> None:
+        live: list[torch.Tensor] = []
+        self._fresh = []
+        for opt in optimizers.values():
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p)
+                    if not state:
+                        self._fresh.append((opt, p))
+                    live.append(p.data)
+                    live.extend(v for v in (state or {}).values() if isinstance(v, torch.Tensor))
+        if [b.shape for b in self._buffers] != [t.shape for t in live]:
+            self._buffers = [torch.empty_like(t) for t in live]
+        for buffer, tensor in zip(self._buffers, live):
+            buffer.copy_(tensor)
+        self._saved = list(zip(live, self._buffers))
+        self.armed = True
+
+    def restore(self) -> None:
+        """Put back the state of the last ``save``."""
+        assert self.armed, "nothing to undo"
+        with torch.no_grad():
+            for tensor, buffer in self._saved:
+                tensor.copy_(buffer)
+        for opt, p in self._fresh:
+            opt.state.pop(p, None)
+        self.discard()
+
+    def discard(self) -> None:
+        """The step committed: keep it."""
+        self.armed = False
+        self._saved, self._fresh = [], []
+
+
 def step_all(optimizers: dict[int, torch.optim.Optimizer], step: int, s: OptimSettings) -> None:
     lr = lr_at(step, s)
     for opt in optimizers.values():

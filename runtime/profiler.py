@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import multiprocessing as mp
+import os
 import platform
 import tempfile
 import time
@@ -330,7 +331,7 @@ def measure_profile(
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # jobs of a parallel sweep may measure the same profile
         tmp.write_text(json.dumps({"key": asdict(key), "profile": profile.to_dict()}, indent=1))
         tmp.replace(path)  # readers never see half a file
     return profile

@@ -57,7 +57,9 @@ from dataclasses import dataclass
 
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
-from ftlab.runtime.backend import Backend, Failure, FaultTarget, Membership, SaveReport, StepReport, WorkerCrashed
+from ftlab.runtime.backend import (
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+)
 from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import Action, SaveCheckpoint, Source, StorageSource
 from ftlab.runtime.costs import CostModel
@@ -267,7 +269,7 @@ class SimBackend(Backend, FaultTarget):
 
     def configure(
         self, plan: Plan, programs: Mapping[int, ins.Program], transfers: Mapping[int, ins.Program], restore: Source | None
-    ) -> int | Failure:
+    ) -> ConfigureReport | Failure:
         timing = self.timer.time(plan, programs)
         started = self.now
         arrival, received = self._transfer_times(transfers)
@@ -302,7 +304,14 @@ class SimBackend(Backend, FaultTarget):
         self._timings[plan.generation] = timing
         self._needs[plan.generation] = frozenset(ranges)
         self._layers_dropped = False
-        return int(sum(self.state_bytes(layers) for layers in received.values()))
+        return ConfigureReport(
+            received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
+            restored_bytes=int(sum(self.state_bytes(layers) for layers in restored.values())),
+            restore_s=reading, restored_from=restore.kind if restored and restore is not None else "",
+        )  # fmt: skip
+
+    def verify(self, source: Source) -> Source | str | Failure:
+        return source  # simulated saved state is never corrupt
 
     def begin_step(self, plan: Plan, step: int) -> None:
         timing = self._timings[plan.generation]
@@ -356,6 +365,9 @@ class SimBackend(Backend, FaultTarget):
         if failure:
             return failure
         return SaveReport(saved.nbytes, saved.location)
+
+    def completed_saves(self) -> list[SaveProgress]:
+        return []  # every simulated save is synchronous (a registered action's cost, then SaveReport)
 
     def joined(self) -> list[int]:
         ready = {n for n in self._pending_joins if n in self._nodes and self._registered_at[n] <= self.now}

@@ -6,6 +6,12 @@ job's event stream into the run's record: per-step and per-fault metrics, and th
 written locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
 
 A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
+
+The experiment is made to open on its runs: MLflow 3 shows a new experiment's GenAI "Overview" of traces unless its
+``mlflow.experimentKind`` tag says it is a model-training one, and its runs table shows no metric column until
+chosen. So ``ensure_experiment`` marks the experiment, and stores a shared view (``mlflow.sharedViewState.ftlab``,
+the form the UI's own "Share" button writes) that opens the runs table with the key figures as columns, sorted by
+goodput: ``view_url`` is its address.
 """
 
 from __future__ import annotations
@@ -43,6 +49,62 @@ def artifact_location(uri: str) -> str | None:
     return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
 
 
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # mlflow/demo/generators/traces.py
+PARENT_TAG = "mlflow.parentRunId"
+NOTE_TAG = "mlflow.note.content"
+"""The run's description in the UI (markdown)."""
+VIEW_KEY = "ftlab"
+KEY_FIGURES = (
+    "summary/goodput_ratio",
+    "summary/recovery_s_total",
+    "summary/lost_steps_total",
+    "summary/failures",
+    "summary/samples_per_s",
+    "summary/final_loss",
+)
+
+
+def _view_state() -> str:
+    """The runs table with the key figures and the description as columns, best goodput first, child runs shown
+    under their sweep (the UI's uiState and search facets, as its Share button stores them)."""
+    columns = [f"metrics.`{name}`" for name in KEY_FIGURES] + ["attributes.`Description`"]
+    return json.dumps({
+        "selectedColumns": columns,
+        "columnOrder": columns,
+        "orderByKey": f"metrics.`{KEY_FIGURES[0]}`",
+        "orderByAsc": False,
+        "runsExpanded": {},
+    })  # fmt: skip
+
+
+def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
+    """The experiment's id, created (store and all) if it does not exist, and marked to open on its runs.
+
+    Call it in the launching process before jobs start: several processes creating a new SQLite store at once
+    collide ("table ... already exists")."""
+    experiment = client.get_experiment_by_name(name)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(name, artifact_location=artifact_location(uri))
+    )
+    tags = experiment.tags if experiment else {}
+    if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    if tags.get(f"mlflow.sharedViewState.{VIEW_KEY}") != _view_state():
+        client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", _view_state())
+    return experiment_id
+
+
+def view_url(server: str, experiment_id: str) -> str:
+    """The runs table of the experiment with the key figures as columns, on an MLflow server at ``server``."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+
+
+def compare_url(server: str, experiment_id: str, run_ids: list[str]) -> str:
+    """MLflow's side-by-side comparison of the given runs (every param and metric, one column per run)."""
+    runs = json.dumps(run_ids, separators=(",", ":"))
+    return f"{server.rstrip('/')}/#/compare-runs?runs={runs}&experiments=[\"{experiment_id}\"]"
+
+
 # Metrics are written at most this often. A write is a store transaction; one per step would cost a fast job a
 # large share of the coordinator's time.
 _METRIC_FLUSH_S = 1.0
@@ -52,23 +114,27 @@ _METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
 class Tracker:
     def __init__(self, cfg: TrackingConfig) -> None:
         self.client = MlflowClient(tracking_uri=cfg.uri)
-        # Create the store and the experiment here, in the launching process: several processes creating a new
-        # SQLite store at once collide.
-        experiment = self.client.get_experiment_by_name(cfg.experiment)
-        self.experiment_id = (
-            experiment.experiment_id
-            if experiment
-            else self.client.create_experiment(cfg.experiment, artifact_location=artifact_location(cfg.uri))
-        )
-        self.run_name = cfg.run_name
+        self.experiment_id = ensure_experiment(self.client, cfg.experiment, cfg.uri)
+        self.cfg = cfg
         self.run_id: str | None = None
         self.local = Path(tempfile.mkdtemp(prefix="ftlab-run-"))
         self.events_path = self.local / "events.jsonl"
         self._metrics: list[Metric] = []
         self._flushed_at = time.monotonic()
 
-    def start(self, config: dict[str, Any], tags: dict[str, str], config_yaml: str) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
+    def start(
+        self, config: dict[str, Any], tags: dict[str, str], config_yaml: str, name: str | None = None, note: str = ""
+    ) -> str:
+        """Open the run: ``tracking.run_name`` or ``name``, a child of ``tracking.parent_run_id`` when the job is one
+        of a sweep, with ``note`` as its description."""
+        tags = dict(tags)
+        if self.cfg.parent_run_id:
+            tags[PARENT_TAG] = self.cfg.parent_run_id
+        if self.cfg.sweep_id:
+            tags["sweep_id"] = self.cfg.sweep_id
+        if note:
+            tags[NOTE_TAG] = note
+        run = self.client.create_run(self.experiment_id, run_name=self.cfg.run_name or name, tags=tags)
         self.run_id = run.info.run_id
         params = {k: str(v)[:6000] for k, v in flatten(config).items()}
         items = list(params.items())
@@ -96,6 +162,15 @@ class Tracker:
             self.client.log_batch(self.run_id, metrics=self._metrics[i : i + _METRICS_PER_BATCH])
         self._metrics.clear()
         self._flushed_at = time.monotonic()
+
+    def describe(self, note: str) -> None:
+        """Replace the run's description (markdown, shown on the run's page and in the runs table)."""
+        assert self.run_id is not None
+        self.client.set_tag(self.run_id, NOTE_TAG, note)
+
+    def set_tag(self, key: str, value: str) -> None:
+        assert self.run_id is not None
+        self.client.set_tag(self.run_id, key, value)
 
     def log_text(self, path: str, text: str) -> None:
         assert self.run_id is not None
@@ -176,9 +251,19 @@ class RunRecorder:
                     "cluster/alive_nodes": event.alive_nodes,
                     "cluster/pipelines": event.pipelines,
                 }
+                if event.snapshot_s is not None:
+                    metrics["ft/snapshot_s"] = event.snapshot_s
                 if math.isnan(event.loss):
                     del metrics["train/loss"]
                 self._log_step(metrics, event.step)
+            case ev.SnapshotTaken():
+                # At the index of the last step the snapshot holds, as train/loss of that step.
+                self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_bytes": event.nbytes},
+                                         event.step - 1)  # fmt: skip
+            case ev.StateRestored():
+                self.tracker.log_metrics({"ft/restore_s": event.seconds, "ft/restore_bytes": event.nbytes},
+                                         event.generation)  # fmt: skip
+                self.tracker.set_tag("restore_source", event.source)
             case ev.PlanConfigured():
                 self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():

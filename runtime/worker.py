@@ -2,6 +2,13 @@
 
 Every decision is the coordinator's. The worker reports an iteration Ready once its gradients are reduced and steps
 its optimizers only on the coordinator's Commit, so an iteration commits on every worker or on none.
+
+The staggered optimizer (``OptimizerStep(early=True)``) keeps that rule while taking the step off the path from
+the commit to the next iteration: the worker steps right after reporting Ready, while the coordinator still waits
+for the other stages and sends the commit, with the state from before the step copied aside (``optim.StepUndo``);
+a Commit keeps the step, an Abort puts the copy back, so every survivor reports the committed step after an abort.
+Why undo rather than computing the update into a buffer applied on Commit: the fused AdamW kernel updates in place,
+so a buffer costs the same copy plus a second pass on Commit, on the path this is meant to shorten; aborts are rare.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import os
 import threading
 import time
 import traceback
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -20,22 +29,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ftlab.runtime import checkpoint
+from ftlab.runtime import checkpoint, shm
 from ftlab.runtime import instructions as ins
 from ftlab.runtime import messages as msg
 from ftlab.runtime.comm import Aborted, CommError, GenerationComm
+from ftlab.runtime.contract import MemorySource, Source, StorageSource
 from ftlab.runtime.data import Batches
-from ftlab.runtime.contract import Source, StorageSource
 from ftlab.runtime.executor import Executor
 from ftlab.runtime.instructions import Instruction
 from ftlab.runtime.layer_state import decode, encode, layer_state
 from ftlab.runtime.model import StageModule, build_layer
 from ftlab.runtime.model_spec import ModelConfig, num_layers
-from ftlab.runtime.optim import layer_optimizer, step_all
+from ftlab.runtime.optim import StepUndo, layer_optimizer, lr_at, step_all
 from ftlab.runtime.plan import Plan
+from ftlab.runtime.snapshot import (
+    Snapshotter, assemble, decode_shard, geometry, load_into, member_state, read_record,
+)  # fmt: skip
+from ftlab.runtime.snapshot_layout import Fetch, groups_of, load_plan
+from ftlab.runtime.zero import ZeroGroup
 
-# Transfer tags sit far above the activation and gradient tags (2 per micro-batch).
+# Transfer tags sit far above the activation and gradient tags (2 per micro-batch); snapshot loads above those.
 _TRANSFER_TAG = 1 << 24
+_LOAD_TAG = 1 << 25
 
 
 class Channel:
@@ -51,9 +66,10 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, channel: Channel, aborts: Connection, worker: int, heartbeat_s: float) -> None:
+    def __init__(self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float) -> None:
         self.channel = channel
         self.aborts = aborts
+        self.node = node
         self.worker = worker
         self.heartbeat_s = heartbeat_s
         # The abort thread fails the main thread's communication; this lock orders it with a generation change.
@@ -68,6 +84,16 @@ class Worker:
         self.executor: Executor | None = None
         self.program: list[Any] = []
         self.armed: set[tuple[int, str]] = set()
+        self.undo = StepUndo()
+        """An optimizer step taken before its commit (``OptimizerStep(early=True)``), until Commit or Abort."""
+        self.host = ThreadPoolExecutor(1, thread_name_prefix="host")
+        """The host thread: snapshot copies and AOR's recomputation, off the critical path, one at a time in order."""
+        self.snapshotter: Snapshotter | None = None
+        self._snapshot_s: float | None = None
+        """Time the main thread spent on snapshots since the last Ready (None: none was taken)."""
+        self.zero: dict[tuple[int, ...], ZeroGroup] = {}
+        """ZeRO-1 (train.zero=1): this worker's part of each group of replicas it belongs to."""
+        self._recomputing: list[Future[None]] = []
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _receive(self) -> Any:
@@ -118,12 +144,15 @@ class Worker:
                 self.armed.add((message.step, message.phase))
             elif isinstance(message, msg.SaveCheckpoint):
                 self._save(message)
+            elif isinstance(message, msg.TakeSnapshot):
+                self._snapshot(message)
             elif isinstance(message, msg.Commit):
                 pass  # a commit for an iteration this worker already abandoned: ignore
             else:
                 raise TypeError(f"unexpected control message {message!r}")
 
     def _configure(self, message: msg.Configure) -> None:
+        self._finish_snapshot()  # its layers may be dropped or replaced below
         if message.setup:
             self.setup = message.setup
         plan = Plan.from_dict(message.plan)
@@ -137,39 +166,76 @@ class Worker:
             )
         if self.comm is not None:
             self.comm.retire()
-        comm = GenerationComm(self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"])
+        comm = GenerationComm(
+            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers
+        )
         with self._comm_lock:
             self.comm = comm
             if self._aborted_generation >= plan.generation:  # the Abort overtook this Configure
                 comm.interrupt()
-        try:
-            received = self._transfer(message.transfers)
-        except Aborted:
-            return  # a failure during the reconfiguration: the main loop acknowledges the Abort
-        except CommError as exc:
-            self.channel.send(msg.Failed(plan.step, str(exc)))
+        if self.worker not in plan.workers:  # a helper: it only sends its node's snapshot records
+            self.executor = None
+            self._configure_helper(plan, message)
             return
         _, _, stage = plan.stage_of(self.worker)
-        for index in stage.layers:
-            if index not in self.layers:
-                if plan.step != 0 and message.restore is None:
-                    raise RuntimeError(f"layer {index} is missing at step {plan.step} and nothing provides it")
+        missing: list[int] = []
+        try:
+            received = self._transfer(message.transfers)
+            missing = [index for index in stage.layers if index not in self.layers]
+            if missing and plan.step != 0 and message.restore is None:
+                raise RuntimeError(f"layers {missing} are missing at step {plan.step} and nothing provides them")
+            for index in missing:
                 self._add_layer(index)
-                if message.restore is not None:
-                    self._restore(index, message.restore)
+            started = time.perf_counter()
+            restored, source = self._restore(missing, message.restore, plan, message.helpers)
+        except (Aborted, CommError) as exc:
+            for index in missing:  # loaded in part, or not at all: this worker does not hold them
+                del self.layers[index], self.optimizers[index]
+            if isinstance(exc, CommError):
+                self.channel.send(msg.Failed(plan.step, str(exc)))
+            return  # the main loop acknowledges the Abort that follows
+        restore_s = time.perf_counter() - started
         # Layers this stage no longer runs are kept until the plan's first step: should the reconfiguration fail,
         # they are still where the last confirmed plan put them.
         self.step = plan.step
         tokens = np.load(self.setup["tokens_path"], mmap_mode="r")
         batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
         stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
-        comm.bucket_gradients(self.layers)
+        self._shard_optimizers(plan, comm)
         self.executor = Executor(
             stage_module, num_layers(model), model.hidden, comm, batches, self._phase,
-            checkpointing=self.setup.get("activation_checkpointing", False),
+            checkpointing=self.setup["activation_checkpointing"],
         )  # fmt: skip
         self.program = message.program
-        self.channel.send(msg.Configured(plan.generation, self.step, received))
+        self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
+
+    def _shard_optimizers(self, plan: Plan, comm: GenerationComm) -> None:
+        """Gradient buckets for the plan, and with train.zero=1 the ZeRO-1 groups, which take over the layers'
+        optimizer state (loaded whole, from scratch, storage or memory)."""
+        if not self.setup["zero"]:
+            comm.bucket_gradients(self.layers)
+            return
+        if self.zero:
+            raise RuntimeError("train.zero=1: a worker was reconfigured without a restart, which ZeRO-1 does not support")
+        model = self.setup["model"]
+        groups = [g for g in groups_of(plan) if g.members > 1 and self.worker in g.holders]
+        comm.bucket_gradients(self.layers, {g.layers: geometry(model, g).members * geometry(model, g).chunk for g in groups})
+        for g in groups:
+            self.zero[g.layers] = ZeroGroup(model, g, g.holders.index(self.worker), self.layers, self.optimizers,
+                                            self.setup["optim"], comm, self.setup["aor"])  # fmt: skip
+            for index in g.layers:
+                self.optimizers[index].state.clear()  # the group's chunks hold it now
+
+    def _configure_helper(self, plan: Plan, message: msg.Configure) -> None:
+        try:
+            if isinstance(message.restore, MemorySource):
+                self._load_from_memory(message.restore, plan, message.helpers, [])
+        except Aborted:
+            return
+        except CommError as exc:
+            self.channel.send(msg.Failed(plan.step, str(exc)))
+            return
+        self.channel.send(msg.Configured(plan.generation, self.step))
 
     def _add_layer(self, index: int) -> None:
         self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"])
@@ -180,6 +246,8 @@ class Worker:
         its receives); returns the bytes received. Each layer has its own tag, the same at both ends."""
         assert self.comm is not None
         received = 0
+        if program and self.setup["zero"]:
+            raise RuntimeError("train.zero=1 splits each layer's optimizer state: layers cannot be copied in place")
         for instruction in program:
             tag = _TRANSFER_TAG + 2 * instruction.layer
             if isinstance(instruction, ins.SendLayer):
@@ -213,18 +281,53 @@ class Worker:
         except CommError as exc:
             self.channel.send(msg.Failed(step, str(exc)))
             return
-        self.channel.send(msg.Ready(step, result.loss, result.compute_s))
+        self._finish_snapshot()
+        snapshot_s, self._snapshot_s = self._snapshot_s, None
+        self.channel.send(msg.Ready(step, result.loss, result.compute_s, snapshot_s))
+        early = isinstance(self.program[-1], ins.OptimizerStep) and self.program[-1].early
+        if early:  # the staggered optimizer: step while the coordinator collects the iteration; undo on Abort
+            self._phase(step, "optimizer")
+            self.undo.save(self.optimizers)
+            step_all(self.optimizers, step, self.setup["optim"])  # never with ZeRO-1 (refused at composition)
         decision = self._receive()
         if isinstance(decision, msg.Commit) and decision.step == step:
-            self._phase(step, "optimizer")
-            step_all(self.optimizers, step, self.setup["optim"])
+            if early:
+                self.undo.discard()
+            else:
+                self._phase(step, "optimizer")
+                try:
+                    self._step_optimizers(step)
+                except (Aborted, CommError) as exc:
+                    # ZeRO-1's all-gather failed: this member's chunk stepped, others' never arrived. Nothing here
+                    # is at one step any more; the restart that follows restores saved state.
+                    self._forget_state()
+                    if isinstance(exc, CommError):
+                        self.channel.send(msg.Failed(step, str(exc)))
+                    return
             self.step = step + 1
         elif isinstance(decision, msg.Abort):
             self._abort(decision.generation)
         else:
             raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
 
+    def _step_optimizers(self, step: int) -> None:
+        zero_layers = {index for layers in self.zero for index in layers}
+        step_all({i: o for i, o in self.optimizers.items() if i not in zero_layers}, step, self.setup["optim"])
+        for group in self.zero.values():
+            recompute = group.step(lr_at(step, self.setup["optim"]))
+            if recompute is not None:
+                self._recomputing.append(self.host.submit(recompute))
+
+    def _forget_state(self) -> None:
+        self.layers.clear()
+        self.optimizers.clear()
+        self.zero.clear()
+        self.executor = None
+
     def _abort(self, generation: int) -> None:
+        self._finish_snapshot()  # the state it copies is the committed one: let it complete, and say so
+        if self.undo.armed:
+            self.undo.restore()  # an early optimizer step of the abandoned iteration
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
         self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
@@ -239,19 +342,107 @@ class Worker:
     def _save(self, message: msg.SaveCheckpoint) -> None:
         directory = checkpoint.step_dir(message.directory, message.step)
         nbytes = 0
+        optimizers = dict(self.optimizers)
+        for group in self.zero.values():  # every member of a ZeRO-1 group takes part, writer or not
+            optimizers.update(group.gather(self.layers))
         for index in message.layers:
-            data = encode(layer_state(self.layers[index], self.optimizers[index]))
+            data = encode(layer_state(self.layers[index], optimizers[index]))
             checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
             nbytes += len(data)
             self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
         self.channel.send(msg.Saved(message.step, nbytes))
 
-    def _restore(self, index: int, source: Source) -> None:
+    def _restore(
+        self, layers: list[int], source: Source | None, plan: Plan, helpers: tuple[int, ...]
+    ) -> tuple[int, str]:
+        """Load ``layers`` (built fresh) from ``source``; (bytes loaded, where from: memory, parity or storage)."""
+        if source is None:
+            return 0, ""
+        if isinstance(source, MemorySource):
+            return self._load_from_memory(source, plan, helpers, layers)
         if not isinstance(source, StorageSource):
             raise TypeError(f"this worker cannot restore from {source!r}")
-        state = decode(checkpoint.layer_path(Path(source.directory), index).read_bytes())
-        self.layers[index].load_state_dict(state["module"])
-        self.optimizers[index].load_state_dict(state["optimizer"])
+        nbytes = 0
+        for index in layers:
+            data = checkpoint.layer_path(Path(source.directory), index).read_bytes()
+            state = decode(data)
+            self.layers[index].load_state_dict(state["module"])
+            self.optimizers[index].load_state_dict(state["optimizer"])
+            nbytes += len(data)
+        return nbytes, "storage"
+
+    # -- snapshots (REFT) --------------------------------------------------------------------------------------
+    @property
+    def memory(self) -> Path:
+        """This node's host memory for snapshots (its agent's directory)."""
+        return shm.node_dir(self.setup["memory_root"], self.node)
+
+    def _snapshot(self, message: msg.TakeSnapshot) -> None:
+        started = time.perf_counter()
+        self._finish_snapshot()
+        if self.snapshotter is None:
+            self.snapshotter = Snapshotter(self.memory, self._phase, self.host)
+        if self.executor is None:
+            return  # its state was torn by a failed commit (ZeRO-1): this snapshot stays incomplete
+        model = self.setup["model"]
+        groups = {g.layers: g for g in groups_of(self.comm.plan)}  # type: ignore[union-attr]
+        states = {
+            layers: self.zero[layers].state() if layers in self.zero
+            else member_state(model, groups[layers], self.layers, self.optimizers)
+            for layers in {r.layers for r in message.records}
+        }  # fmt: skip
+        self.snapshotter.start(states, message.records, message.step, message.keep)
+        self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
+
+    def _finish_snapshot(self) -> None:
+        """Wait for the host thread's work (AOR's recomputation, the snapshot being copied) and report the
+        snapshot's records."""
+        running = self.snapshotter is not None and self.snapshotter.running
+        if not running and not self._recomputing:
+            return
+        started = time.perf_counter()
+        for recomputation in self._recomputing:
+            recomputation.result()
+        self._recomputing.clear()
+        report = self.snapshotter.finish() if running else None  # type: ignore[union-attr]
+        self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
+        if report is not None:
+            self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s))
+
+    def _load_from_memory(self, source: MemorySource, plan: Plan, helpers: tuple[int, ...], layers: list[int]) -> tuple[int, str]:
+        """REFT-load: send the records of this node that others need, then rebuild every old group that overlaps
+        ``layers`` from this node's records, peers' records and parity. Every record is checked against the CRC
+        reported when it was written (where it is read), and a shard decoded from parity against the CRC its owner
+        reported (unless the owner died before it could report it), so the state loaded is the snapshot's bit for
+        bit."""
+        assert self.comm is not None
+        mine = load_plan(source, plan, helpers)[self.worker]
+        for record, receiver, tag in mine.sends:
+            self.comm.send(read_record(self.memory, record, source.step, record.nbytes), receiver, _LOAD_TAG + tag)
+        model = self.setup["model"]
+        crcs = {(layers_, index): crc for layers_, index, crc in source.shard_crcs}
+        nbytes, decoded = 0, False
+        wanted = {index: self.layers[index] for index in layers}
+        for load in mine.groups:
+            g = geometry(model, load.group)
+            shards = {i: self._fetch(f, source.step) for i, f in load.shards.items()}
+            for i, fetches in load.decode.items():
+                shards[i] = decode_shard(g, i, shards, {f.record.index: self._fetch(f, source.step) for f in fetches})
+                decoded = True
+                expected = crcs.get((load.group.layers, i))  # None: its owner died before it reported the shard
+                if expected is not None and zlib.crc32(shards[i].numpy()) != expected:
+                    raise shm.ChecksumError(f"shard {i} of {load.group.describe()} decoded for step {source.step} "
+                                            f"does not match the CRC its owner reported")  # fmt: skip
+            nbytes += load_into(model, load.group, assemble(g, shards), wanted, self.optimizers)
+        self.comm.flush_sends()
+        return nbytes, "parity" if decoded else "memory"
+
+    def _fetch(self, fetch: Fetch, step: int) -> torch.Tensor:
+        """A record read on this node, or received from the peer that read (and checked) it on its node."""
+        assert self.comm is not None
+        if fetch.sender is None:
+            return read_record(self.memory, fetch.record, step, fetch.record.nbytes)
+        return self.comm.recv((fetch.record.nbytes // 4,), torch.float32, fetch.sender, _LOAD_TAG + fetch.tag)
 
 
 def main() -> None:
@@ -261,14 +452,15 @@ def main() -> None:
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     channel = Channel(msg.connect(args.coordinator_port))
-    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker))
+    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation))
     aborts = msg.connect(args.coordinator_port)
-    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker))
+    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation))
     try:
-        Worker(channel, aborts, args.worker, args.heartbeat_s).serve()
+        Worker(channel, aborts, args.node, args.worker, args.heartbeat_s).serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise

@@ -80,7 +80,7 @@ def test_an_unknown_key_in_a_group_file_fails_at_composition(tmp_path: Path) -> 
     assert "nodez" in str(info.value.__cause__ or info.value)
 
 
-@pytest.mark.parametrize("policy", ["none", "checkpoint_restart", "oobleck"])
+@pytest.mark.parametrize("policy", ["none", "checkpoint_restart", "oobleck", "recycle"])
 @pytest.mark.parametrize("protection", ["none", "storage"])
 def test_policies_and_protections_compose_freely_each_with_its_own_schema(policy: str, protection: str) -> None:
     job = OmegaConf.to_object(compose_config(["experiment=plain", f"policy={policy}", f"protection={protection}"]))

@@ -33,10 +33,12 @@ CONTRACT = [
     "ftlab.runtime.checkpoint",
     "ftlab.runtime.sim_timing",
     "ftlab.runtime.sim_backend",
+    "ftlab.runtime.snapshot_layout",
+    "ftlab.runtime.shm",
 ]
 PROCESS_CODE = {
     "agent", "cluster", "comm", "executor", "local_backend", "model", "model_families", "layer_state", "worker",
-    "messages", "optim", "profiler", "tracking", "progress", "timeline", "data",
+    "messages", "optim", "profiler", "tracking", "progress", "timeline", "data", "snapshot", "shm", "zero",
 }  # fmt: skip
 
 

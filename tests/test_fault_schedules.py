@@ -23,6 +23,8 @@ from ftlab.faults import (
     faults_config_from_dict,
     read_trace,
 )
+from ftlab.experiments.job import compose_config
+from ftlab.faults.schedules import beyond_job, check_reach
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "faults"
 TRACE_DIR = Path(__file__).resolve().parents[1] / "faults" / "traces"
@@ -426,3 +428,67 @@ def test_single_node_needs_a_second_node() -> None:
     assert build_schedule(cfg, ClusterShape(2, 1)) == [FaultEvent("node", 1, at_step=10)]
     with pytest.raises(FaultConfigError, match="node 1, which does not exist"):
         build_schedule(cfg, ClusterShape(1, 1))
+
+
+# --- clocks and reach ------------------------------------------------------------------------------------------
+
+
+def test_generated_rates_in_steps_fire_at_the_step_they_fall_in() -> None:
+    fixed = build_schedule(FaultsConfig(schedule="fixed", interval_steps=4, max_failures=2), FOUR)
+    assert [e.at_step for e in fixed] == [4, 8] and all(e.at_time_s is None for e in fixed)
+    timed = build_schedule(FaultsConfig(schedule="exponential", mtbf_s=4, max_failures=2), FOUR)
+    stepped = build_schedule(FaultsConfig(schedule="exponential", mtbf_steps=4, max_failures=2), FOUR)
+    assert [e.at_step for e in stepped] == [math.floor(e.at_time_s or 0) for e in timed]  # one draw, two clocks
+
+
+def test_replacements_and_horizon_follow_the_step_clock() -> None:
+    cfg = FaultsConfig(schedule="fixed", interval_steps=5, horizon_steps=12, replace_after_steps=2)
+    assert [(e.kind, e.at_step) for e in build_schedule(cfg, FOUR)] == [
+        ("node", 5), ("join", 7), ("node", 10),
+    ]  # fmt: skip
+
+
+def test_a_trace_replays_in_steps() -> None:
+    events = build_schedule(FaultsConfig(schedule="trace", trace="p3", trace_s_per_step=120, max_failures=1), FOUR)
+    assert events[-1].kind == "node" and all(e.at_step is not None for e in events)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (FaultsConfig(schedule="fixed", interval_steps=1, interval_s=1, max_failures=1), "both set"),
+        (FaultsConfig(schedule="fixed", interval_steps=2, horizon_s=5), "faults.horizon_s is set but the fixed rate "
+         "is in steps; use faults.horizon_steps"),
+        (FaultsConfig(schedule="trace", trace="p3", trace_s_per_step=60, time_compression=2), "both set"),
+        (FaultsConfig(schedule="weibull", weibull_shape=1, max_failures=1), "needs faults.weibull_scale_steps"),
+    ],
+)
+def test_a_schedule_runs_on_one_clock(cfg: FaultsConfig, message: str) -> None:
+    with pytest.raises(FaultConfigError, match=message):
+        build_schedule(cfg, FOUR)
+
+
+def test_an_explicit_fault_past_the_job_is_an_error() -> None:
+    cfg = explicit(E("node", 1, at_step=3), E("node", 2, at_step=30))
+    with pytest.raises(FaultConfigError, match=r"the node fault at step 30 cannot fire: the job runs steps 0 to 29 "
+                       r"\(train.steps=30\); move it into that range or raise train.steps"):  # fmt: skip
+        check_reach(cfg, build_schedule(cfg, FOUR), 0, 30)
+
+
+def test_generated_faults_past_the_job_are_dropped_for_a_warning() -> None:
+    cfg = FaultsConfig(schedule="fixed", interval_steps=10, max_failures=3)
+    events = build_schedule(cfg, FOUR)
+    assert [e.at_step for e in check_reach(cfg, events, 0, 25)] == [10, 20]
+    assert [e.at_step for e in beyond_job(events, 0, 25)] == [30]
+    assert [e.at_step for e in beyond_job(events, 15, 40)] == [10]  # a resumed job starts at step 15
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONF_DIR.glob("*.yaml") if p.stem != "none"))
+def test_every_shipped_fault_config_fires_in_a_default_job(name: str) -> None:
+    """Composed as a user would (``ftlab experiment=plain faults=NAME``: local-4, train.steps of the schema), every
+    shipped schedule has a fault at a step the job runs: the shipped rates are per step, so this holds on any
+    machine (tests/test_recovery.py fires them on real processes)."""
+    cfg = OmegaConf.to_object(compose_config(["experiment=plain", f"faults={name}"]))
+    scheduled = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
+    reached = check_reach(cfg.faults, scheduled, 0, cfg.train.steps)
+    assert any(e.kind != "join" and e.at_step is not None for e in reached), (name, scheduled)

@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.faults.schedules import FaultConfigError
-from ftlab.runtime import cluster as cluster_module
-from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
@@ -46,47 +44,6 @@ def test_a_short_job_records_metrics_params_tags_and_artifacts(run, tmp_path: Pa
     assert [json.loads(line)["kind"] for line in events.splitlines()] == ["plan"]
 
 
-@pytest.fixture
-def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if anything tries to start a node: bad input must be refused before that."""
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a node was started for a job that should have been refused")
-
-    monkeypatch.setattr(cluster_module.LocalCluster, "start_node", refuse)
-
-
-BAD_INPUTS = [
-    (["train.global_batch=15", "train.micro_batch=2"], ConfigError, "multiple of train.micro_batch"),
-    (["cluster.nodes=10", "train.stages=9"], ConfigError, "at most 8 stages"),
-    (["train.stages=8"], ConfigError, "cannot form a pipeline of 8 stages"),
-    (["model=gpt2-small", "cluster.device_memory_gb=0.5"], ConfigError, "raise cluster.device_memory_gb"),
-    (["train.data=/nonexistent/corpus.txt"], FileNotFoundError, "/nonexistent/corpus.txt"),
-    (["faults=single-node", "cluster.nodes=1", "train.stages=1"], FaultConfigError, "node"),
-    (["cluster.backend=nccl"], ConfigError, "cluster.backend=gloo"),
-    (["policy=checkpoint_restart", "protection=none"], ConfigError, "add protection=storage"),
-]
-
-
-@pytest.mark.parametrize(("overrides", "error", "advice"), BAD_INPUTS, ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
-def test_bad_input_is_refused_before_any_worker_and_the_run_is_failed(
-    run, tmp_path: Path, no_workers: None, overrides: list[str], error: type, advice: str  # noqa: ANN001
-) -> None:
-    with pytest.raises(error) as info:
-        run(*overrides)
-    assert advice in str(info.value)
-    _, record = only_run(tmp_path)
-    assert record.info.status == "FAILED"
-    assert advice in record.data.tags["failure_reason"]
-
-
-def test_a_corpus_shorter_than_one_sample_is_refused(run, tmp_path: Path, no_workers: None) -> None:  # noqa: ANN001
-    tiny = tmp_path / "tiny.txt"
-    tiny.write_text("only a few words here\n")
-    with pytest.raises(ConfigError, match="fewer than one sample"):
-        run(f"train.data={tiny}")
-
-
 def test_a_plan_that_leaves_a_layer_without_replica_is_refused() -> None:
     short = Pipeline((Stage(0, 0, 3), Stage(1, 3, 6)), tuple(range(8)))
     with pytest.raises(PlanError, match="stops at layer 6, the model has 8 layers"):
@@ -106,3 +63,29 @@ def test_the_timeline_shows_an_outage_as_zero_throughput() -> None:
     times, rates = throughput_curve([(0.0, 1.0, 10.0), (1.0, 2.0, 12.0), (5.0, 6.0, 11.0)])
     assert times == [0.0, 1.0, 1.0, 2.0, 2.0, 5.0, 5.0, 6.0]
     assert rates == [10.0, 10.0, 12.0, 12.0, 0.0, 0.0, 11.0, 11.0]
+
+
+def events_of(client: MlflowClient, run_id: str, tmp_path: Path) -> list[dict]:
+    local = client.download_artifacts(run_id, "events.jsonl", str(tmp_path))
+    return [json.loads(line) for line in Path(local).read_text().splitlines()]
+
+
+def test_a_fault_free_run_reads_goodput_one_and_a_fault_past_the_job_is_a_warning(run, tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    result = run("train.steps=12", "faults=fixed", "faults.interval_steps=12", "faults.max_failures=1")
+    assert result.summary["summary/failures"] == 0
+    assert result.summary["summary/goodput_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert result.summary["summary/faults_unfired"] == 1
+    assert "fault not fired: the node fault at step 12" in caplog.text
+    client, record = only_run(tmp_path)
+    (unfired,) = [e for e in events_of(client, record.info.run_id, tmp_path) if e["kind"] == "fault_unfired"]
+    assert unfired["fault"]["at_step"] == 12 and "train.steps" in unfired["reason"]
+
+
+def test_a_shipped_generated_schedule_fires_in_a_default_job(run, tmp_path: Path) -> None:  # noqa: ANN001
+    """faults=fixed under the default train.steps: its first fault (step 10) fires on real processes; policy=none
+    stops the job there, which is all this test needs."""
+    with pytest.raises(JobStopped):
+        run("faults=fixed")
+    client, record = only_run(tmp_path)
+    fired = [e for e in events_of(client, record.info.run_id, tmp_path) if e["kind"] == "fault_injected"]
+    assert [e["fault"]["at_step"] for e in fired] == [10]

@@ -16,7 +16,7 @@ from ftlab.policies.recycle import (
     plan_recycle,
 )
 from ftlab.policies.recycle.normalization import cost, rebalance
-from ftlab.policies.recycle.problem import Problem
+from ftlab.policies.recycle.problem import Problem, jackson_preemptive
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.plan import Plan, grid_plan
 from ftlab.runtime.program_check import check_programs
@@ -177,12 +177,13 @@ def test_memory_limit_bounds_held_activations(limit: int) -> None:
 def test_milp_programs_are_correct_and_no_slower_than_the_heuristic(
     stages: int, replicas: int, costs: StageCosts, failed: tuple[int, ...]
 ) -> None:
-    # Instances where the list schedule does not meet the lower bound, so the MILP runs (and here proves optimality).
+    # Instances where the list schedule missed the first, weaker lower bound; the MILP runs where it still misses
+    # the bound, and proves optimality.
     healthy = grid(stages, replicas, per_pipeline=2)
     fast = plan_recycle(healthy, failed, costs, method="heuristic")
     exact = plan_recycle(healthy, failed, costs, method="milp", time_limit_s=10)
     check_programs(exact.plan, exact.programs)
-    assert not fast.optimal and exact.method == "milp" and exact.optimal
+    assert exact.optimal and exact.method == ("heuristic" if fast.optimal else "milp")
     assert exact.makespan <= fast.makespan + 1e-9
     assert fast.lower_bound <= exact.makespan + 1e-6
 
@@ -228,3 +229,30 @@ def test_per_stage_costs() -> None:
     assert uneven.makespan > even.makespan
     with pytest.raises(ReCycleError, match="costs are given for 3 stages"):
         plan_recycle(healthy, (), [UNIT] * 3)
+
+
+def test_jackson_preemptive_schedule() -> None:
+    # Two jobs at 0 (durations 2 and 1, tails 0 and 5), one at 1 (duration 2, tail 3): run the long tails first.
+    assert jackson_preemptive([(0, 2, 0), (0, 1, 5), (1, 2, 3)]) == pytest.approx(6)
+    assert jackson_preemptive([(3, 1, 0)]) == pytest.approx(4)
+
+
+@pytest.mark.parametrize(
+    ("stages", "replicas", "per_pipeline", "failed", "memory"),
+    [(2, 2, 3, (1,), 100), (3, 2, 2, (1,), None), (2, 3, 2, (0, 5), None), (3, 2, 2, (0, 1), None)],
+)
+def test_symmetry_breaking_and_bounds_lose_no_schedule(
+    monkeypatch: pytest.MonkeyPatch, stages: int, replicas: int, per_pipeline: int, failed: tuple[int, ...],
+    memory: int | None,
+) -> None:  # fmt: skip
+    healthy = grid(stages, replicas, per_pipeline)
+    broken = plan_recycle(healthy, failed, SKEWED, method="milp", time_limit_s=20, memory_limit=memory)
+    # The same instances with interchangeable micro-batches left free: the optimum must not be any better.
+    monkeypatch.setattr(Problem, "symmetry_predecessors", lambda self, op: [])
+    monkeypatch.setattr(Problem, "symmetric", lambda self, order: {w: list(ops) for w, ops in order.items()})
+    free = plan_recycle(healthy, failed, SKEWED, method="milp", time_limit_s=20, memory_limit=memory)
+    # (Left free, HiGHS may not prove optimality in the time it has: then no schedule it found may beat the bound.)
+    assert broken.optimal
+    assert broken.makespan <= free.makespan * (1 + 1e-6) and broken.lower_bound <= free.makespan * (1 + 1e-6)
+    if free.optimal:
+        assert broken.makespan == pytest.approx(free.makespan, rel=1e-6)

@@ -65,7 +65,7 @@ def logged(result: JobResult) -> list[tuple]:
 
 # -- determinism -----------------------------------------------------------------------------------------------
 def test_the_same_config_simulates_the_same_run_and_another_seed_another(job_overrides: list[str]) -> None:
-    faults = ["faults=exponential", "faults.mtbf_s=2", "faults.max_failures=3", "faults.seed=1"]
+    faults = ["faults=exponential", "faults.mtbf_steps=null", "faults.mtbf_s=2", "faults.max_failures=3", "faults.seed=1"]
     base = [*OOBLECK, "train.steps=100000", "sim.horizon_s=30", "cluster.nodes=8", "policy.fault_threshold=2", *faults]
     first = simulate(sim_cfg(job_overrides, *base)).result
     again = simulate(sim_cfg(job_overrides, *base)).result
@@ -145,7 +145,7 @@ def injected(result: JobResult) -> list[ev.FaultInjected]:
 
 
 def test_a_trace_replays_at_its_own_times(job_overrides: list[str]) -> None:
-    faults = ["faults=trace", "faults.trace=p3", "faults.time_compression=120", "faults.max_failures=4"]
+    faults = ["faults=trace", "faults.trace=p3", "faults.trace_s_per_step=null", "faults.time_compression=120", "faults.max_failures=4"]
     cfg = sim_cfg(job_overrides, *RESTART, "cluster.nodes=8", "train.steps=100000", "sim.horizon_s=400", *faults)
     simulated = simulate(cfg)
     result = simulated.result

@@ -19,7 +19,7 @@ class CheckpointRestart(Policy):
         if not protection.keeps_state:
             raise ConfigError(
                 "policy=checkpoint_restart restarts from saved state, and protection=none saves none: add "
-                "protection=storage (periodic checkpoints to storage)"
+                "protection=storage (periodic checkpoints to storage) or protection=reft (snapshots in host memory)"
             )
 
     def plan(self, job: Job, protection: Protection) -> Decision:

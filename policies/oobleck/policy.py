@@ -47,6 +47,8 @@ class Layout:
 
 
 class Oobleck(Policy):
+    moves_layers = True
+
     def __init__(self, settings: object) -> None:
         super().__init__(settings)
         self.templates: TemplateSet | None = None

@@ -1,16 +1,19 @@
 """ReCycle's planner: from a healthy grid and its failed workers to a rerouted plan and every worker's program.
 
 Steps: optionally normalize failures (move survivors between stages so the failures spread as Algorithm 1 says);
-reroute the failed workers' micro-batches to data-parallel peers; schedule the operations with the list scheduler;
-if its makespan meets ``Problem.lower_bound`` it is optimal and planning stops, otherwise the MILP improves it when
-the MILP has at most ``max_binaries`` ordering binaries (the list schedule is its horizon and warm start); turn the
-order into programs; check them and predict the makespan by executing them on the abstract machine of
-``runtime.program_check``.
+reroute the failed workers' micro-batches to data-parallel peers; schedule the operations with the list scheduler
+and relabel interchangeable micro-batches so the schedule respects the symmetry orders (``Problem.symmetric``); if
+its makespan meets ``Problem.lower_bound`` it is optimal and planning stops, otherwise the MILP improves it when the
+MILP has at most ``max_binaries`` ordering binaries (``milp.improve``: healthy-pipeline bounds, a restricted model,
+then the whole one, warm-started); turn the order into programs; check them and predict the makespan by executing
+them on the abstract machine of ``runtime.program_check``.
 
 Why 1,500 binaries by default: on these machines (2 cores, HiGHS single-threaded) instances up to about that size
-mostly solved to optimality in a few seconds, while PP 8 x DP 4 with 16 micro-batches (1,800 to 2,100 binaries) did
-not improve on the list schedule within 60 s. With many micro-batches per pipeline the list schedule usually meets
-the lower bound anyway: the stage that absorbs the rerouted work is the bottleneck and never idles.
+mostly solved to optimality in a few seconds. PP 8 x DP 4 with 16 micro-batches (900 to 1,900 binaries once
+precedence-ordered pairs are left out) does not solve to optimality within 20 s, but the restricted model brings it
+within 4-5% of the proven bound (``experiments/bench_planner.py``). With many micro-batches per pipeline the list
+schedule usually meets the lower bound anyway: the stage that absorbs the rerouted work is the bottleneck and never
+idles.
 
 The staggered optimizer needs no instruction of its own here: ``ReduceGrads`` synchronises only the workers that
 share a layer (one stage's peers), so each stage reduces and steps as soon as its own work is done. Its other half,
@@ -54,6 +57,9 @@ class ReCyclePlan:
     """Seconds spent scheduling (heuristic plus MILP)."""
     transfers: tuple[LayerTransfer, ...] = ()
     """Layer copies that failure normalization needs before the plan can run."""
+    layout: Plan | None = None
+    """The healthy-shaped grid of roles the plan reroutes around: the given grid, or the grid after failure
+    normalization moved survivors between stages (failed workers still name the slots they left)."""
 
 
 def plan_recycle(
@@ -84,19 +90,20 @@ def plan_recycle(
     problem = Problem.build(grid, failed, costs, memory_limit)
     binaries = len(milp.ordering_pairs(problem))
     began = time.perf_counter()
-    schedule = heuristic.list_schedule(problem)
+    schedule = problem.symmetric(heuristic.list_schedule(problem))
     order = {w: [op for op, _ in ops] for w, ops in schedule.items()}
     used: Literal["milp", "heuristic"] = "heuristic"
     lower_bound = problem.lower_bound()
     makespan = heuristic.makespan(problem, schedule)
     optimal = makespan <= lower_bound * (1 + 1e-9)  # then no MILP can do better
     if not optimal and (method == "milp" or (method == "auto" and binaries <= max_binaries)):
-        solution = milp.solve(problem, schedule, makespan, time_limit_s)
-        if solution is not None:
-            order, used, optimal = solution.order, "milp", solution.optimal
-            lower_bound = max(lower_bound, solution.lower_bound)
+        solution = milp.improve(problem, schedule, makespan, time_limit_s)
+        order = {w: [op for op, _ in ops] for w, ops in solution.schedule.items()}
+        used, optimal, lower_bound = "milp", solution.optimal, max(lower_bound, solution.lower_bound)
     solve_s = time.perf_counter() - began
     programs = problem.programs(order)
     check_programs(problem.plan, programs)
     makespan = simulate(programs, problem.durations(), problem.plan)
-    return ReCyclePlan(problem.plan, programs, makespan, used, optimal, lower_bound, binaries, solve_s, transfers)
+    return ReCyclePlan(
+        problem.plan, programs, makespan, used, optimal, lower_bound, binaries, solve_s, transfers, layout=grid
+    )

@@ -27,6 +27,8 @@ no time, while on later stages decoupling lets the gradient leave before the wei
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -144,6 +146,8 @@ class Problem:
     routes: dict[int, tuple[int, ...]]
     costs: tuple[StageCosts, ...]
     memory_limit: int
+    home: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Each micro-batch's workers in the healthy grid (failed ones included); its route where none failed."""
     _preds: dict[Op, list[tuple[Op, float]]] = field(default_factory=dict, init=False, repr=False)
 
     @staticmethod
@@ -162,7 +166,27 @@ class Problem:
         limit = 2 * stages if memory_limit is None else memory_limit
         if limit < 1:
             raise ReCycleError(f"memory_limit {limit}: a worker must hold at least one micro-batch")
-        return Problem(plan, routes, per_stage, limit)
+        home = {mb: p.workers for p in grid.pipelines for mb in p.microbatches}
+        return Problem(plan, routes, per_stage, limit, home)
+
+    def restrict(self, microbatches: Collection[int]) -> Problem:
+        """The same problem with only these micro-batches: every schedule of the whole restricts to one of this,
+        so its optimum is a lower bound of the whole's."""
+        keep = set(microbatches)
+        return Problem(self.plan, {mb: r for mb, r in self.routes.items() if mb in keep}, self.costs,
+                       self.memory_limit, {mb: r for mb, r in self.home.items() if mb in keep})  # fmt: skip
+
+    def rerouted(self, op: Op) -> bool:
+        """True when ``op`` runs on a peer instead of the worker of its own pipeline."""
+        return self.routes[op.microbatch][op.stage] != self.home[op.microbatch][op.stage]
+
+    @cached_property
+    def rank(self) -> dict[int, int]:
+        """Each micro-batch's position among its healthy pipeline's micro-batches."""
+        pipelines: dict[tuple[int, ...], list[int]] = {}
+        for mb in sorted(self.home):
+            pipelines.setdefault(self.home[mb], []).append(mb)
+        return {mb: k for mbs in pipelines.values() for k, mb in enumerate(mbs)}
 
     @property
     def stages(self) -> int:
@@ -208,27 +232,130 @@ class Problem:
             by[self.worker(op)].append(op)
         return by
 
-    def heads_and_tails(self) -> tuple[dict[Op, float], dict[Op, float]]:
-        """Each operation's earliest start from its dependencies (head) and the longest chain that must follow its
-        end (tail), every other micro-batch ignored."""
+    # -- symmetry, bounds ----------------------------------------------------------------------------------------
+
+    @cached_property
+    def interchangeable(self) -> list[tuple[int, ...]]:
+        """Micro-batches that follow the same workers, sorted: any schedule stays feasible with their labels
+        exchanged."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for mb in sorted(self.routes):
+            groups.setdefault(self.routes[mb], []).append(mb)
+        return [tuple(g) for g in groups.values() if len(g) > 1]
+
+    def symmetry_predecessors(self, op: Op) -> list[Op]:
+        """The same operation of the previous interchangeable micro-batch, which some optimal schedule runs first.
+
+        Why that loses no schedule: in any schedule, sort the start times of one operation kind (stage, phase) of an
+        interchangeable group and hand them to the group's micro-batches in id order, for every kind. Each
+        dependency has the form "the k-th smallest start of this kind is at least the k-th smallest end of that
+        kind plus a lag", which sorting preserves; the memory a worker holds only counts operations, whatever their
+        labels. So the relabelled schedule is feasible with the same makespan, and runs every kind in id order.
+        """
+        return self._symmetry.get(op, [])
+
+    @cached_property
+    def _symmetry(self) -> dict[Op, list[Op]]:
+        edges: dict[Op, list[Op]] = {}
+        for group in self.interchangeable:
+            for a, b in zip(group, group[1:]):
+                for s in range(self.stages):
+                    for phase in Phase:
+                        edges[Op(b, s, phase)] = [Op(a, s, phase)]
+        return edges
+
+    def precedences(self, op: Op) -> list[tuple[Op, float]]:
+        """Dependencies and symmetry orders together: what every schedule the MILP considers respects."""
+        return self.predecessors(op) + [(p, 0.0) for p in self.symmetry_predecessors(op)]
+
+    def symmetric(self, order: Mapping[int, Sequence[tuple[Op, float]]]) -> dict[int, list[tuple[Op, float]]]:
+        """A schedule (per worker: operations with start times) relabelled so that every interchangeable group runs
+        each operation kind in id order (see ``symmetry_predecessors``); same times, so same makespan."""
+        group_of = {mb: group for group in self.interchangeable for mb in group}
+        slots: dict[tuple[tuple[int, ...], int, Phase], list[tuple[float, Op]]] = {}
+        for ops in order.values():
+            for op, start in ops:
+                if op.microbatch in group_of:
+                    slots.setdefault((group_of[op.microbatch], op.stage, op.phase), []).append((start, op))
+        relabel: dict[Op, Op] = {}
+        for (group, stage, phase), taken in slots.items():
+            for mb, (_, op) in zip(group, sorted(taken)):
+                relabel[op] = Op(mb, stage, phase)
+        return {w: sorted(((relabel.get(op, op), t) for op, t in ops), key=lambda x: (x[1], x[0]))
+                for w, ops in order.items()}  # fmt: skip
+
+    @cached_property
+    def _ancestors(self) -> dict[Op, int]:
+        """Per operation, the bit set (over ``ops`` indices) of every operation it transitively follows."""
+        reach: dict[Op, int] = {}
+        for op in self.ops:  # ``ops`` is in an order where each comes after all of its precedences
+            bits = 0
+            for p, _ in self.precedences(op):
+                bits |= reach[p] | (1 << self._index[p])
+            reach[op] = bits
+        return reach
+
+    def precedes(self, a: Op, b: Op) -> bool:
+        """True when a chain of precedences runs from ``a`` to ``b``: ``b`` starts after ``a`` ends."""
+        return bool(self._ancestors[b] >> self._index[a] & 1)
+
+    def ordered(self, a: Op, b: Op) -> bool:
+        """True when the precedences decide the order of ``a`` and ``b`` (no binary needed)."""
+        return self.precedes(a, b) or self.precedes(b, a)
+
+    @cached_property
+    def _index(self) -> dict[Op, int]:
+        return {op: i for i, op in enumerate(self.ops)}
+
+    def _same_worker(self, bits: int, worker: int) -> list[Op]:
+        return [op for op in self.ops_by_worker[worker] if bits >> self._index[op] & 1]
+
+    @cached_property
+    def _heads_and_tails(self) -> tuple[dict[Op, float], dict[Op, float]]:
         head: dict[Op, float] = {}
         for op in self.ops:
-            head[op] = max((head[p] + self.duration(p) + lag for p, lag in self.predecessors(op)), default=0.0)
-        tail = dict.fromkeys(self.ops, 0.0)
+            h = max((head[p] + self.duration(p) + lag for p, lag in self.precedences(op)), default=0.0)
+            # Every ancestor on the same worker runs before ``op`` there: for each release threshold r, the ones
+            # released at r or later take their whole durations after r.
+            done = 0.0
+            for a in sorted(self._same_worker(self._ancestors[op], self.worker(op)), key=lambda x: -head[x]):
+                done += self.duration(a)
+                h = max(h, head[a] + done)
+            head[op] = h
+        descendants: dict[Op, int] = dict.fromkeys(self.ops, 0)
         for op in reversed(self.ops):
-            for p, lag in self.predecessors(op):
-                tail[p] = max(tail[p], lag + self.duration(op) + tail[op])
+            for p, _ in self.precedences(op):
+                descendants[p] |= descendants[op] | (1 << self._index[op])
+        tail: dict[Op, float] = {}
+        successors: dict[Op, list[tuple[Op, float]]] = {op: [] for op in self.ops}
+        for op in self.ops:
+            for p, lag in self.precedences(op):
+                successors[p].append((op, lag))
+        for op in reversed(self.ops):
+            q = max((lag + self.duration(s) + tail[s] for s, lag in successors[op]), default=0.0)
+            after = 0.0
+            for d in sorted(self._same_worker(descendants[op], self.worker(op)), key=lambda x: -tail[x]):
+                after += self.duration(d)
+                q = max(q, after + tail[d])
+            tail[op] = q
         return head, tail
 
+    def heads_and_tails(self) -> tuple[dict[Op, float], dict[Op, float]]:
+        """Each operation's earliest start (head) and the least time that must follow its end (tail), in every
+        schedule that respects the precedences (dependencies and symmetry orders): the longest chains, raised by
+        the work the operation's ancestors (descendants) put on its own worker before (after) it."""
+        return self._heads_and_tails
+
     def lower_bound(self) -> float:
-        """A makespan no schedule can beat: the critical path, and for every worker and every release time r, r
-        plus the work that cannot start before r plus the shortest tail after it (one-machine head-body-tail)."""
+        """A makespan no schedule can beat: the critical path, and for every worker the optimum of its operations
+        alone with their heads and tails, preemption allowed (Jackson's preemptive schedule, which is exact for
+        that relaxation and at least every "release + work + shortest tail" bound)."""
         head, tail = self.heads_and_tails()
         bound = max(head[op] + self.duration(op) + tail[op] for op in self.ops)
         for ops in self.ops_by_worker.values():
-            for release in {head[op] for op in ops}:
-                late = [op for op in ops if head[op] >= release]
-                bound = max(bound, release + sum(map(self.duration, late)) + min(tail[op] for op in late))
+            bound = max(bound, jackson_preemptive(
+                [(head[op], self.duration(op), tail[op]) for op in ops]
+            ))  # fmt: skip
         return bound
 
     # -- programs ----------------------------------------------------------------------------------------------
@@ -290,3 +417,26 @@ class Problem:
 
         return duration
 
+
+def jackson_preemptive(jobs: Sequence[tuple[float, float, float]]) -> float:
+    """The optimal makespan of (release, duration, tail) jobs on one machine with preemption: always run the
+    released job with the longest tail (Jackson's rule), a lower bound for the same jobs without preemption."""
+    pending = sorted(jobs)
+    ready: list[tuple[float, float, float]] = []  # (-tail, remaining, tail)
+    time, best, k = 0.0, 0.0, 0
+    while k < len(pending) or ready:
+        if not ready:
+            time = max(time, pending[k][0])
+        while k < len(pending) and pending[k][0] <= time:
+            _, duration, q = pending[k]
+            heapq.heappush(ready, (-q, duration, q))
+            k += 1
+        negq, remaining, q = heapq.heappop(ready)
+        until = pending[k][0] if k < len(pending) else math.inf
+        run = min(remaining, until - time)
+        time += run
+        if run < remaining:
+            heapq.heappush(ready, (negq, remaining - run, q))
+        else:
+            best = max(best, time + q)
+    return best

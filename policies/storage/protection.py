@@ -8,7 +8,9 @@ restores from. A job resumed with ``train.resume_from`` starts with that checkpo
 
 from __future__ import annotations
 
-from ftlab.runtime.contract import Action, Change, ConfigError, Job, Protection, SaveCheckpoint, Source, StorageSource
+from ftlab.runtime.contract import (
+    Action, Change, ConfigError, Job, MemoryRecord, Protection, SaveCheckpoint, Source, StorageSource,
+)  # fmt: skip
 from ftlab.runtime.plan import Plan
 
 
@@ -32,7 +34,7 @@ class StorageProtection(Protection):
             return []
         return [SaveCheckpoint(self.directory, self.settings.keep)]
 
-    def saved(self, action: Action, step: int) -> None:
+    def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
         assert isinstance(action, SaveCheckpoint)
         self.newest = StorageSource(step, str(action.directory) + f"/step-{step:06d}")
 

@@ -1,0 +1,314 @@
+"""``make soak``: seeded random fault scenarios, each run as a user runs it and checked against its fault-free twin.
+
+    .venv/bin/python -m ftlab.experiments.soak --seed 7 --scenarios 200     # a campaign
+    .venv/bin/python -m ftlab.experiments.soak --seed 7 --only 42           # one scenario again
+
+A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
+workers per node, up to 8 workers), a policy with a protection, and a fault schedule: explicit events of every kind
+(node, process, hang, join) at random steps and phases, simultaneous ones included, or a generated schedule (fixed,
+exponential with a mean time between failures shorter than a restart, Weibull) or a replayed spot trace, so faults
+land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i) alone.
+
+Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
+job with ``faults=none``, run once per distinct job). Checks:
+- the job finished and its MLflow run is FINISHED;
+- every step's loss, as finally committed, equals the twin's within the equivalence tolerance (rel 1e-5);
+- every fault that was noticed has its lost steps measured, and within what the recovery promises: none when the
+  survivors kept running, at most the checkpoint interval when workers restarted;
+- no process of the job and no shared-memory segment of it is left behind.
+
+The generator keeps every scenario recoverable by its policy (enough nodes survive for the pipelines it needs), so
+a stop is a finding too. A failing scenario prints the one command that reproduces it. The last line is one JSON
+object: scenarios run, passed, failed, and the failures with their commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from ftlab.experiments.job import GIB
+from ftlab.runtime.costs import layer_bytes, stage_memory
+from ftlab.runtime.model_spec import ModelConfig, layer_specs
+
+LOSS_RTOL = 1e-5
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
+SHAPES = ((4, 1), (5, 1), (6, 1), (7, 1), (8, 1), (3, 2), (4, 2))
+MARK = "FTLAB_SOAK_SCENARIO"
+"""Set in a scenario's environment, which its agents and workers inherit: how leftovers are found."""
+
+
+@dataclass
+class Scenario:
+    index: int
+    job: list[str]
+    """Overrides of the job itself (model, cluster, training, policy, protection)."""
+    faults: list[str]
+    every: int | None
+    """The checkpoint interval, when the protection saves to storage."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [*self.job, *self.faults]
+
+    def command(self) -> str:
+        return "ftlab " + " ".join(shlex.quote(o) for o in self.overrides)
+
+
+# -- drawing a scenario ----------------------------------------------------------------------------------------------
+def draw_model(rng: random.Random) -> tuple[ModelConfig, list[str]]:
+    family = rng.choice(["gpt2", "llama", "bert"])
+    hidden = rng.choice([64, 96, 128])
+    heads = rng.choice([2, 4])
+    cfg = ModelConfig(
+        name=f"soak-{family}", family=family, num_blocks=rng.choice([2, 3, 4, 6]), hidden=hidden, heads=heads,
+        vocab_size=8192, seq_len=rng.choice([32, 64]),
+        kv_heads=heads // 2 if family == "llama" and rng.random() < 0.5 else None,
+    )  # fmt: skip
+    overrides = [
+        f"model.name={cfg.name}", f"model.family={family}", f"model.num_blocks={cfg.num_blocks}",
+        f"model.hidden={hidden}", f"model.heads={heads}", f"model.seq_len={cfg.seq_len}",
+        *([f"model.kv_heads={cfg.kv_heads}"] if cfg.kv_heads else []),
+    ]  # fmt: skip
+    return cfg, overrides
+
+
+def two_node_memory_gb(cfg: ModelConfig, micro_batch: int) -> float:
+    """A device memory that fits about half the model with its activations: Oobleck's pipelines then span nodes."""
+    specs = layer_specs(cfg)
+    sizes = [layer_bytes(s, micro_batch, cfg.seq_len) for s in specs]
+    state = sum(b["param_bytes"] + b["optimizer_bytes"] for b in sizes)
+    need = stage_memory(state, sum(b["saved_bytes"] for b in sizes), len(specs))
+    return round(max(need * 0.6, max(b["param_bytes"] * 4 for b in sizes) * 1.5) / GIB, 4)
+
+
+def draw(seed: int, index: int) -> Scenario:
+    rng = random.Random(f"{seed}/{index}")
+    cfg, model = draw_model(rng)
+    nodes, wpn = rng.choice(SHAPES)
+    layers = cfg.num_blocks + 2
+    steps = rng.randint(10, 16)
+    micro_batch = rng.choice([1, 2])
+    job = [
+        "experiment=plain", *model, f"cluster.nodes={nodes}", f"cluster.workers_per_node={wpn}",
+        f"train.steps={steps}", "train.global_batch=16", f"train.micro_batch={micro_batch}",
+        f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3",
+    ]  # fmt: skip
+    policy = rng.choice(["checkpoint_restart", "oobleck", "oobleck"])
+    every = None
+    if policy == "checkpoint_restart":
+        stages = rng.randint(1, min(3, layers, nodes * wpn))
+        every = rng.choice([2, 3, 4])
+        job += ["policy=checkpoint_restart", "protection=storage", f"protection.every={every}", f"train.stages={stages}"]
+        spare_nodes = nodes - 1  # the grid shrinks to the workers left (fewer stages if need be)
+    else:
+        split = rng.random() < 0.5
+        n0 = 2 if split else 1
+        f = rng.choice([1, 2]) if nodes >= 3 * n0 else 1
+        if nodes < (f + 1) * n0:
+            split, n0, f = False, 1, 1
+        protection = rng.choice(["none", "storage"])
+        job += ["policy=oobleck", f"policy.fault_threshold={f}", f"protection={protection}"]
+        if protection == "storage":
+            every = rng.choice([2, 3, 4])
+            job.append(f"protection.every={every}")
+        if split:
+            job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
+        spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
+    faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)))
+    return Scenario(index, job, faults, every, notes)
+
+
+def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: int) -> tuple[list[str], list[str]]:
+    """A schedule that loses at most ``budget`` nodes (joins come on top)."""
+    if budget == 0:
+        return ["faults=explicit", f"faults.events=[{{kind: join, node: {nodes}, at_step: {rng.randint(1, steps - 2)}}}]"], ["join only"]
+    schedule = rng.choice(["explicit", "explicit", "explicit", "fixed", "exponential", "weibull", "trace"])
+    failures = rng.randint(1, budget)
+    common = [f"faults.max_failures={failures}"]
+    if schedule != "trace":
+        common.append(f"faults.seed={rng.randint(0, 999)}")
+    # Half of them on the seconds clock, which (unlike steps) runs on while workers restart: faults during recovery.
+    seconds = rng.random() < 0.5
+    if schedule == "fixed":
+        rate = f"faults.interval_steps=null faults.interval_s={rng.uniform(1.0, 6.0):.2f}" if seconds else f"faults.interval_steps={rng.randint(2, steps - 2)}"
+        return ["faults=fixed", *rate.split(), *common, f"faults.kind={rng.choice(['node', 'process'])}"], []
+    if schedule == "exponential":
+        rate = f"faults.mtbf_steps=null faults.mtbf_s={rng.uniform(1.0, 8.0):.2f}" if seconds else f"faults.mtbf_steps={rng.uniform(2, steps):.1f}"
+        return ["faults=exponential", *rate.split(), *common, f"faults.kind={rng.choice(['node', 'process', 'hang'])}"], []
+    if schedule == "weibull":
+        scale = (f"faults.weibull_scale_steps=null faults.weibull_scale_s={rng.uniform(2.0, 8.0):.2f}" if seconds
+                 else f"faults.weibull_scale_steps={rng.uniform(2, steps):.1f}")  # fmt: skip
+        return ["faults=weibull", f"faults.weibull_shape={rng.uniform(0.5, 1.5):.2f}", *scale.split(), *common], []
+    if schedule == "trace":
+        rate = (f"faults.trace_s_per_step=null faults.time_compression={rng.choice([300, 600, 1200])}" if seconds
+                else f"faults.trace_s_per_step={rng.choice([60, 120, 240])}")  # fmt: skip
+        return ["faults=trace", f"faults.trace={rng.choice(['p3', 'g4dn'])}", *rate.split(), *common], []
+    events, dead, joined = [], set(), 0
+    for _ in range(failures):
+        kind = rng.choice(["node", "node", "process", "hang"])
+        node = rng.choice([n for n in range(nodes) if n not in dead])
+        step = rng.randint(1, steps - 2)
+        phase = rng.choice([None, *PHASES])
+        if kind == "node":
+            dead.add(node)
+        event = f"{{kind: {kind}, node: {node}, at_step: {step}"
+        if kind in ("process", "hang"):
+            event += f", worker: {rng.randrange(wpn)}"
+            dead.add(node)  # a lost process loses its node under an in-place policy
+        if phase and kind != "hang":
+            event += f", phase: {phase}"
+        events.append(event + "}")
+    if rng.random() < 0.4:
+        events.append(f"{{kind: join, node: {nodes + joined}, at_step: {rng.randint(1, steps - 2)}}}")
+    events.sort(key=lambda e: int(e.split("at_step: ")[1].split(",")[0].rstrip("}")))
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"], []
+
+
+# -- running and checking --------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    ok: bool
+    problems: list[str]
+    seconds: float
+
+
+def run_ftlab(overrides: list[str], workdir: Path, cache: Path, mark: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = f"sqlite:///{workdir}/mlflow.db"
+    command = [sys.executable, "-m", "ftlab.experiments.main", *overrides, "progress=false", f"tracking.uri={store}",
+               f"train.cache_dir={cache}", f"train.checkpoint_dir={workdir}/checkpoints", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
+    env = {**os.environ, MARK: mark}
+    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800), store
+
+
+def final_losses(store: str) -> tuple[str, dict[int, float], list[dict]]:
+    """(run status, the loss of each step as finally committed, events.jsonl)."""
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    history = sorted(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.timestamp)
+    losses = {m.step: m.value for m in history}  # a re-executed step's last value is its committed one
+    with tempfile.TemporaryDirectory() as tmp:
+        names = {a.path for a in client.list_artifacts(run.info.run_id)}
+        events = []
+        if "events.jsonl" in names:
+            path = client.download_artifacts(run.info.run_id, "events.jsonl", tmp)
+            events = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return run.info.status, losses, events
+
+
+def leftovers(mark: str) -> list[str]:
+    """Processes still running with this scenario's mark in their environment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if f"{MARK}={mark}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ftlab*")}
+
+
+def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], cache: Path) -> Outcome:
+    began = time.monotonic()
+    problems: list[str] = []
+    key = " ".join(scenario.job)
+    if key not in twins:
+        done, store = run_ftlab([*scenario.job, "faults=none"], root / f"twin-{len(twins)}", cache, f"twin-{len(twins)}")
+        if done.returncode != 0:
+            return Outcome(False, [f"the fault-free twin failed: {done.stderr.strip()[-400:]}"], time.monotonic() - began)
+        twins[key] = final_losses(store)[1]
+    mark = f"scenario-{scenario.index}-{os.getpid()}"
+    shm_before = shm_segments()
+    done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark)
+    time.sleep(1.0)  # processes ended by the job's shutdown finish dying
+    if done.returncode != 0:
+        problems.append(f"exit {done.returncode}: {done.stderr.strip()[-600:]}")
+    else:
+        status, losses, events = final_losses(store)
+        if status != "FINISHED":
+            problems.append(f"run {status}")
+        reference = twins[key]
+        if sorted(losses) != sorted(reference):
+            problems.append(f"steps {sorted(set(reference) - set(losses))} never committed")
+        wrong = [s for s in reference if s in losses and not math.isclose(losses[s], reference[s], rel_tol=LOSS_RTOL)]
+        if wrong:
+            problems.append(f"losses differ from the fault-free twin at steps {wrong[:5]}")
+        problems += lost_step_problems(events, scenario.every)
+    left = leftovers(mark)
+    if left:
+        problems.append(f"processes left behind: {left}")
+    new_shm = shm_segments() - shm_before
+    if new_shm:
+        problems.append(f"shared-memory segments left behind: {sorted(new_shm)}")
+    return Outcome(not problems, problems, time.monotonic() - began)
+
+
+def lost_step_problems(events: list[dict], every: int | None) -> list[str]:
+    """Each noticed fault's lost steps are measured and within what its recovery promised."""
+    decisions = [e for e in events if e["kind"] == "recovery_decision"]
+    restarted = any(e["outcome"] == "restart" for e in decisions)
+    promise = (every or 0) if restarted else 0
+    problems = []
+    for e in (e for e in events if e["kind"] == "recovered"):
+        if e["lost_steps"] is None:
+            problems.append(f"fault {e['fault']} has no lost-steps figure")
+        elif not 0 <= e["lost_steps"] <= promise:
+            problems.append(f"fault {e['fault']} lost {e['lost_steps']} committed steps, more than {promise}")
+    noticed = len([e for e in events if e["kind"] == "failure_detected"])
+    if noticed and not any(e["kind"] == "recovered" for e in events):
+        problems.append("failures were noticed but no recovery was reported")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"  # one line per scenario in the log
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=int(time.strftime("%Y%m%d")), help="default: today's date")
+    parser.add_argument("--scenarios", type=int, default=10)
+    parser.add_argument("--only", type=int, default=None, help="run scenario ONLY of the seed, alone")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep every scenario's files here")
+    args = parser.parse_args(argv)
+    indices = [args.only] if args.only is not None else list(range(args.scenarios))
+    print(f"soak: seed {args.seed}, scenarios {indices[0]}..{indices[-1]}", flush=True)
+    root = args.workdir or Path(tempfile.mkdtemp(prefix=f"ftlab-soak-{args.seed}-"))
+    cache = root / "cache"
+    twins: dict[str, dict[int, float]] = {}
+    failures = []
+    for index in indices:
+        scenario = draw(args.seed, index)
+        outcome = check(scenario, root, twins, cache)
+        print(f"{'PASS' if outcome.ok else 'FAIL'} scenario {index} ({outcome.seconds:.0f} s): {scenario.command()}", flush=True)
+        if not outcome.ok:
+            reproduce = f"python -m ftlab.experiments.soak --seed {args.seed} --only {index}"
+            for problem in outcome.problems:
+                print(f"    {problem}", flush=True)
+            print(f"    reproduce: {reproduce}", flush=True)
+            failures.append({"scenario": index, "command": scenario.command(), "reproduce": reproduce,
+                             "problems": outcome.problems})  # fmt: skip
+    passed = len(indices) - len(failures)
+    print(f"{passed} passed, {len(failures)} failed")
+    print(json.dumps({"seed": args.seed, "scenarios": len(indices), "passed": passed, "failed": len(failures),
+                      "failures": failures}))  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

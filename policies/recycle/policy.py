@@ -1,0 +1,253 @@
+"""ReCycle on the runtime: keep training through failures by rerouting micro-batches to data-parallel peers.
+
+Start: the PP x DP grid of ``train.stages`` (``policies.grid``) with DeepSpeed's 1F1B programs. The grid is also the
+*layout*: the roles (pipeline, stage) and the worker that fills each; it keeps its healthy shape for the whole job.
+
+A failure (a node, a worker process, a fenced hang) restarts no process and copies no layer: the layout keeps the
+dead workers in their slots, and the planner (``planner.plan_recycle``) sends every micro-batch that would pass
+through a dead slot to a surviving peer of that stage, then schedules one iteration of the rerouted work with the
+list scheduler (``policy.solver=list``) or the MILP (``milp``: warm-started from the list schedule, at most
+``policy.milp_time_limit_s``). Programs use decoupled backward (``BackwardInput`` now, ``BackwardWeight`` later)
+where the schedule defers a weight gradient into a bubble. Schedules are cached per failure pattern (the layout and
+its dead slots), so a pattern seen again (a failure during the reconfiguration it caused, a join followed by the
+same failure) is planned in no time.
+
+Choices the paper leaves open:
+- Failures accumulate: each failure plans from the layout with every dead slot so far, never from the rerouted plan.
+- Failure normalization (``policy.normalize``, Algorithm 1) only moves survivors when several failures crowd one
+  stage beyond what its peers' bubbles absorb; a moved worker receives its new stage's layers from the stage's
+  survivors (the only layer copies ReCycle makes on a failure). With one failure, or failures in distinct stages,
+  nothing moves.
+- A stage that lost every replica cannot be rerouted: every worker restarts on the largest grid the live nodes allow
+  from the protection's newest saved state (``protection=storage``; from scratch when nothing is saved yet), and with
+  ``protection=none`` the job stops. The decision's reason says which stage was lost.
+- A node that joins takes back dead slots (pipeline by pipeline, stage by stage): each of its workers receives that
+  stage's layers with their optimizer state from the peers that hold them, and when no dead slot is left the plan
+  is the fault-free grid with 1F1B programs again. A node that finds no dead slot waits (``Keep``).
+- The memory limit of the schedule (micro-batches a worker holds at once) is what the device memory allows, at most
+  twice the number of stages (``policy.memory_limit`` overrides it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from ftlab.policies.grid import grid, largest_grid
+from ftlab.policies.recycle.config import SOLVERS
+from ftlab.policies.recycle.normalization import NormalizationError
+from ftlab.policies.recycle.planner import ReCyclePlan, plan_recycle
+from ftlab.policies.recycle.problem import ReCycleError, StageCosts, grid_shape
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.contract import (
+    Change,
+    ConfigError,
+    Decision,
+    Job,
+    Keep,
+    LayerTransfer,
+    Outcome,
+    Policy,
+    Protection,
+    Source,
+    Stop,
+)
+from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.program_check import simulate
+from ftlab.runtime.scheduler import one_f_one_b
+
+PatternKey = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], frozenset[int]]
+
+
+class ReCycle(Policy):
+    moves_layers = True
+    """A join takes a failed role back with its stage's layers and optimizer state from a peer; rerouted
+    micro-batches also change which replicas reduce each gradient, which ZeRO-1's fixed shards cannot follow."""
+
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self._layouts: dict[int, Plan] = {}
+        """The layout of every plan this policy proposed, by generation."""
+        self._schedules: dict[PatternKey, ReCyclePlan] = {}
+        """Rerouted schedules by failure pattern."""
+
+    def check(self, protection: Protection) -> None:
+        s = self.settings
+        if s.solver not in SOLVERS:
+            raise ConfigError(f"policy.solver={s.solver!r}: use one of {', '.join(SOLVERS)}")
+        if s.milp_time_limit_s <= 0:
+            raise ConfigError(f"policy.milp_time_limit_s={s.milp_time_limit_s}: give the MILP a positive time limit")
+        if s.memory_limit < 0:
+            raise ConfigError(f"policy.memory_limit={s.memory_limit}: use 0 (from device memory) or a positive count")
+
+    # -- the first plan --------------------------------------------------------------------------------------------
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        layout = grid(job.workers, job, generation=0, step=job.start_step)
+        # The costs are needed at the first failure; measuring them then would lengthen the recovery.
+        StageCosts.of_grid(job.costs, layout)
+        return self._fault_free(layout, job, "the PP x DP grid of train.stages", restore=job.start)
+
+    # -- changes ---------------------------------------------------------------------------------------------------
+    def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
+        confirmed = self._layouts[change.plan.generation]
+        layout = dataclasses.replace(confirmed, generation=change.generation, step=change.step)
+        alive = set(job.workers)
+        if change.is_failure:
+            lost = _lost_stages(layout, alive)
+            if lost:
+                return self._restart(change, job, protection, lost)
+            return self._reroute(layout, alive, job, change.describe())
+        return self._join(layout, alive, change, job)
+
+    def _reroute(
+        self, layout: Plan, alive: Collection[int], job: Job, why: str, transfers: tuple[LayerTransfer, ...] = ()
+    ) -> Decision:
+        """The plan around the dead slots of ``layout`` (the fault-free grid when there is none)."""
+        dead = frozenset(w for w in layout.workers if w not in alive)
+        if not dead:
+            return self._fault_free(layout, job, why, transfers=transfers)
+        key: PatternKey = (tuple((p.workers, p.microbatches) for p in layout.pipelines), dead)
+        cached = key in self._schedules
+        if not cached:
+            try:
+                self._schedules[key] = self._schedule(layout, dead, job)
+            except (ReCycleError, NormalizationError) as exc:  # _lost_stages rules these out; say so if not
+                raise AssertionError(f"ReCycle could not reroute around {sorted(dead)}: {exc}") from exc
+        result = self._schedules[key]
+        assert result.layout is not None
+        stamp = {"generation": layout.generation, "step": layout.step}
+        plan = dataclasses.replace(result.plan, **stamp)
+        self._layouts[plan.generation] = dataclasses.replace(result.layout, **stamp)
+        fault_free = self._predict(layout, one_f_one_b(layout), job)
+        predicted = self._predict(plan, result.programs, job)
+        rerouted = _rerouted(layout, plan, dead)
+        moved = sorted({t.destination for t in result.transfers})
+        reason = (
+            f"{why}: micro-batches of {sorted(dead)} rerouted to peers {sorted(rerouted)}"
+            + (f", workers {moved} moved by failure normalization" if moved else "")
+            + f"; {result.method} schedule{' (cached)' if cached else ''}, predicted iteration "
+            f"{predicted:.3f} s (fault-free {fault_free:.3f} s)"
+        )
+        details = {
+            "failed": sorted(dead),
+            "rerouted": rerouted,
+            "moved": moved,
+            "method": result.method,
+            "optimal": result.optimal,
+            "cached": cached,
+            "makespan": result.makespan,
+            "lower_bound": result.lower_bound,
+            "solve_s": 0.0 if cached else result.solve_s,
+            "predicted_iter_s": predicted,
+            "fault_free_iter_s": fault_free,
+            "decoupled": sum(isinstance(i, ins.BackwardWeight) for p in result.programs.values() for i in p),
+        }
+        return Decision(
+            plan, self._finish(result.programs), transfers=transfers + result.transfers, reason=reason, details=details
+        )
+
+    def _schedule(self, layout: Plan, dead: Collection[int], job: Job) -> ReCyclePlan:
+        s = self.settings
+        return plan_recycle(
+            layout, dead, StageCosts.of_grid(job.costs, layout), memory_limit=self._memory_limit(layout, job),
+            method="milp" if s.solver == "milp" else "heuristic", time_limit_s=s.milp_time_limit_s,
+            normalize=s.normalize,
+        )  # fmt: skip
+
+    def _memory_limit(self, layout: Plan, job: Job) -> int:
+        if self.settings.memory_limit:
+            return self.settings.memory_limit
+        bounds = grid_shape(layout)
+        costs = job.costs
+        fits = min(
+            int((job.device_memory_bytes - costs.state_bytes(a, b)) // max(1.0, costs.activation_bytes(a, b)))
+            for a, b in bounds
+        )
+        return max(1, min(fits, 2 * len(bounds)))
+
+    def _join(self, layout: Plan, alive: Collection[int], change: Change, job: Job) -> Outcome:
+        joined = [w for n in sorted(change.joined_nodes) for w in job.workers_of_node.get(n, ())]
+        # A node that comes back under its old id finds its workers' slots: they hold nothing now, so they are holes
+        # too, each taken back by its own worker first.
+        holes = [(p, s) for p, s, st in layout.stages() if st.worker not in alive or st.worker in joined]
+        if not holes:
+            return Keep(f"{change.describe()}: no failed role to take, so they wait")
+        slots = [[st.worker for st in pipeline.stages] for pipeline in layout.pipelines]
+        returning = [(p, s) for p, s in holes if slots[p][s] in joined]
+        newcomers = [w for w in joined if w not in {slots[p][s] for p, s in returning}]
+        filling = [((p, s), slots[p][s]) for p, s in returning]
+        filling += list(zip([h for h in holes if h not in returning], newcomers))
+        bounds = grid_shape(layout)
+        transfers: list[LayerTransfer] = []
+        for (p, s), worker in filling:
+            slots[p][s] = worker
+            for layer in range(*bounds[s]):
+                holders = [w for w, layers in sorted(change.holdings.items()) if layer in layers]
+                transfers.append(LayerTransfer(layer, holders[len(transfers) % len(holders)], worker))
+        filled = _with_slots(layout, slots)
+        taken = [worker for _, worker in filling]
+        why = f"{change.describe()}: workers {taken} take back failed roles"
+        return self._reroute(filled, set(alive) | set(taken), job, why, tuple(transfers))
+
+    def _restart(self, change: Change, job: Job, protection: Protection, lost: list[int]) -> Outcome:
+        layout = self._layouts[change.plan.generation]
+        bounds = grid_shape(layout)
+        stages = ", ".join(f"stage {s} (layers {bounds[s][0]}..{bounds[s][1] - 1})" for s in lost)
+        why = f"{change.describe()}: every worker of {stages} failed, so no data-parallel peer is left to reroute to"
+        source: Source | None = protection.restore_source(change)
+        if source is None and not protection.keeps_state:
+            return Stop(
+                f"ReCycle cannot recover: {why}, and protection={protection.name} keeps no saved state to restart "
+                f"from (add protection=storage to restart from a checkpoint instead)"
+            )
+        try:
+            plan = largest_grid(job.slots, job, change.generation, source.step if source else 0)
+        except PlanError as exc:
+            return Stop(f"ReCycle cannot recover: {why}, and no grid fits the live nodes: {exc}")
+        where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
+        reason = f"{why}; restart {len(plan.workers)} workers from {where}"
+        return self._fault_free(plan, job, reason, restart=True, restore=source)
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _fault_free(self, layout: Plan, job: Job, reason: str, **kwargs: Any) -> Decision:
+        self._layouts[layout.generation] = layout
+        programs = one_f_one_b(layout)
+        details = {"predicted_iter_s": self._predict(layout, programs, job)}
+        return Decision(layout, self._finish(programs), reason=reason, details=details, **kwargs)
+
+    def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
+        """The programs with the optimizer step this policy's settings ask for."""
+        if not self.settings.staggered_optimizer:
+            return dict(programs)
+        return {w: [*p[:-1], ins.OptimizerStep(early=True)] for w, p in programs.items()}
+
+    @staticmethod
+    def _predict(plan: Plan, programs: Mapping[int, ins.Program], job: Job) -> float:
+        """One iteration on the cost model, gradient reduction and optimizer step included."""
+        return simulate(programs, job.costs.durations(plan), plan)
+
+
+def _lost_stages(layout: Plan, alive: Collection[int]) -> list[int]:
+    stages = len(layout.pipelines[0].stages)
+    return [s for s in range(stages) if not any(p.stages[s].worker in alive for p in layout.pipelines)]
+
+
+def _rerouted(layout: Plan, plan: Plan, dead: Collection[int]) -> dict[int, int]:
+    """Per peer, how many micro-batch stages it runs for dead workers."""
+    own = {(mb, s): st.worker for p in layout.pipelines for mb in p.microbatches for s, st in enumerate(p.stages)}
+    extra: dict[int, int] = {}
+    for p in plan.pipelines:
+        for mb in p.microbatches:
+            for s, st in enumerate(p.stages):
+                if own[(mb, s)] in dead:
+                    extra[st.worker] = extra.get(st.worker, 0) + 1
+    return dict(sorted(extra.items()))
+
+
+def _with_slots(layout: Plan, slots: list[list[int]]) -> Plan:
+    pipelines = tuple(
+        Pipeline(tuple(Stage(w, st.start, st.stop) for w, st in zip(row, pipeline.stages)), pipeline.microbatches)
+        for row, pipeline in zip(slots, layout.pipelines)
+    )
+    return dataclasses.replace(layout, pipelines=pipelines)

@@ -1,0 +1,159 @@
+"""Snapshot records in a node's host memory: file-backed shared memory under /dev/shm, two slots and a commit record
+per file, each slot checksummed. Torch-free: the node agent takes inventories with it, workers write and read.
+
+Measured here (design notes): a file under /dev/shm survives the SIGKILL of the process that wrote it (it is the
+node's memory, owned by its agent, and lost with the node), and copying into pages already touched runs about ten
+times faster than into fresh ones, so a record's file is allocated and touched once and then reused.
+
+Layout of one file: two slot headers (the commit records) in the first page, then slot 0 and slot 1, each
+``capacity`` bytes. A header is (magic, step, bytes, CRC-32 of the slot's bytes, CRC-32 of the header). A writer
+first clears the header of the slot it is about to fill, then copies, then writes the header: a kill in the middle
+of the copy leaves that slot without a valid header, and the other slot, which a writer never touches while it
+holds the newest complete snapshot (``TakeSnapshot.keep``), still holds its step. A reader takes a slot only if its
+header is valid and its bytes match the header's checksum, so a torn or corrupted record is never loaded.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = b"FTLABSN1"
+_HEADER = struct.Struct("<8sqqI")
+_CHECKED = struct.Struct("<8sqqII")
+HEADER_BYTES = 64
+PAGE = 4096
+SLOTS = 2
+ROOT = Path("/dev/shm")
+
+
+class ChecksumError(RuntimeError):
+    """A record's bytes do not match their checksum (torn or corrupted): they must not be loaded."""
+
+
+@dataclass(frozen=True)
+class Header:
+    step: int
+    nbytes: int
+    crc: int
+
+
+def node_dir(root: str | Path, node: int) -> Path:
+    return Path(root) / f"node-{node}"
+
+
+def file_bytes(capacity: int) -> int:
+    return PAGE + SLOTS * _round_up(capacity)
+
+
+def slot_offset(slot: int, capacity: int) -> int:
+    return PAGE + slot * _round_up(capacity)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def encode_header(step: int, nbytes: int, crc: int) -> bytes:
+    body = _HEADER.pack(MAGIC, step, nbytes, crc)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def decode_header(raw: bytes | memoryview) -> Header | None:
+    """The header in ``raw``, or None if the slot was never committed, was cleared, or the header is torn."""
+    magic, step, nbytes, crc, check = _CHECKED.unpack_from(raw)
+    if magic != MAGIC or zlib.crc32(bytes(raw[: _HEADER.size])) != check:
+        return None
+    return Header(step, nbytes, crc)
+
+
+def headers(buffer: memoryview) -> list[Header | None]:
+    return [decode_header(buffer[s * HEADER_BYTES : s * HEADER_BYTES + _CHECKED.size]) for s in range(SLOTS)]
+
+
+def choose_slot(current: list[Header | None], keep: int) -> int:
+    """The slot to overwrite: never the one holding step ``keep``; else an empty slot; else the older step."""
+    candidates = [s for s in range(SLOTS) if current[s] is None or current[s].step != keep]  # type: ignore[union-attr]
+    empty = [s for s in candidates if current[s] is None]
+    if empty:
+        return empty[0]
+    return min(candidates, key=lambda s: current[s].step)  # type: ignore[union-attr]
+
+
+def find_slot(buffer: memoryview, step: int) -> tuple[int, Header] | None:
+    for slot, header in enumerate(headers(buffer)):
+        if header is not None and header.step == step:
+            return slot, header
+    return None
+
+
+def read_verified(buffer: memoryview, capacity: int, step: int, expected_crc: int | None = None) -> memoryview:
+    """The bytes of ``step``'s slot, after checking them against their header's checksum (and ``expected_crc``)."""
+    found = find_slot(buffer, step)
+    if found is None:
+        raise ChecksumError(f"no committed slot holds step {step}")
+    slot, header = found
+    offset = slot_offset(slot, capacity)
+    data = buffer[offset : offset + header.nbytes]
+    crc = zlib.crc32(data)
+    if crc != header.crc or (expected_crc is not None and crc != expected_crc):
+        raise ChecksumError(f"the bytes of step {step} fail their checksum (CRC {crc:#010x}, recorded "
+                            f"{header.crc:#010x}, expected {expected_crc if expected_crc is None else hex(expected_crc)})")  # fmt: skip
+    return data
+
+
+def inventory(directory: Path, step: int) -> tuple[dict[str, int], list[str]]:
+    """The records of ``step`` in a node's memory: {file name: CRC} of those whose bytes check out, and the names of
+    those that do not (torn or corrupted)."""
+    intact: dict[str, int] = {}
+    corrupt: list[str] = []
+    if not directory.is_dir():
+        return intact, corrupt
+    for path in sorted(directory.iterdir()):
+        size = path.stat().st_size
+        if size < file_bytes(1):
+            continue
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                found = find_slot(view, step)
+                if found is None:
+                    continue
+                read_verified(view, (size - PAGE) // SLOTS, step).release()
+                intact[path.name] = found[1].crc
+            except ChecksumError:
+                corrupt.append(path.name)
+            finally:
+                view.release()
+    return intact, corrupt
+
+
+def remove(directory: Path) -> None:
+    """Remove a node's memory, and the job's directory with it once no node's memory is left in it."""
+    shutil.rmtree(directory, ignore_errors=True)
+    if directory.parent != ROOT and directory.parent.name.startswith("ftlab-"):
+        try:
+            directory.parent.rmdir()
+        except OSError:
+            pass  # another node's memory is still there (or the directory is gone already)
+
+
+def job_root(tag: str) -> Path:
+    """The directory of one job's node memories (each node agent owns ``node-N`` under it)."""
+    return ROOT / f"ftlab-{tag}"
+
+
+def open_file(path: Path, capacity: int) -> int:
+    """A record's file, created and touched once (fresh pages are slow to write), else reused; its descriptor."""
+    size = file_bytes(capacity)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    if os.fstat(fd).st_size != size:
+        os.ftruncate(fd, 0)  # a stale layout's file: start over
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    return fd

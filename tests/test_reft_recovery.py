@@ -1,0 +1,215 @@
+"""REFT on real processes: checkpoint-restart resumes from the in-memory snapshot, and stays on the fault-free run.
+
+Nodes are SIGKILLed (agent, workers and the node's memory) in several phases of an iteration and in the middle of a
+snapshot's copy; with a snapshot every step no committed step is lost. In each protection mode a member of a
+sharding group is lost and its shards are rebuilt from peers' copies or decoded from parity: every shard a worker
+loads is checked against the CRC its owner reported, so a restore that completes is bit-exact. Two nodes of one
+group lost fall back to the flush to storage. A corrupted record is caught by its checksum and never loaded. No
+shared-memory segment outlives a job, whether it ends, stops at a failure, or its coordinator is interrupted or
+killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from ftlab.experiments.job import JobResult
+from ftlab.runtime import checkpoint, shm
+from ftlab.runtime.contract import MemorySource
+from ftlab.runtime.coordinator import JobStopped
+from ftlab.runtime.layer_state import decode
+from ftlab.runtime.local_backend import LocalBackend
+
+STEPS = 8
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-5
+REFT = ["experiment=plain", "policy=checkpoint_restart", "protection=reft", f"protection.flush_every={STEPS}",
+        f"train.steps={STEPS}"]  # fmt: skip
+
+
+def explicit(*events: str) -> list[str]:
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def segments(coordinator: int | None = None) -> set[str]:
+    """The nodes' memories of jobs coordinated by this process (or ``coordinator``): other jobs may run beside."""
+    return {p.name for p in shm.ROOT.glob(f"ftlab-{coordinator or os.getpid()}-*")}
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left() -> object:
+    yield
+    assert segments() == set(), "a job left its nodes' memory in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
+    from ftlab.experiments.job import compose_config, run_job
+
+    d = tmp_path_factory.mktemp("fault-free")
+    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
+                 "progress=false", *REFT]  # fmt: skip
+    return run_job(compose_config(overrides))
+
+
+def losses(result: JobResult) -> list[float]:
+    by_step = {r.step: r.loss for r in result.steps}
+    assert sorted(by_step) == list(range(STEPS))
+    return [by_step[s] for s in range(STEPS)]
+
+
+def final_state(result: JobResult) -> dict[int, dict]:
+    found = checkpoint.latest(result.checkpoint_dir)
+    assert found is not None and found[0] == STEPS
+    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
+
+
+def assert_on_fault_free_trajectory(result: JobResult, fault_free: JobResult) -> None:
+    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
+    reference = final_state(fault_free)
+    for index, params in final_state(result).items():
+        for name, value in params.items():
+            torch.testing.assert_close(value, reference[index][name], rtol=0, atol=PARAM_ATOL)
+
+
+def events_of(result: JobResult, tmp_path: Path) -> list[dict]:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    local = client.download_artifacts(result.run_id, "events.jsonl", str(tmp_path))
+    return [json.loads(line) for line in Path(local).read_text().splitlines()]
+
+
+def restores(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["kind"] == "restore"]
+
+
+@pytest.mark.parametrize("phase", ["backward", "optimizer", "snapshot"])
+def test_a_node_killed_in_any_phase_resumes_from_memory_with_no_step_lost(
+    run, tmp_path: Path, fault_free: JobResult, phase: str  # noqa: ANN001
+) -> None:
+    # "step 5 (snapshot)": the copy of the snapshot of 5 committed steps, killed between a record's bytes and its
+    # commit record. Node 1 holds one of the two replicas of the second stage; node 3, the other, has its shards.
+    result = run(*REFT, *explicit(f"{{kind: node, node: 1, at_step: 5, phase: {phase}}}"))
+    assert_on_fault_free_trajectory(result, fault_free)
+    (fault,) = result.faults
+    assert fault.lost_steps == 0
+    events = events_of(result, tmp_path)
+    (restore,) = restores(events)
+    assert restore["source"] == "memory" and restore["step"] == (6 if phase == "optimizer" else 5)
+    assert [len(p.pipelines) for p in result.plans] == [2, 1], "restarted on the 3 surviving nodes"
+
+
+MODES = [("arc", "memory"), ("aec", "parity"), ("arc+aec", "memory"), ("aor", "memory")]
+
+
+@pytest.mark.parametrize(("mode", "source"), MODES, ids=[m for m, _ in MODES])
+def test_each_mode_rebuilds_a_lost_member_of_its_group(
+    run, tmp_path: Path, fault_free: JobResult, mode: str, source: str  # noqa: ANN001
+) -> None:
+    # One stage, three replicas: node 1's shard is kept on node 0 (ARC), decoded from the parities of nodes 0 and 2
+    # (AEC), or (AOR, under ZeRO-1) node 0's copy of it holds the optimizer chunk node 0 recomputed every step from
+    # node 1's gradient chunk. The kill lands in the backward pass: with ZeRO-1 a kill during the commit's
+    # all-gather would tear the step being committed on the survivors (see runtime.zero).
+    zero = ["train.zero=1"] if mode == "aor" else []
+    result = run(*REFT, "cluster.nodes=3", "train.stages=1", f"protection.mode={mode}", *zero,
+                 *explicit("{kind: node, node: 1, at_step: 4, phase: backward}"))  # fmt: skip
+    assert_on_fault_free_trajectory(result, fault_free)
+    (restore,) = restores(events_of(result, tmp_path))
+    assert (restore["source"], restore["step"]) == (source, 4)
+    assert result.faults[0].lost_steps == 0
+
+
+def test_two_nodes_of_one_group_lost_fall_back_to_the_flush(run, tmp_path: Path, fault_free: JobResult) -> None:  # noqa: ANN001
+    result = run(*REFT, "protection.flush_every=3",
+                 *explicit("{kind: node, node: 0, at_step: 5}", "{kind: node, node: 2, at_step: 5}"))  # fmt: skip
+    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
+    events = events_of(result, tmp_path)
+    decided = next(e for e in events if e["kind"] == "recovery_decision")
+    assert decided["restore"] == "storage of step 3"
+    assert "lost shards [0, 1] of layers 0..3" in decided["restore_reason"]
+    (restore,) = restores(events)
+    assert restore["source"] == "storage" and restore["reason"] == decided["restore_reason"]
+    assert result.faults[0].lost_steps == 2 and result.faults[1].lost_steps == 2
+
+
+def test_a_corrupted_record_is_caught_by_its_checksum_and_never_loaded(
+    run, tmp_path: Path, fault_free: JobResult, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """Worker 1's process dies, so node 1's memory survives; before the restore a shard that another node also
+    keeps has bytes flipped. The inventory finds it, the restore leaves it out and uses the other copy."""
+    verify = LocalBackend.verify
+    flipped = []
+
+    def corrupt_then_verify(self: LocalBackend, source: MemorySource) -> object:
+        target = next(r for r in source.records if r.kind == "shard" and any(
+            o.kind == "copy" and (o.layers, o.index) == (r.layers, r.index) for o in source.records))  # fmt: skip
+        path = shm.node_dir(self.cluster.memory_root, target.node) / target.name
+        with open(path, "r+b") as f:
+            slot, _ = shm.find_slot(memoryview(f.read(shm.PAGE)), source.step)  # type: ignore[misc]
+            f.seek(shm.slot_offset(slot, target.nbytes) + 1000)
+            f.write(b"\xde\xad\xbe\xef")
+        flipped.append({"node": target.node, "record": target.name, "step": source.step})
+        return verify(self, source)
+
+    monkeypatch.setattr(LocalBackend, "verify", corrupt_then_verify)
+    result = run(*REFT, *explicit("{kind: process, node: 1, worker: 0, at_step: 4}"))
+    assert_on_fault_free_trajectory(result, fault_free)
+    events = events_of(result, tmp_path)
+    corrupted = [{k: e[k] for k in ("node", "record", "step")} for e in events if e["kind"] == "record_corrupted"]
+    assert corrupted == flipped and len(flipped) == 1
+    (restore,) = restores(events)
+    assert restore["source"] == "memory"
+
+
+def test_oobleck_falls_back_to_a_restart_from_memory(
+    run, tmp_path: Path, fault_free: JobResult, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """Two 2-node pipelines (f = 1): a worker process dies, so Oobleck counts its node lost and cannot recover in
+    place with three whole nodes; it restarts on all four nodes, whose memory survived, from the snapshot."""
+    from ftlab.experiments import job as job_module
+    from ftlab.runtime.profiler import analytic_profile
+
+    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
+        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    result = run(*REFT, "policy=oobleck", "policy.fault_threshold=1", "cluster.device_memory_gb=0.04",
+                 *explicit("{kind: process, node: 1, worker: 0, at_step: 4, phase: backward}"))  # fmt: skip
+    assert_on_fault_free_trajectory(result, fault_free)
+    events = events_of(result, tmp_path)
+    decided = next(e for e in events if e["kind"] == "recovery_decision")
+    assert decided["outcome"] == "restart" and decided["restore"] == "memory of step 4"
+    assert restores(events)[0]["source"] == "memory" and result.faults[0].lost_steps == 0
+
+
+def test_a_job_stopped_by_a_failure_leaves_no_memory(run) -> None:  # noqa: ANN001
+    with pytest.raises(JobStopped):
+        run("experiment=plain", "protection=reft", "train.steps=4", *explicit("{kind: node, node: 2, at_step: 2}"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "coordinator-killed"])
+def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: list[str], sig: int) -> None:
+    command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
+    coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(shm.ROOT.glob(f"ftlab-{coordinator.pid}-*/node-*/L*")):
+            assert time.monotonic() < deadline, "the job wrote no snapshot"
+            assert coordinator.poll() is None, "the job ended early"
+            time.sleep(0.2)
+        coordinator.send_signal(sig)
+        coordinator.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while segments(coordinator.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a killed coordinator's agents free their nodes' memory on their own SIGTERM
+        assert segments(coordinator.pid) == set(), "the job left its nodes' memory in /dev/shm"
+    finally:
+        if coordinator.poll() is None:
+            os.kill(coordinator.pid, signal.SIGKILL)

@@ -1,0 +1,129 @@
+"""The MLflow UI shows what the README promises, checked in a real browser (``make ui-test``, marker ``ui``).
+
+A small sweep fills a fresh store; the MLflow server serves it on the loopback interface at a free port; headless
+Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium with the driver named: nothing is
+downloaded) opens the sweep's compare view and the experiment's runs table through ftlab's shared view, and each page
+must list the sweep's child runs with their ``summary/goodput_ratio`` (the runs table: with its values). The screenshots are kept in
+``$FTLAB_UI_ARTIFACTS`` (default ``ui-artifacts/``) and on the sweep's parent run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ftlab.runtime.tracking import compare_url, view_url
+from tests.test_sweep import ftlab, sweep_runs
+
+pytestmark = pytest.mark.ui
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+ARTIFACTS = Path(os.environ.get("FTLAB_UI_ARTIFACTS", "ui-artifacts"))
+PAGE_TIMEOUT_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """``mlflow server`` on the test's store, 127.0.0.1 only, one worker; stopped (its process group) afterwards."""
+    port = free_port()
+    command = [
+        str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
+    log = open(tmp_path / "mlflow-server.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, (tmp_path / "mlflow-server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the MLflow server did not answer in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture
+def browser():  # noqa: ANN201 - a selenium WebDriver
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1400"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait_for_text(driver, texts: list[str], screenshot: Path) -> str:  # noqa: ANN001
+    """The page's text once it holds every one of ``texts`` (the UI renders after its API calls)."""
+    deadline = time.monotonic() + PAGE_TIMEOUT_S
+    while True:
+        body = driver.find_element("tag name", "body").text
+        missing = [t for t in texts if t not in body]
+        if not missing or time.monotonic() > deadline:
+            time.sleep(1.0)  # let the last cells paint before the picture
+            driver.save_screenshot(str(screenshot))
+            assert not missing, f"{missing} not on the page after {PAGE_TIMEOUT_S} s; see {screenshot}"
+            return body
+        time.sleep(1.0)
+
+
+def test_the_mlflow_ui_lists_the_sweeps_runs_with_their_goodput(
+    tmp_path: Path, token_cache: Path, mlflow_server: str, browser  # noqa: ANN001
+) -> None:
+    done = ftlab(tmp_path, token_cache, "-m", "cluster.nodes=2", "train.steps=3", "faults.seed=0,1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    client, parent, children = sweep_runs(tmp_path)
+    experiment_id = parent.info.experiment_id
+    names = sorted(r.info.run_name for r in children)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    # The experiment's runs table, through ftlab's shared view: the key figures are its first metric columns.
+    browser.get(view_url(mlflow_server, experiment_id))
+    table = wait_for_text(browser, [*names, parent.info.run_name, "summary/goodput_ratio"], ARTIFACTS / "runs-table.png")
+    goodputs = [repr(r.data.metrics["summary/goodput_ratio"])[:6] for r in children]
+    assert all(g in table for g in goodputs), (goodputs, table[:3000])
+
+    # MLflow's compare view of the sweep's jobs: parameters that differ, then every metric.
+    browser.get(compare_url(mlflow_server, experiment_id, [r.info.run_id for r in children]))
+    wait_for_text(browser, [*names, "Show diff only"], ARTIFACTS / "compare-runs.png")
+    browser.find_element("xpath", "//*[text()='Visualizations']").click()  # folded: the tables move up
+    for switch in browser.find_elements("xpath", "//*[text()='Show diff only']")[:2]:
+        switch.click()  # only the parameters and metrics that differ: the metrics table shows a few rows at a time
+    metrics = browser.find_element("xpath", "//*[text()='Metrics']")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", metrics)
+    wait_for_text(browser, [*names, "summary/goodput_ratio"], ARTIFACTS / "compare-runs.png")
+
+    for picture in ("compare-runs.png", "runs-table.png"):
+        client.log_artifact(parent.info.run_id, str(ARTIFACTS / picture), "ui")
