@@ -271,7 +271,7 @@ def failure_rate(cfg: FaultsConfig) -> FailureRate | None:
         mean = cfg.interval_steps, cfg.interval_s, 1.0
     elif cfg.schedule == "exponential":
         mean = cfg.mtbf_steps, cfg.mtbf_s, 1.0
-    elif cfg.schedule == "weibull" and cfg.weibull_shape:
+    elif cfg.schedule == "weibull" and cfg.weibull_shape and cfg.weibull_shape > 0:  # else refused by build_schedule
         scale = math.gamma(1 + 1 / cfg.weibull_shape)
         steps, seconds = cfg.weibull_scale_steps, cfg.weibull_scale_s
         mean = steps and steps * scale, seconds and seconds * scale, cfg.weibull_shape
