@@ -40,10 +40,12 @@ REFT's snapshots, as the runtime takes them (``runtime.local_backend``, the work
   is the later of its gradients and its copy; ``StepReport.snapshot_s`` is the launch plus the longest such wait.
   It reports its records then (``completed_saves``), or when it acknowledges an abort (survivors finish their copy
   first) or a configuration.
-- Each node's memory holds the records reported on it, two slots per record name as on the runtime: a writer's
-  launch drops every slot of its records but the snapshot it must keep (``TakeSnapshot.keep``). A writer that dies
-  before it reports loses its part (its copy dies with it, the slot it wrote is torn); a killed node loses its
-  memory, every record on it. ``verify`` narrows a ``MemorySource`` to the records still in memory.
+- Each node's memory holds the records reported on it, two slots per record name as on the runtime: a reported
+  record replaces every slot of its name but the snapshot it must keep (``TakeSnapshot.keep``). (The runtime
+  tears the overwritten slot when the copy starts, not when it is reported; no one can tell the difference, since
+  the protection forgets every snapshot but the kept one when it asks for a new one.) A writer that dies before it
+  reports loses its part (its copy dies with it); a killed node loses its memory, every record on it. ``verify``
+  narrows a ``MemorySource`` to the records still in memory.
 - A restore from memory (``MemorySource``) follows ``snapshot_layout.load_plan``, the runtime's own: ``_memory_read``
   says what each part costs.
 
@@ -176,13 +178,24 @@ register_source(StorageSource, _storage_read)
 register_source(MemorySource, _memory_read)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """What one writer writes of each snapshot of a plan: its records, sized, and their names in memory."""
+
+    records: tuple[MemoryRecord, ...]
+    names: tuple[str, ...]
+    nbytes: int
+
+
 @dataclass
 class _Copy:
     """One writer's part of a snapshot in flight."""
 
     step: int
     worker: int
-    records: tuple[MemoryRecord, ...]
+    part: _Part
+    keep: int
+    """The snapshot whose slots the copy must not overwrite."""
     begins: float
     ends: float
 
@@ -258,6 +271,8 @@ class SimBackend(Backend, FaultTarget):
         self._launched: float | None = None
         """The launch the running step began after (None: no snapshot since the step before)."""
         self._configuring: Plan | None = None
+        self._layout: tuple[TakeSnapshot, dict[int, _Part]] | None = None
+        """The writers' parts of the running plan's snapshots (the same for every snapshot of it)."""
 
     # -- clock and timers ------------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -486,43 +501,58 @@ class SimBackend(Backend, FaultTarget):
         return SaveReport(saved.nbytes, saved.location)
 
     def completed_saves(self) -> list[SaveProgress]:
-        # A hung writer reports nothing (its copy is dropped when it is fenced).
-        done = [c for c in self._copies if c.ends <= self.now and c.worker not in self._hung]
-        self._copies = [c for c in self._copies if c not in done]
+        done: list[_Copy] = []
+        copying: list[_Copy] = []
+        for copy in self._copies:  # a hung writer reports nothing (its copy is dropped when it is fenced)
+            (done if copy.ends <= self.now and copy.worker not in self._hung else copying).append(copy)
+        self._copies = copying
         progress = []
         for copy in sorted(done, key=lambda c: (c.ends, c.worker)):
-            for record in copy.records:
-                self._memory.setdefault(record.node, {}).setdefault(record.name, {})[copy.step] = record
+            records = copy.part.records
+            for record, name in zip(records, copy.part.names):  # two slots: the kept snapshot's and this one's
+                memory = self._memory.setdefault(record.node, {})
+                kept = memory.get(name, {}).get(copy.keep)
+                memory[name] = {copy.step: record} if kept is None else {copy.keep: kept, copy.step: record}
             snapshot = self._snapshots[copy.step]
             snapshot.waiting.discard(copy.worker)
-            snapshot.nbytes += sum(r.nbytes for r in copy.records)
+            snapshot.nbytes += copy.part.nbytes
             snapshot.copy_s = max(snapshot.copy_s, copy.ends - copy.begins)
             if not snapshot.waiting:
                 del self._snapshots[copy.step]
-            progress.append(SaveProgress(copy.step, snapshot.action, copy.worker, copy.records, not snapshot.waiting,
+            progress.append(SaveProgress(copy.step, snapshot.action, copy.worker, records, not snapshot.waiting,
                                          snapshot.nbytes, snapshot.copy_s))  # fmt: skip
         return progress
 
     def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
         """Launch every writer's copy of a snapshot; they run beside the next iterations."""
-        records = records_to_write(action.plan, action.mode, action.workers_per_node)
-        writing = {w: mine for w, mine in records.items() if mine and w in self._alive}
+        writing = {w: part for w, part in self._parts(action).items() if w in self._alive}
         rate = self.copy_bytes_per_s(len(writing))
         snapshot = self._snapshots[step] = _Snapshot(action, set(writing))
         launched = self.now + self.sim.snapshot_launch_s
-        for worker, mine in writing.items():
-            sized = tuple(replace(r, nbytes=record_bytes(r, self.numel(r.layers))) for r in mine)
-            for record in sized:  # the slot written is torn until the copy is reported; the kept one stays
-                slots = self._memory.get(record.node, {}).get(record.name, {})
-                for held in [s for s in slots if s != action.keep]:
-                    del slots[held]
-            begins = max([launched, *(c.ends for c in self._copies if c.worker == worker)])
-            copy = _Copy(step, worker, sized, begins, begins + sum(r.nbytes for r in sized) / rate)
+        busy = {c.worker: c.ends for c in self._copies}  # launched in order: the last one of each ends last
+        for worker, part in writing.items():
+            begins = max(launched, busy.get(worker, launched))
+            copy = _Copy(step, worker, part, action.keep, begins, begins + part.nbytes / rate)
             self._copies.append(copy)
             if self._armed.get(worker) == (step, "snapshot"):  # after one record's bytes, before its commit
-                self.call_at(begins + sized[0].nbytes / rate, self._in_copy(copy))
+                self.call_at(begins + part.records[0].nbytes / rate, self._in_copy(copy))
         self._launch_s += self.sim.snapshot_launch_s
         return SaveReport(0, "memory", pending=True)
+
+    def _parts(self, action: TakeSnapshot) -> dict[int, _Part]:
+        """Each writer's records of a snapshot (``snapshot_layout.records_to_write``), sized by the layout's
+        geometry; computed once per plan and mode."""
+        if self._layout is not None:
+            last, parts = self._layout
+            if last.plan is action.plan and (last.mode, last.workers_per_node) == (action.mode, action.workers_per_node):
+                return parts
+        parts = {}
+        for worker, mine in records_to_write(action.plan, action.mode, action.workers_per_node).items():
+            if mine:
+                sized = tuple(replace(r, nbytes=record_bytes(r, self.numel(r.layers))) for r in mine)
+                parts[worker] = _Part(sized, tuple(r.name for r in sized), sum(r.nbytes for r in sized))
+        self._layout = (action, parts)
+        return parts
 
     def joined(self) -> list[int]:
         ready = {n for n in self._pending_joins if n in self._nodes and self._registered_at[n] <= self.now}
@@ -697,6 +727,8 @@ class SimBackend(Backend, FaultTarget):
         self._alive.discard(worker)
         self._held.pop(worker, None)
         self._copies = [c for c in self._copies if c.worker != worker]  # its copy dies with it, unreported
+        copying = {c.step for c in self._copies}
+        self._snapshots = {s: snap for s, snap in self._snapshots.items() if s in copying}  # the rest stay incomplete
         self._dead_unnoticed[worker] = noticed
         self._changed()
 
