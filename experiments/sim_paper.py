@@ -172,7 +172,8 @@ def sweep(sizes: list[int], hours: float, sources: list[str]) -> list[dict[str, 
                 overrides = [
                     "model=llama2-6.7b", "cluster=a100-125x8", f"cluster.nodes={nodes}",
                     "train.activation_checkpointing=true", f"train.global_batch={gpus}", "train.micro_batch=1",
-                    "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *SNAPSHOTS, *settings, *faults,
+                    "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *SNAPSHOTS, *settings,
+                    *faults,
                 ]  # fmt: skip
                 cell = {"source": source, "nodes": nodes, "gpus": gpus, "mtbf_s": mtbf, "combination": combination,
                         **simulated(overrides)}  # fmt: skip

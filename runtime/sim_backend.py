@@ -82,7 +82,9 @@ from ftlab.runtime.backend import (
     Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
 )
 from ftlab.runtime.config import SimConfig
-from ftlab.runtime.contract import Action, MemoryRecord, MemorySource, SaveCheckpoint, Source, StorageSource, TakeSnapshot
+from ftlab.runtime.contract import (
+    Action, MemoryRecord, MemorySource, SaveCheckpoint, Source, StorageSource, TakeSnapshot,
+)
 from ftlab.runtime.costs import CostModel
 from ftlab.runtime.model_spec import FP32
 from ftlab.runtime.plan import Plan
@@ -158,8 +160,9 @@ def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimB
     def fetched(fetch: Fetch) -> float:
         if fetch.sender is None:
             return fetch.record.nbytes / rate
-        busy[fetch.sender] = busy.get(fetch.sender, 0.0) + fetch.record.nbytes / rate + b.costs.p2p_s(fetch.record.nbytes)
-        return b.costs.p2p_s(fetch.record.nbytes)
+        sent = b.costs.p2p_s(fetch.record.nbytes)
+        busy[fetch.sender] = busy.get(fetch.sender, 0.0) + fetch.record.nbytes / rate + sent
+        return sent
 
     for worker in sorted(readers):
         seconds = 0.0
@@ -544,7 +547,8 @@ class SimBackend(Backend, FaultTarget):
         geometry; computed once per plan and mode."""
         if self._layout is not None:
             last, parts = self._layout
-            if last.plan is action.plan and (last.mode, last.workers_per_node) == (action.mode, action.workers_per_node):
+            same = (last.mode, last.workers_per_node) == (action.mode, action.workers_per_node)
+            if last.plan is action.plan and same:
                 return parts
         parts = {}
         for worker, mine in records_to_write(action.plan, action.mode, action.workers_per_node).items():

@@ -29,11 +29,13 @@ from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig,
 from ftlab.policies.none.policy import NoRecovery
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
-from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
+from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.sim_timing import IterationTimer
+from ftlab.runtime.snapshot_layout import groups_of
 
 STEPS = 10
 
@@ -251,7 +253,8 @@ def test_a_copy_slower_than_an_iteration_holds_the_next_step(job_overrides: list
     slow = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e6")).result
     assert slow.steps[0].snapshot_s is None and slow.steps[0].iter_s == fast.steps[0].iter_s
     assert slow.steps[2].snapshot_s > 10 * fast.steps[2].snapshot_s
-    assert slow.steps[2].iter_s == pytest.approx(fast.steps[2].iter_s + slow.steps[2].snapshot_s - fast.steps[2].snapshot_s)
+    held = slow.steps[2].snapshot_s - fast.steps[2].snapshot_s
+    assert slow.steps[2].iter_s == pytest.approx(fast.steps[2].iter_s + held)
 
 
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
@@ -266,10 +269,34 @@ def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
 def test_a_nodes_memory_is_lost_with_it(job_overrides: list[str]) -> None:
     """Both holders of a stage's state die: no snapshot in memory can be rebuilt, the flush to storage is used."""
     flushes = [*REFT[:-2], "protection.flush_every=3", f"train.steps={STEPS}"]
-    result = simulate(sim_cfg(job_overrides, *flushes, *kills("{kind: node, node: 1, at_step: 5}", "{kind: node, node: 3, at_step: 5}"))).result
+    both = kills("{kind: node, node: 1, at_step: 5}", "{kind: node, node: 3, at_step: 5}")
+    result = simulate(sim_cfg(job_overrides, *flushes, *both)).result
     (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
     assert "lost" in decided.restore_reason and restored(result) == [(3, "storage")]
     assert result.faults[0].lost_steps == 2
+
+
+def test_a_killed_nodes_records_are_gone_from_memory(job_overrides: list[str]) -> None:
+    """The backend's own memory, which ``verify`` reads: a source is narrowed to what survives, or refused."""
+    cfg = sim_cfg(job_overrides, *REFT, "cluster.device=A100-40GB")
+    job = job_factory(cfg, None)(everyone(cfg))
+    policy, protection = components(cfg)
+    plan = policy.plan(job, protection).plan
+    c = cfg.cluster
+    backend = SimBackend(c.nodes, c.workers_per_node, job.costs, cfg.sim, 1.0, ev.EventBus(), shared_host=False)
+    assert backend.save(1, TakeSnapshot(plan, "arc", c.workers_per_node, -1), {}, plan.num_layers).pending
+    assert backend.completed_saves() == []  # still copying
+    backend.now = 10.0
+    done = backend.completed_saves()
+    assert len(done) == len(plan.workers) and done[-1].complete and not any(p.complete for p in done[:-1])
+    source = MemorySource(1, plan=plan, workers_per_node=c.workers_per_node, records=tuple(r for p in done for r in p.records))
+    assert backend.verify(source) == source
+    backend.kill_node(1)
+    narrowed = backend.verify(source)
+    assert isinstance(narrowed, MemorySource) and 1 not in {r.node for r in narrowed.records}
+    (partner,) = [w for g in groups_of(plan) if 1 in g.holders for w in g.holders if w != 1]
+    backend.kill_node(backend.node_of(partner))  # the other holder of node 1's layers: their state is gone
+    assert "cannot rebuild" in backend.verify(source)
 
 
 def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> None:
