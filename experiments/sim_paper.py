@@ -22,6 +22,8 @@ rates, each failed node replaced an hour later (spares), for every policy with e
   1.82e8 GPU-seconds; a cluster of G GPUs fails every 1.82e8 / G seconds;
 - Meta's research clusters (Kokolis et al. 2024): projected job MTTF of 7.9 h at 1,024 GPUs and 1.8 h at 16,384;
   between and beyond, interpolated on a log-log line (MTTF proportional to G^-0.53).
+The protections: ``storage`` (a checkpoint every 50 steps at ``STORAGE``) and ``reft`` (a snapshot in host memory
+after every step, mode arc, copied at ``SNAPSHOTS``, with a flush to storage every 50 steps).
 
 Faults are drawn from an exponential distribution (``faults=exponential``) with a fixed seed, the same for every
 policy of a cell.
@@ -42,6 +44,11 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / ".ftlab" / "sim"
 STORAGE = ["sim.storage_write_bytes_per_s=5e9", "sim.storage_read_bytes_per_s=1e10"]
+SNAPSHOTS = ["sim.snapshot_bytes_per_s=1e10"]
+"""A REFT snapshot's copy from an A100 into its host's memory: PCIe 4.0 x16 peaks near 25 GB/s and a DGX A100 puts
+two GPUs behind each PCIe switch, so 10 GB/s per GPU: a stated assumption, not a measurement."""
+HOST_MEMORY = ["protection.host_memory_gb=1024"]
+"""A DGX A100's 1 TB of host memory, for the snapshots' records."""
 
 TABLE2_MODELS = {
     "gpt3-medium": ["model=gpt3-medium", "train.global_batch=8192", "train.micro_batch=16"],
@@ -64,6 +71,10 @@ COMBINATIONS = {  # policy x protection, every pair that can run
     "checkpoint_restart+storage": ["policy=checkpoint_restart", "protection=storage", "protection.every=50"],
     "oobleck+none": ["policy=oobleck", "protection=none"],
     "oobleck+storage": ["policy=oobleck", "protection=storage", "protection.every=50"],
+    "checkpoint_restart+reft": ["policy=checkpoint_restart", "protection=reft", "protection.interval=1",
+                                "protection.flush_every=50", *HOST_MEMORY],
+    "oobleck+reft": ["policy=oobleck", "protection=reft", "protection.interval=1", "protection.flush_every=50",
+                     *HOST_MEMORY],
 }
 LLAMA3_GPU_S = 54 * 24 * 3600 * 16384 / 419
 META_MTTF = ((1024, 7.9 * 3600), (16384, 1.8 * 3600))
@@ -161,7 +172,8 @@ def sweep(sizes: list[int], hours: float, sources: list[str]) -> list[dict[str, 
                 overrides = [
                     "model=llama2-6.7b", "cluster=a100-125x8", f"cluster.nodes={nodes}",
                     "train.activation_checkpointing=true", f"train.global_batch={gpus}", "train.micro_batch=1",
-                    "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *settings, *faults,
+                    "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *SNAPSHOTS, *settings,
+                    *faults,
                 ]  # fmt: skip
                 cell = {"source": source, "nodes": nodes, "gpus": gpus, "mtbf_s": mtbf, "combination": combination,
                         **simulated(overrides)}  # fmt: skip

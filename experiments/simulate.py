@@ -45,19 +45,14 @@ def simulate_job(dict_cfg: DictConfig) -> JobResult:
     return tracked(dict_cfg, lambda cfg, tracker: simulate(cfg, tracker).result, backend="sim")
 
 
-SIMULATED_PROTECTIONS = ("none", "storage")
-"""Protections whose saves and restores the simulator has costs for (``runtime.sim_backend.register_action`` /
-``register_source``). REFT's snapshots are asynchronous, completed by the writers' records, which the simulated
-workers do not produce: it runs on the real runtime only."""
-
-
 def check_sim(cfg: JobConfig) -> None:
     """What only a simulation needs: a profile for the device, a positive horizon, a protection it can cost."""
     check_device(cfg)
-    if cfg.protection.name not in SIMULATED_PROTECTIONS:
+    if cfg.protection.name == "reft" and cfg.protection.mode == "aor":
         raise ConfigError(
-            f"mode=simulate has no model of protection={cfg.protection.name}'s saves: use protection="
-            f"{' or protection='.join(SIMULATED_PROTECTIONS)}, or run the job for real (mode=train)"
+            "mode=simulate has no model of protection.mode=aor (the peer's optimizer chunk recomputed on the host "
+            "from its gradient chunk, with train.zero=1): use protection.mode=arc, aec or arc+aec, or run the job for "
+            "real (mode=train)"
         )
     horizon = cfg.sim.horizon_s
     if horizon is not None and not horizon > 0:

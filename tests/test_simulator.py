@@ -8,6 +8,8 @@
 - Faults fire in simulated time: trace replay at the trace's times, a hang found after the heartbeat timeout, a
   phase fault inside its step.
 - A simulated job is an MLflow run like a real one (tag backend=sim), and bad input is refused with a message.
+- REFT's snapshots run beside training and a restart restores from memory, from a peer or from parity, as on the
+  runtime; a node's memory is lost with it.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig,
 from ftlab.policies.none.policy import NoRecovery
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
-from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
+from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.sim_timing import IterationTimer
+from ftlab.runtime.snapshot_layout import groups_of
 
 STEPS = 10
 
@@ -53,6 +57,8 @@ def sim_cfg(job_overrides: list[str], *overrides: str) -> JobConfig:
 
 OOBLECK = ["policy=oobleck", "cluster.nodes=6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}"]
 RESTART = ["policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
+REFT = ["policy=checkpoint_restart", "protection=reft", "protection.interval=1", f"protection.flush_every={STEPS}",
+        f"train.steps={STEPS}"]  # fmt: skip
 
 
 def kills(*events: str) -> list[str]:
@@ -80,6 +86,7 @@ def test_the_same_config_simulates_the_same_run_and_another_seed_another(job_ove
 SCENARIOS = {
     "oobleck": [*OOBLECK, *kills("{kind: node, node: 2, at_step: 3, phase: backward}", "{kind: node, node: 4, at_step: 6}")],
     "checkpoint_restart": [*RESTART, *kills("{kind: node, node: 1, at_step: 5, phase: reduce}")],
+    "reft": [*REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}")],
 }
 
 
@@ -196,6 +203,7 @@ def test_a_simulated_job_is_an_mlflow_run_like_a_real_one(job_overrides: list[st
 
 BAD_INPUTS = [
     (["cluster.device=B200"], ConfigError, "cluster.device='B200' has no profile"),
+    (["protection=reft", "protection.mode=aor", "train.zero=1"], ConfigError, "use protection.mode=arc, aec or arc\\+aec"),
     (["cluster.nodes=40", "train.global_batch=80", "faults=trace", "faults.trace=p3"], FaultConfigError,
      "faults.trace_copies=2"),
     (["sim.horizon_s=-1"], ConfigError, "sim.horizon_s=-1"),
@@ -220,6 +228,82 @@ def test_a_larger_cluster_replays_copies_of_a_trace() -> None:
     assert 3 * removes < sum(e.kind == "node" for e in four) <= 4 * removes
     instants = {e.at_time_s for e in one if e.kind == "node"}
     assert len({e.at_time_s for e in four if e.kind == "node"}) >= 3 * len(instants), "the copies interleave"
+
+
+# -- REFT ----------------------------------------------------------------------------------------------------------
+def restored(result: JobResult) -> list[tuple[int, str]]:
+    return [(e.step, e.source) for e in result.events if isinstance(e, ev.StateRestored)]
+
+
+def test_reft_snapshots_beside_training_and_a_restart_restores_from_memory(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))
+    result = simulate(cfg).result
+    assert restored(result) == [(5, "memory")]  # the step the failure found committed: no step is lost
+    (fault,) = result.faults
+    assert fault.lost_steps == 0 and sorted({s.step for s in result.steps}) == list(range(STEPS))
+    # A snapshot after every commit: on the critical path, its launch (the copies of a tiny model end in time).
+    taken = [s.snapshot_s for s in result.steps if s.step not in (0, 5)]
+    assert taken == [pytest.approx(cfg.sim.snapshot_launch_s)] * len(taken)
+    again = simulate(sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))).result
+    assert logged(again) == logged(result) and again.plans == result.plans
+
+
+def test_a_copy_slower_than_an_iteration_holds_the_next_step(job_overrides: list[str]) -> None:
+    fast = simulate(sim_cfg(job_overrides, *REFT)).result
+    slow = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e6")).result
+    assert slow.steps[0].snapshot_s is None and slow.steps[0].iter_s == fast.steps[0].iter_s
+    assert slow.steps[2].snapshot_s > 10 * fast.steps[2].snapshot_s
+    held = slow.steps[2].snapshot_s - fast.steps[2].snapshot_s
+    assert slow.steps[2].iter_s == pytest.approx(fast.steps[2].iter_s + held)
+
+
+def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
+    """Three replicas per stage, AEC: node 1 dies copying its records; its shard is rebuilt from the others'."""
+    aec = [*REFT, "protection.mode=aec", "cluster.nodes=6", "train.stages=2"]
+    result = simulate(sim_cfg(job_overrides, *aec, *kills("{kind: node, node: 1, at_step: 4, phase: snapshot}"))).result
+    (fault,) = injected(result)
+    assert fault.at > [s for s in result.steps if s.step == 3][0].at  # inside the copy of the snapshot of step 4
+    assert restored(result) == [(4, "parity")] and result.faults[0].lost_steps == 0
+
+
+def test_a_nodes_memory_is_lost_with_it(job_overrides: list[str]) -> None:
+    """Both holders of a stage's state die: no snapshot in memory can be rebuilt, the flush to storage is used."""
+    flushes = [*REFT[:-2], "protection.flush_every=3", f"train.steps={STEPS}"]
+    both = kills("{kind: node, node: 1, at_step: 5}", "{kind: node, node: 3, at_step: 5}")
+    result = simulate(sim_cfg(job_overrides, *flushes, *both)).result
+    (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert "lost" in decided.restore_reason and restored(result) == [(3, "storage")]
+    assert result.faults[0].lost_steps == 2
+
+
+def test_a_killed_nodes_records_are_gone_from_memory(job_overrides: list[str]) -> None:
+    """The backend's own memory, which ``verify`` reads: a source is narrowed to what survives, or refused."""
+    cfg = sim_cfg(job_overrides, *REFT, "cluster.device=A100-40GB")
+    job = job_factory(cfg, None)(everyone(cfg))
+    policy, protection = components(cfg)
+    plan = policy.plan(job, protection).plan
+    c = cfg.cluster
+    backend = SimBackend(c.nodes, c.workers_per_node, job.costs, cfg.sim, 1.0, ev.EventBus(), shared_host=False)
+    assert backend.save(1, TakeSnapshot(plan, "arc", c.workers_per_node, -1), {}, plan.num_layers).pending
+    assert backend.completed_saves() == []  # still copying
+    backend.now = 10.0
+    done = backend.completed_saves()
+    assert len(done) == len(plan.workers) and done[-1].complete and not any(p.complete for p in done[:-1])
+    source = MemorySource(1, plan=plan, workers_per_node=c.workers_per_node, records=tuple(r for p in done for r in p.records))
+    assert backend.verify(source) == source
+    backend.kill_node(1)
+    narrowed = backend.verify(source)
+    assert isinstance(narrowed, MemorySource) and 1 not in {r.node for r in narrowed.records}
+    (partner,) = [w for g in groups_of(plan) if 1 in g.holders for w in g.holders if w != 1]
+    backend.kill_node(backend.node_of(partner))  # the other holder of node 1's layers: their state is gone
+    assert "cannot rebuild" in backend.verify(source)
+
+
+def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> None:
+    base = [*OOBLECK, "protection=reft", "cluster.device=A100-40GB", *SCENARIOS["oobleck"][-2:]]
+    result = simulate(sim_cfg(job_overrides, *base)).result
+    assert sorted({s.step for s in result.steps}) == list(range(STEPS)) and len(result.faults) == 2
+    assert all(s.snapshot_s is not None for s in result.steps[1:3])
 
 
 # -- activation checkpointing in the cost and memory model --------------------------------------------------------
