@@ -23,7 +23,7 @@ def test_every_drawn_scenario_composes_and_its_faults_fit_the_cluster(index: int
     scenario = soak.draw(11, index)
     cfg = OmegaConf.to_object(compose_config(scenario.overrides))
     events = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
-    assert (cfg.protection.name == "storage") == (scenario.every is not None)
+    assert (cfg.protection.name in ("storage", "reft")) == (scenario.every is not None)
     assert len([e for e in events if e.kind != "join"]) <= 3
 
 
