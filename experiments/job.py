@@ -36,6 +36,7 @@ from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
 from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.launchers import launch_problems, make_launcher
 from ftlab.runtime.model_spec import layer_specs
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.profiler import analytic_profile, measure_profile
@@ -132,6 +133,9 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(f"cluster.threads_per_worker={c.threads_per_worker}: use a count, or 0 for this job's share")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: use auto, gloo or nccl")
+    launch = launch_problems(c)
+    if launch:
+        raise ConfigError("; ".join(launch))
     if c.device_memory_gb <= 0:
         raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
     if c.heartbeat_s <= 0:
@@ -391,7 +395,10 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "aor": False,
         **checked.protection.runtime_options(),
     }
-    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c))
+    cluster = LocalCluster(
+        c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c), c.coordinator_addr, make_launcher(c),
+        c.coordinator_port,
+    )  # fmt: skip
     setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
     unfired = [(fault, f"the job runs steps before {t.steps} only (train.steps)") for fault in checked.beyond]

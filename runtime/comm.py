@@ -55,14 +55,24 @@ def _close_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
             probe.wait(_INTERRUPT_TIMEOUT)
 
 
-def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+def _new_group(
+    store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float, host_addr: str | None = None
+) -> dist.ProcessGroup:
+    """A group of its own on ``store``. With gloo, ``host_addr`` is the address this worker's connections bind to
+    and advertise to its peers (through the store), so peers on other hosts connect to it; None: gloo's default
+    (the address the host name resolves to, else loopback)."""
     prefixed = dist.PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    if host_addr is None:
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host_addr)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
 
 
 @dataclass
@@ -93,9 +103,11 @@ class GenerationComm:
         backend: str = "gloo",
         timeout_s: float = 120.0,
         helpers: Iterable[int] = (),
+        host_addr: str | None = None,
     ) -> None:
         """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
-        workers, in order) to send what only their node holds, e.g. snapshot records after a restart."""
+        workers, in order) to send what only their node holds, e.g. snapshot records after a restart.
+        ``host_addr``: the address of this worker's node, which its peers connect to (``_new_group``)."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
@@ -103,7 +115,9 @@ class GenerationComm:
         workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
-        self.world = _new_group(store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s)
+        self.world = _new_group(
+            store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s, host_addr
+        )
         # (group, this worker's rank in it, its size) for every group, which ``interrupt`` closes.
         self._groups = [(self.world, self._rank[worker], len(workers))]
         # One group per distinct replica set; every member builds the groups in the same order.
@@ -113,7 +127,9 @@ class GenerationComm:
         for holders, layers in plan.reduction_groups():
             if worker in holders:
                 key = "-".join(map(str, holders))
-                group = _new_group(store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s)
+                group = _new_group(
+                    store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s, host_addr
+                )
                 self.reduce_groups.append((layers, group))
                 self._groups.append((group, holders.index(worker), len(holders)))
                 self._member[layers] = holders.index(worker), len(holders)

@@ -66,8 +66,15 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float) -> None:
+    def __init__(
+        self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float,
+        coordinator_addr: str = "127.0.0.1", host_addr: str = "127.0.0.1",
+    ) -> None:  # fmt: skip
         self.channel = channel
+        self.coordinator_addr = coordinator_addr
+        """Where the coordinator's rendezvous store listens."""
+        self.host_addr = host_addr
+        """This node's address: the worker's connections to its peers bind to it, and peers connect to it."""
         self.aborts = aborts
         self.node = node
         self.worker = worker
@@ -159,7 +166,7 @@ class Worker:
         model: ModelConfig = self.setup["model"]
         if self.store is None:
             self.store = dist.TCPStore(
-                "127.0.0.1",
+                self.coordinator_addr,
                 message.store_port,
                 is_master=False,
                 timeout=datetime.timedelta(seconds=self.setup["comm_timeout_s"]),
@@ -167,7 +174,8 @@ class Worker:
         if self.comm is not None:
             self.comm.retire()
         comm = GenerationComm(
-            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers
+            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers,
+            self.host_addr,
         )
         with self._comm_lock:
             self.comm = comm
@@ -444,7 +452,9 @@ class Worker:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="ftlab worker (started by a node agent)")
+    parser.add_argument("--coordinator-addr", default="127.0.0.1")
     parser.add_argument("--coordinator-port", type=int, required=True)
+    parser.add_argument("--host-addr", default="127.0.0.1")
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
@@ -452,12 +462,16 @@ def main() -> None:
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    channel = Channel(msg.connect(args.coordinator_port))
-    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation))
-    aborts = msg.connect(args.coordinator_port)
-    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation))
+    # The secret comes from the environment the agent gave this process (never its command line); it is not kept.
+    secret = os.environ.pop(msg.SECRET_ENV)
+    channel = Channel(msg.connect(args.coordinator_addr, args.coordinator_port, secret))
+    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation, host=args.host_addr))
+    aborts = msg.connect(args.coordinator_addr, args.coordinator_port, secret)
+    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation, host=args.host_addr))
+    del secret
+    worker = Worker(channel, aborts, args.node, args.worker, args.heartbeat_s, args.coordinator_addr, args.host_addr)
     try:
-        Worker(channel, aborts, args.node, args.worker, args.heartbeat_s).serve()
+        worker.serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise
