@@ -301,9 +301,12 @@ class LocalCluster:
                 handle.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 handle.kill()
-                agent = self.agents.get(node)
-                if agent is not None and not agent.closed and not self.launcher.same_machine:
-                    self.launcher.kill_node(node, agent.pid, [])
+            agent = self.agents.get(node)
+            # What the launcher started may not be the agent (ssh, a detached start): its connection tells.
+            while agent is not None and not agent.closed and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if agent is not None and not agent.closed:
+                self.launcher.kill_node(node, agent.pid, [])
         for member in self.workers.values():
             if not member.closed:  # stragglers of a failed run
                 self.launcher.signal(member.node, member.pid, signal.SIGKILL)
