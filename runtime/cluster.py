@@ -87,8 +87,8 @@ class LocalCluster:
         self.events: queue.Queue[ClusterEvent] = queue.Queue()
         self.agents: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
-        # By pid: workers whose second connection has not arrived yet, with their Hello.
-        self._connecting: dict[int, tuple[Member, msg.Hello]] = {}
+        # By (worker, pid): workers one of whose two connections has not registered yet.
+        self._connecting: dict[tuple[int, int], dict[str, tuple[Connection, msg.Hello]]] = {}
         self.worker_pids: dict[int, list[int]] = {}
         """Every process each worker id has had, in order: a restarted worker has several."""
         self.incarnation: dict[int, int] = {}
@@ -179,16 +179,17 @@ class LocalCluster:
         if hello.role != "agent" and hello.incarnation != self.incarnation.get(hello.worker, 0):
             conn.close()  # a process of an earlier start, which its agent ends: it must not replace this one
             return None
-        if hello.role == "worker":
-            # A worker counts once its second connection is there too: an Abort must reach it at any time.
-            self._connecting[hello.pid] = Member(hello.role, hello.worker, hello.node, hello.pid, conn, host=hello.host), hello
-            return None
-        if hello.role == "aborts":
-            if hello.pid not in self._connecting:
-                conn.close()
+        if hello.role in ("worker", "aborts"):
+            # A worker counts once both its connections are there: an Abort must reach it at any time. Each
+            # connection registers on its own thread, so either Hello may come first. (Keyed by worker and pid:
+            # pids repeat across hosts.)
+            parts = self._connecting.setdefault((hello.worker, hello.pid), {})
+            parts[hello.role] = (conn, hello)
+            if len(parts) < 2:
                 return None
-            member, hello = self._connecting.pop(hello.pid)
-            member.aborts = conn
+            del self._connecting[(hello.worker, hello.pid)]
+            (conn, hello), (aborts, _) = parts["worker"], parts["aborts"]
+            member = Member("worker", hello.worker, hello.node, hello.pid, conn, aborts=aborts, host=hello.host)
             self.worker_pids.setdefault(member.ident, []).append(member.pid)
         else:
             member = Member(hello.role, hello.node, hello.node, hello.pid, conn, host=hello.host)
