@@ -37,6 +37,7 @@ from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
 from ftlab.runtime.launchers import launch_problems, make_launcher
+from ftlab.runtime.placement import choose_backend
 from ftlab.runtime.model_spec import layer_specs
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.profiler import analytic_profile, measure_profile
@@ -231,15 +232,30 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
     return policy, protection, decision
 
 
-def resolve_backend(requested: str) -> str:
-    """gloo or nccl; the only check that needs torch, so it comes last."""
+def resolve_backend(cfg: JobConfig) -> tuple[str, str]:
+    """(backend, why) where the nodes are this machine's processes (the only check that needs torch, so it comes
+    last); with agents on other hosts, the requested backend, decided by ``backend_for`` once the agents have
+    reported their GPUs."""
+    c = cfg.cluster
+    if c.launcher != "local":
+        return c.backend, "decided when the agents report their GPUs"
     import torch
 
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks: use cluster.backend=gloo")
-    return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return backend_for(cfg, c.backend, {n: gpus for n in range(c.nodes)}, shared_machine=True)
+
+
+def backend_for(cfg: JobConfig, requested: str, gpus_of_node: dict[int, int], shared_machine: bool) -> tuple[str, str]:
+    try:
+        backend, why = choose_backend(requested, gpus_of_node, cfg.cluster.workers_per_node, shared_machine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if backend == "nccl" and (cfg.train.zero or cfg.protection.name == "reft"):
+        raise ConfigError(
+            f"train.zero={cfg.train.zero} and protection={cfg.protection.name} run on gloo only so far (their "
+            f"buffers and snapshot copies are CPU tensors): use cluster.backend=gloo"
+        )
+    return backend, why
 
 
 @dataclass
@@ -249,10 +265,12 @@ class Preflight:
     decision: Decision
     faults: list[FaultEvent]
     backend: str
+    """gloo or nccl; with agents on other hosts, as requested (auto too) until they report their GPUs."""
     tokens: Path
     make_job: Callable[[Membership], Job]
     beyond: list[FaultEvent] = field(default_factory=list)
     """Generated or replayed faults at steps the job never runs: warned of, not fired."""
+    backend_why: str = ""
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -272,9 +290,8 @@ def preflight(cfg: JobConfig) -> Preflight:
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    return Preflight(
-        policy, protection, decision, faults, resolve_backend(cfg.cluster.backend), tokens, make_job, beyond
-    )
+    backend, backend_why = resolve_backend(cfg)
+    return Preflight(policy, protection, decision, faults, backend, tokens, make_job, beyond, backend_why)
 
 
 # -- the job -------------------------------------------------------------------------------------------------------
@@ -405,6 +422,12 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
     _warn_unfired(bus, unfired, time.monotonic())
     try:
         cluster.start(c.start_timeout_s)
+        why = checked.backend_why
+        if c.launcher != "local":
+            setup["backend"], why = backend_for(cfg, checked.backend, cluster.gpus_of_node(), cluster.launcher.same_machine)
+        log.info("communication backend: %s (%s)", setup["backend"], why)
+        tracker.set_tag("backend", setup["backend"])
+        tracker.set_tag("backend.why", why)
         backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
         injector = Injector(checked.faults, backend, bus)
         coordinator = Coordinator(

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
+from ftlab.runtime.placement import visible_gpus
 
 _PR_SET_PDEATHSIG = 1
 
@@ -74,6 +75,7 @@ class Agent:
             "--coordinator-addr", self.args.coordinator_addr,
             "--coordinator-port", str(self.args.coordinator_port),
             "--host-addr", self.args.host_addr,
+            "--device-index", str(self.args.device_offset + self.args.workers.index(worker)),
             "--node", str(self.args.node),
             "--worker", str(worker),
             "--heartbeat-s", str(self.args.heartbeat_s),
@@ -101,7 +103,7 @@ class Agent:
             time.sleep(self.args.heartbeat_s)
 
     def serve(self) -> None:
-        self.send(msg.Hello("agent", self.args.node, os.getpid(), host=self.args.host_addr))
+        self.send(msg.Hello("agent", self.args.node, os.getpid(), host=self.args.host_addr, gpus=visible_gpus()))
         for worker in self.args.workers:
             self.spawn(worker, incarnation=0)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
@@ -149,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--memory-root", type=Path, required=True)
     parser.add_argument("--host-addr", default="127.0.0.1",
                         help="the address this node's workers are reachable on; auto: the one routed to the coordinator")  # fmt: skip
+    parser.add_argument("--device-offset", type=int, default=0, help="the GPU index of this node's first worker")
     parser.add_argument("--secret-file", default=None, help="a file holding the job's secret; -: standard input")
     args = parser.parse_args(argv)
     if args.host_addr == "auto":

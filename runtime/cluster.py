@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
 from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, LocalLauncher
+from ftlab.runtime.placement import device_index
 
 
 class ClusterError(RuntimeError):
@@ -67,6 +68,7 @@ class Member:
     aborts: Connection | None = None
     """A worker's second connection, on which Aborts are repeated (see ``abort``)."""
     host: str = ""
+    gpus: int = 0
     closed: bool = False
     """Its control connection has closed: the process is gone (or cut off, which is the same to the job)."""
 
@@ -122,6 +124,7 @@ class LocalCluster:
         return AgentSpec(
             self.coordinator_addr, self.port, node, tuple(self.workers_of(node)), self.heartbeat_s,
             self.threads_per_worker, str(self.memory_root), self.launcher.host_addr(node),
+            device_index(node, 0, self.workers_per_node, self.launcher.same_machine),
         )  # fmt: skip
 
     def start_node(self, node: int) -> None:
@@ -192,7 +195,7 @@ class LocalCluster:
             member = Member("worker", hello.worker, hello.node, hello.pid, conn, aborts=aborts, host=hello.host)
             self.worker_pids.setdefault(member.ident, []).append(member.pid)
         else:
-            member = Member(hello.role, hello.node, hello.node, hello.pid, conn, host=hello.host)
+            member = Member(hello.role, hello.node, hello.node, hello.pid, conn, host=hello.host, gpus=hello.gpus)
             self._starting.discard(hello.node)
         (self.workers if member.role == "worker" else self.agents)[member.ident] = member
         if self.started:
@@ -244,6 +247,10 @@ class LocalCluster:
     # -- membership --------------------------------------------------------------------------------------------
     def alive_workers(self) -> list[int]:
         return sorted(w for w, m in self.workers.items() if m.alive)
+
+    def gpus_of_node(self) -> dict[int, int]:
+        """The GPUs each live node's agent reported it sees."""
+        return {n: m.gpus for n, m in self.agents.items() if m.alive}
 
     def alive_nodes(self) -> list[int]:
         return sorted(n for n, m in self.agents.items() if m.alive)

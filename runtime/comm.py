@@ -104,14 +104,18 @@ class GenerationComm:
         timeout_s: float = 120.0,
         helpers: Iterable[int] = (),
         host_addr: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
         workers, in order) to send what only their node holds, e.g. snapshot records after a restart.
-        ``host_addr``: the address of this worker's node, which its peers connect to (``_new_group``)."""
+        ``host_addr``: the address of this worker's node, which its peers connect to (``_new_group``).
+        ``device``: where buffers and received tensors are placed (the worker's own GPU with NCCL)."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
-        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = device
         workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
@@ -161,14 +165,18 @@ class GenerationComm:
         self.aborted.set()
         for group, rank, size in self._groups:
             if self.device.type == "cuda":
-                group.abort()  # NCCL aborts its communicators itself (gloo's abort() leaves waits blocked)
+                # NCCL aborts its communicators itself (ncclCommAbort: every wait on them fails); gloo's abort()
+                # leaves waits blocked, hence the closed connections below.
+                abort = getattr(group, "abort", None) or group._get_backend(self.device).abort
+                with contextlib.suppress(RuntimeError):  # aborted already
+                    abort()
             else:
                 _close_connections(group, rank, size)
 
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Asynchronous: the tensor is kept alive until ``flush_sends``."""
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.device).contiguous()
         with self._failures():
             work = self.world.send([tensor], self._rank[peer], tag)
         self._pending_sends.append((work, tensor))
@@ -190,7 +198,7 @@ class GenerationComm:
 
     def recv_bytes(self, peer: int, tag: int) -> bytes:
         size = int(self.recv((1,), torch.int64, peer, tag).item())
-        return self.recv((size,), torch.uint8, peer, tag + 1).numpy().tobytes()
+        return self.recv((size,), torch.uint8, peer, tag + 1).cpu().numpy().tobytes()
 
     def flush_sends(self) -> None:
         for work, _ in self._pending_sends:

@@ -45,6 +45,8 @@ class AgentSpec:
     memory_root: str
     host_addr: str
     """The address this node's workers are reachable on (their gloo connections bind to it)."""
+    device_offset: int = 0
+    """The GPU index of the node's first worker (``runtime.placement.device_index``)."""
 
     def args(self) -> list[str]:
         return [
@@ -56,6 +58,7 @@ class AgentSpec:
             "--workers", *map(str, self.workers),
             "--memory-root", self.memory_root,
             "--host-addr", self.host_addr,
+            "--device-offset", str(self.device_offset),
         ]  # fmt: skip
 
 

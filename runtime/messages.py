@@ -172,6 +172,8 @@ class Hello:
     """Which start of this worker id the process is (0 at the node's start, then one more per respawn)."""
     host: str = ""
     """An agent's: the address its node's workers are reachable on."""
+    gpus: int = 0
+    """An agent's: the GPUs its node's workers may use (``runtime.placement.visible_gpus``)."""
 
 
 @dataclass(frozen=True)
