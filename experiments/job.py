@@ -414,7 +414,7 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
     }
     cluster = LocalCluster(
         c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c), c.coordinator_addr, make_launcher(c),
-        c.coordinator_port,
+        c.coordinator_port, c.store_port,
     )  # fmt: skip
     setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None

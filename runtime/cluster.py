@@ -13,6 +13,7 @@ happened, with no locks in the training logic.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -32,6 +33,8 @@ from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
 from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, LocalLauncher
 from ftlab.runtime.placement import device_index
+
+log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -77,6 +80,7 @@ class LocalCluster:
     def __init__(
         self, nodes: int, workers_per_node: int, heartbeat_s: float, threads_per_worker: int,
         coordinator_addr: str = "127.0.0.1", launcher: Launcher | None = None, coordinator_port: int = 0,
+        store_port: int = 0,
     ) -> None:  # fmt: skip
         self.workers_per_node = workers_per_node
         self.heartbeat_s = heartbeat_s
@@ -104,12 +108,14 @@ class LocalCluster:
         self.port = self._server.address[1]
         # The rendezvous store lives in the coordinator, which outlives every generation of workers. TCPStore
         # would listen on every interface: it is handed a socket bound to the coordinator's address instead.
-        self._store_socket = socket.create_server((coordinator_addr, 0), backlog=128)
+        self._store_socket = socket.create_server((coordinator_addr, store_port), backlog=128)
         self.store = dist.TCPStore(
             coordinator_addr, self._store_socket.getsockname()[1], is_master=True, wait_for_workers=False,
             master_listen_fd=self._store_socket.fileno(),
         )  # fmt: skip
         self._store_socket.detach()  # the store's server owns the descriptor now
+        log.info("control server on %s:%d, rendezvous store on %s:%d", coordinator_addr, self.port, coordinator_addr,
+                 self.store.port)  # fmt: skip
         self.memory_root = shm.job_root(f"{os.getpid()}-{secrets.token_hex(4)}")
         """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
 

@@ -37,6 +37,8 @@ class ClusterConfig:
     machine only; give this machine's address on the network the hosts share to run agents elsewhere."""
     coordinator_port: int = 0
     """The control server's port (0: any free one; fix it where a firewall must let it through)."""
+    store_port: int = 0
+    """The rendezvous store's port (0: any free one)."""
     launcher: str = "local"
     """local: agents are children of the coordinator; ssh: ``ssh <host> ftlab-agent`` on each of ``hosts``;
     slurm: one SLURM job per node through submitit (README, "Running on a cluster")."""

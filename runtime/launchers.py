@@ -278,8 +278,9 @@ def launch_problems(c: Any) -> list[str]:
     problems = []
     if c.launcher not in LAUNCHERS:
         return [f"cluster.launcher={c.launcher!r}: use local, ssh or slurm"]
-    if not 0 <= c.coordinator_port < 65536:
-        problems.append(f"cluster.coordinator_port={c.coordinator_port}: use a TCP port, or 0 for any free one")
+    for name in ("coordinator_port", "store_port"):
+        if not 0 <= getattr(c, name) < 65536:
+            problems.append(f"cluster.{name}={getattr(c, name)}: use a TCP port, or 0 for any free one")
     if c.launcher == "local":
         remote = [h for h in c.hosts if not _is_loopback(h)]
         if remote:
