@@ -326,6 +326,7 @@ class LocalCluster:
                 self.launcher.signal(member.node, member.pid, signal.SIGKILL)
         shm.remove(self.memory_root)  # agents free their own; this catches those that were killed
         self._server.close()
+        self.launcher.close()
 
 
 def _send(member: Member | None, message: object) -> bool:

@@ -110,6 +110,9 @@ class Launcher(ABC):
         """The address ``node``'s workers are reachable on."""
         return "127.0.0.1"
 
+    def close(self) -> None:
+        """The job is over: remove what the launcher left behind (a secret file)."""
+
 
 def _kill(pid: int, sig: int) -> None:
     try:
@@ -219,10 +222,14 @@ class _SubmititHandle(AgentHandle):
 class SlurmLauncher(Launcher):
     """One SLURM job per node through submitit; the secret in a 0600 file of submitit's (shared) folder."""
 
-    def __init__(self, folder: str | Path, partition: str | None = None, timeout_min: int = 60) -> None:
+    def __init__(self, folder: str | Path, partition: str | None = None, timeout_min: int = 60,
+                 cluster: str | None = None) -> None:  # fmt: skip
+        """``cluster``: submitit's executor (None: SLURM where ``sbatch`` is found; ``local`` runs the same
+        submission as local processes, which is how it is tested off a SLURM cluster)."""
         self.folder = Path(folder)
         self.partition = partition
         self.timeout_min = timeout_min
+        self.cluster = cluster
         self.jobs: dict[int, Any] = {}
         self._hosts: dict[int, str] = {}
 
@@ -234,6 +241,9 @@ class SlurmLauncher(Launcher):
             f.write(secret + "\n")
         return path
 
+    def close(self) -> None:
+        (self.folder / "job-secret").unlink(missing_ok=True)
+
     def host_addr(self, node: int) -> str:
         # A SLURM node's address is known only once the job runs; the agent finds it (``--host-addr auto``).
         return "auto"
@@ -241,7 +251,7 @@ class SlurmLauncher(Launcher):
     def start(self, spec: AgentSpec, secret: str) -> AgentHandle:
         import submitit
 
-        executor = submitit.AutoExecutor(folder=self.folder / f"node-{spec.node}")
+        executor = submitit.AutoExecutor(folder=self.folder / f"node-{spec.node}", cluster=self.cluster)
         parameters: dict[str, Any] = {"nodes": 1, "tasks_per_node": 1, "timeout_min": self.timeout_min}
         if self.partition:
             parameters["slurm_partition"] = self.partition

@@ -24,7 +24,7 @@ import pytest
 
 from ftlab.experiments import job as job_module
 from ftlab.experiments.job import JobResult
-from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, SshLauncher
+from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
 
 STEPS = 8
 LOSS_RTOL = 1e-5
@@ -204,3 +204,41 @@ def test_the_ssh_launcher_puts_no_secret_on_any_command_line() -> None:
     assert launcher.host_addr(0) == "node0"
     assert launcher.kill_node_command_line(1, 777) == ["ssh", "-o", "BatchMode=yes", "node1", "kill -KILL -- -777"]
     assert launcher.signal_command_line(0, 5, signal.SIGSTOP) == ["ssh", "-o", "BatchMode=yes", "alice@node0", "kill -19 5"]
+
+
+# -- SLURM (submitit) ------------------------------------------------------------------------------------------------
+class LocalSubmititLauncher(SlurmLauncher):
+    """The SLURM launcher's own submission (a pickled ``run_agent`` call, the secret in a 0600 file named by
+    ``--secret-file``), run by submitit's local executor: there is no SLURM here. Signals go to local processes
+    instead of through ``srun``/``scancel``, which are what this cannot test."""
+
+    same_machine = True
+    modes: list[int] = []
+
+    def host_addr(self, node: int) -> str:
+        return SECOND
+
+    def secret_file(self, secret: str) -> Path:
+        path = super().secret_file(secret)
+        self.modes.append(path.stat().st_mode & 0o777)
+        return path
+
+    def signal(self, node: int, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill_node(self, node: int, agent_pid: int, worker_pids: Sequence[int]) -> None:
+        os.killpg(agent_pid, signal.SIGKILL)
+
+
+def test_agents_submitted_through_submitit_lose_a_node_and_stay_on_the_fault_free_curve(
+    run, fault_free: list[float], monkeypatch: pytest.MonkeyPatch, tmp_path: Path  # noqa: ANN001
+) -> None:
+    launcher = LocalSubmititLauncher(tmp_path / "slurm", cluster="local")
+    monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
+    result = run(*COMMON, *KILL)
+    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert launcher.modes and set(launcher.modes) == {0o600}, "the secret file is readable by others"
+    assert not (tmp_path / "slurm" / "job-secret").exists(), "the secret file outlived the job"
