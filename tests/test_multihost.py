@@ -86,6 +86,7 @@ class DetachedLauncher(Launcher):
 
     def __init__(self, host_addr: str) -> None:
         self.addr = host_addr
+        self.secret = ""
         self.started: list[AgentSpec] = []
         self.seen: dict[str, object] = {}
 
@@ -100,6 +101,7 @@ class DetachedLauncher(Launcher):
         proc.stdin.close()
         proc.wait()  # setsid's own process, which exits once it has forked the agent
         self.started.append(spec)
+        self.secret = secret
         return _Unknown()
 
     def signal(self, node: int, pid: int, sig: int) -> None:
@@ -110,6 +112,10 @@ class DetachedLauncher(Launcher):
 
     def kill_node(self, node: int, agent_pid: int, worker_pids: Sequence[int]) -> None:
         parent, group, session = process_group(agent_pid)
+        secret = self.secret.encode()
+        self.seen["secret_shown"] = [pid for pid in (agent_pid, *worker_pids)
+                                     if secret in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+        self.seen["secret_in_agent_env"] = secret in Path(f"/proc/{agent_pid}/environ").read_bytes()
         self.seen.update(parent=parent, group=group, session=session, agent=agent_pid,
                          worker_groups={process_group(pid)[1] for pid in worker_pids},
                          connections=connections_on(self.addr))  # fmt: skip
@@ -140,6 +146,8 @@ def test_independent_agents_on_a_second_address_lose_a_node_and_stay_on_the_faul
     assert seen["group"] == seen["session"] == seen["agent"], "the agent does not lead a session of its own"
     assert seen["worker_groups"] == {seen["agent"]}, "the node's workers are not in its agent's process group"
     assert seen["connections"] > 0, f"no worker connection uses {SECOND}"
+    assert seen["secret_shown"] == [], "the job's secret is on a command line"
+    assert not seen["secret_in_agent_env"], "the agent read the secret from its standard input, not its environment"
 
 
 # -- ssh ---------------------------------------------------------------------------------------------------------
