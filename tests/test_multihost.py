@@ -208,7 +208,7 @@ def test_the_ssh_launcher_puts_no_secret_on_any_command_line() -> None:
     assert command[:4] == ["ssh", "-o", "BatchMode=yes", "node1"]
     remote = command[4]
     assert remote.startswith("/opt/venv/bin/ftlab-agent --coordinator-addr 10.0.0.1 --coordinator-port 4242 --node 1")
-    assert remote.endswith("--host-addr node1 --secret-file -")
+    assert remote.endswith("--host-addr node1 --device-offset 0 --secret-file -")
     assert launcher.host_addr(0) == "node0"
     assert launcher.kill_node_command_line(1, 777) == ["ssh", "-o", "BatchMode=yes", "node1", "kill -KILL -- -777"]
     assert launcher.signal_command_line(0, 5, signal.SIGSTOP) == ["ssh", "-o", "BatchMode=yes", "alice@node0", "kill -19 5"]
