@@ -53,6 +53,7 @@ bench: setup
 	$(PYTHON) -m ftlab.experiments.bench_recovery
 	$(PYTHON) -m ftlab.experiments.bench_staggered
 	$(PYTHON) -m ftlab.experiments.bench_snapshots
+	$(PYTHON) -m ftlab.experiments.bench_simulator
 
 clean:
 	rm -rf $(VENV) .ftlab outputs multirun mlflow.db sweep.db mlruns mlartifacts ui-artifacts

@@ -23,7 +23,7 @@ from omegaconf import MISSING
 
 from ftlab import policies
 from ftlab.faults.schedules import FaultsConfig
-from ftlab.runtime.config import ClusterConfig, TrackingConfig, TrainConfig
+from ftlab.runtime.config import ClusterConfig, SimConfig, TrackingConfig, TrainConfig
 from ftlab.runtime.model_spec import ModelConfig
 
 COMPONENT_GROUPS = ("policy", "protection")
@@ -40,8 +40,11 @@ class JobConfig:
     faults: FaultsConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    """The simulator's settings and measured constants (mode=simulate)."""
     mode: str = "train"
-    """train: run the job; plan: print and log the plan only, starting no worker."""
+    """train: run the job; plan: print and log the plan only, starting no worker; simulate: run it on a simulated
+    cluster."""
     progress: bool = True
 
 

@@ -4,7 +4,11 @@ The composition root: here the config becomes a policy, a protection, a first de
 backend, and the job's event stream is wired to its subscribers (MLflow, the progress line, the fault ledger, the
 injector). Everything that can be checked without a worker is checked before the first process starts, and before
 torch is imported, so a bad input is answered in seconds; every way out of the job closes the MLflow run: FINISHED,
-or FAILED with the reason.
+or FAILED with the reason (a job the policy stopped keeps its summary of the steps it committed).
+
+The simulator (``experiments.simulate``) shares all of it but the backend: the same checks (``check_job``), the
+same run and tags (``tracked``), the same subscribers (``observe``) and the same summary and timeline
+(``conclude``), so a simulated run and a real one read alike in MLflow.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,8 @@ from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
 from ftlab.runtime.config import ClusterConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.costs import ModelProfile, layer_bytes, stage_memory
+from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
+from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
@@ -49,6 +54,10 @@ CONF_DIR = Path(__file__).parents[1] / "conf"
 GIB = 2**30
 MEASURED_DEVICES = ("cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
+MEASURE_FLOPS_LIMIT = 5e10
+"""Forward FLOPs of one micro-batch through the whole model above which measuring is refused: the profiler runs
+each layer about 40 forward-equivalents, and a CPU core pair manages some 10-50 GFLOP/s, so this keeps a first
+(uncached) measurement under a minute or two. gpt2-tiny at micro-batch 2 needs 6e8, gpt2-small 6e11."""
 
 
 def compose_config(overrides: list[str] | None = None) -> DictConfig:
@@ -68,6 +77,10 @@ class JobResult:
     faults: list[FaultRecord]
     worker_pids: dict[int, list[int]]
     checkpoint_dir: str = ""
+    events: list[ev.Event] = field(default_factory=list)
+    """Everything that happened but the steps, in order."""
+    stopped: str | None = None
+    """Why the policy stopped the job before train.steps, if it did."""
 
 
 # -- the costs a job plans with ------------------------------------------------------------------------------------
@@ -76,14 +89,15 @@ def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
     GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``)."""
     device = cfg.cluster.device
     model, micro_batch = cfg.model, cfg.train.micro_batch
+    checkpointing = cfg.train.activation_checkpointing
     if device in DEVICES:
         profile = analytic_profile(model, device, micro_batch, model.seq_len)
-        return profile, {"kind": "analytic", "device": device}
+        return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
-        cache_dir=Path(cfg.train.cache_dir) / "profiles",
+        cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker,
     )  # fmt: skip
-    return profile, {"kind": "measured", "device": profile.device}
+    return replace(profile, activation_checkpointing=checkpointing), {"kind": "measured", "device": profile.device}
 
 
 def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Membership], Job]:
@@ -112,16 +126,16 @@ def everyone(cfg: JobConfig) -> Membership:
 def check_memory(plan: Plan, job: Job) -> None:
     """Refuse a plan whose stage would not fit the configured device memory (``runtime.costs.stage_memory``)."""
     t = job.train
+    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len)) for spec in job.specs]
     for p, s, stage in plan.stages():
         in_flight = len(plan.pipelines[p].stages) - s
-        layers = [layer_bytes(spec, t.micro_batch, job.model.seq_len) for spec in job.specs[stage.start : stage.stop]]
-        state = sum(b["param_bytes"] + b["optimizer_bytes"] for b in layers)
-        need = stage_memory(state, sum(b["saved_bytes"] for b in layers), in_flight)
+        need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing)
         if need > job.device_memory_bytes:
             raise ConfigError(
                 f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "
                 f"{need / GIB:.2f} GiB but a device has {job.device_memory_bytes / GIB:.2f} GiB: use more "
-                f"pipeline stages (train.stages), a smaller train.micro_batch, or raise cluster.device_memory_gb"
+                f"pipeline stages (train.stages), a smaller train.micro_batch, train.activation_checkpointing=true, "
+                f"or raise cluster.device_memory_gb"
             )
 
 
@@ -173,6 +187,32 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
             "end-of-line tokens: use at least 3"
+        )
+
+
+def check_device(cfg: JobConfig) -> None:
+    """A device with a profile: a GPU type of ``runtime.devices`` (analytic), or this machine's cpu or cuda
+    (measured), for a model small enough to measure here."""
+    device = cfg.cluster.device
+    if device in DEVICES:
+        return
+    if device.split(":")[0] not in MEASURED_DEVICES:
+        raise ConfigError(
+            f"cluster.device={device!r} has no profile: use cpu (measured on this machine) or a GPU type with an "
+            f"analytic profile: {', '.join(DEVICES)}"
+        )
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"cluster.device={device} needs CUDA, which this machine lacks: use cpu or a GPU type")
+        return
+    flops = sum(s.fwd_flops_per_token for s in layer_specs(cfg.model)) * cfg.train.micro_batch * cfg.model.seq_len
+    if flops > MEASURE_FLOPS_LIMIT:
+        raise ConfigError(
+            f"measuring {cfg.model.name} on this CPU would take too long ({flops:.1e} FLOPs per forward micro-batch, "
+            f"the limit is {MEASURE_FLOPS_LIMIT:.0e}): plan it with a GPU profile (cluster.device=A100-80GB, or "
+            f"a GPU cluster preset such as cluster=a100-16x8), or use a smaller model or train.micro_batch"
         )
 
 
@@ -264,18 +304,20 @@ class Preflight:
     protection: Protection
     decision: Decision
     faults: list[FaultEvent]
-    backend: str
-    """gloo or nccl; with agents on other hosts, as requested (auto too) until they report their GPUs."""
-    tokens: Path
     make_job: Callable[[Membership], Job]
     beyond: list[FaultEvent] = field(default_factory=list)
     """Generated or replayed faults at steps the job never runs: warned of, not fired."""
+    backend: str = ""
+    """gloo or nccl (real processes only); with agents on other hosts, as requested (auto too) until they report
+    their GPUs."""
     backend_why: str = ""
+    tokens: Path | None = None
+    """The tokenised corpus (real processes only)."""
 
 
-def preflight(cfg: JobConfig) -> Preflight:
-    """Everything checkable before a worker starts. Raises ConfigError (or the fault schedule's error) with what
-    to change."""
+def check_job(cfg: JobConfig) -> Preflight:
+    """What every job is checked for, real or simulated: settings, the policy and protection with their first
+    plan, its memory, the fault schedule. Raises ConfigError (or the fault schedule's error) with what to change."""
     check_settings(cfg)
     start = resume_point(cfg)
     make_job = job_factory(cfg, start)
@@ -284,17 +326,24 @@ def preflight(cfg: JobConfig) -> Preflight:
     first_step = start.step if start is not None else 0
     faults = check_reach(cfg.faults, scheduled, first_step, cfg.train.steps)
     beyond = beyond_job(scheduled, first_step, cfg.train.steps)
+    return Preflight(policy, protection, decision, faults, make_job, beyond)
+
+
+def preflight(cfg: JobConfig) -> Preflight:
+    """Everything checkable before a worker starts; a real job also needs its corpus and a torch backend."""
+    checked = check_job(cfg)
     tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
     if len(load_tokens(tokens)) <= cfg.model.seq_len:
         raise ConfigError(
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    backend, backend_why = resolve_backend(cfg)
-    return Preflight(policy, protection, decision, faults, backend, tokens, make_job, beyond, backend_why)
+    checked.tokens = tokens
+    checked.backend, checked.backend_why = resolve_backend(cfg)
+    return checked
 
 
-# -- the job -------------------------------------------------------------------------------------------------------
+# -- the job ------------------------------------------------------------------------------------------------------
 def run_tags(cfg: JobConfig) -> dict[str, str]:
     return {
         "policy": cfg.policy.name,
@@ -332,19 +381,24 @@ def describe(cfg: JobConfig, summary: dict[str, float] | None = None) -> str:
 
 
 def run_job(dict_cfg: DictConfig) -> JobResult:
+    return tracked(dict_cfg, _run, backend="local")
+
+
+def tracked(dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult], backend: str) -> JobResult:
+    """Run ``body`` inside one MLflow run tagged ``backend``: FINISHED with its result, FAILED with the reason
+    otherwise. A job the policy stopped is FAILED too, after its summary is logged."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
-        OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
-        describe(cfg),
+        OmegaConf.to_container(dict_cfg, resolve=True), {**run_tags(cfg), "backend": backend},
+        OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg),
     )  # fmt: skip
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
-        checked = preflight(cfg)
-        for key, value in checked.protection.describe().items():
-            tracker.set_tag(f"protection.{key}", value)
-        result = _run(cfg, tracker, checked)
+        result = body(cfg, tracker)
         result.run_id = run_id
+        if result.stopped is not None:
+            raise JobStopped(result.stopped)
         tracker.describe(describe(cfg, result.summary))
         tracker.finish()
         return result
@@ -368,14 +422,79 @@ def failed_run(dict_cfg: DictConfig, error: Exception) -> str:
 
 
 @dataclass
+class Observers:
+    """The job's event stream and what follows it: the collector of the result, MLflow, the ledger, progress."""
+
+    bus: ev.EventBus
+    collector: _Collector
+    ledger: FaultLedger
+    progress: Any
+    recorder: RunRecorder | None
+
+
+def observe(cfg: JobConfig, tracker: Tracker | None, clock_origin: float, repeats: bool = True) -> Observers:
+    """Subscribe the job's observers; ``repeats=False`` logs a run of equal per-step metrics by its first and last
+    step only (a simulated plan's steps are identical)."""
+    from ftlab.runtime.progress import ProgressLine
+
+    bus = ev.EventBus()
+    collector = _Collector()
+    bus.subscribe(collector)
+    recorder = None
+    if tracker is not None:
+        recorder = RunRecorder(tracker, cfg.model.seq_len, clock_origin=clock_origin, repeats=repeats)
+        bus.subscribe(recorder)
+    ledger = FaultLedger(bus)
+    progress = ProgressLine(cfg.train.steps, enabled=cfg.progress, plain_every=10 if repeats else max(10, cfg.train.steps // 20))
+    bus.subscribe(progress)
+    return Observers(bus, collector, ledger, progress, recorder)
+
+
+def conclude(
+    cfg: JobConfig, tracker: Tracker | None, seen: Observers, checked: Preflight, injector: Injector | None,
+    stopped: JobStopped | None, worker_pids: dict[int, list[int]] | None = None,
+) -> JobResult:  # fmt: skip
+    """The job's result, its summary metrics and timeline.png; the faults that never fired are warned of."""
+    seen.progress.close()
+    ended = [(fault, "the job ended before it fired") for fault in injector.pending()] if injector else []
+    _warn_unfired(seen.bus, ended, seen.collector.last_at)
+    if seen.recorder is not None:
+        seen.recorder.close()
+    steps, plans = seen.collector.steps, seen.collector.plans
+    summary: dict[str, float] = {}
+    if steps and plans and seen.collector.started is not None:
+        summary = summarise(steps, seen.ledger, plans[0].generation)
+        summary["summary/faults_unfired"] = float(len(checked.beyond) + len(ended))
+        if tracker is not None:
+            tracker.log_metrics(summary, cfg.train.steps)
+            title = f"{cfg.policy.name} | {cfg.faults.schedule}"
+            _log_timeline(tracker, steps, seen.ledger, seen.collector.started, plans[0], title)
+    return JobResult(
+        "", steps, plans, summary, list(seen.ledger.records), worker_pids or {}, cfg.train.checkpoint_dir,
+        seen.collector.events, None if stopped is None else str(stopped),
+    )  # fmt: skip
+
+
+def record_checks(cfg: JobConfig, tracker: Tracker | None, seen: Observers, checked: Preflight, at: float) -> None:
+    """What the checks before the job found: the protection's choices as tags, faults beyond the job warned of."""
+    if tracker is not None:
+        for key, value in checked.protection.describe().items():
+            tracker.set_tag(f"protection.{key}", value)
+    beyond = [(fault, f"the job runs steps before {cfg.train.steps} only (train.steps)") for fault in checked.beyond]
+    _warn_unfired(seen.bus, beyond, at)
+@dataclass
 class _Collector:
     """What the job's result and summary need from the event stream."""
 
     steps: list[ev.StepCommitted] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
+    events: list[ev.Event] = field(default_factory=list)
     started: float | None = None
+    last_at: float = 0.0
+    """The time of the latest event (the job's clock: monotonic, or simulated)."""
 
     def __call__(self, event: ev.Event) -> None:
+        self.last_at = max(self.last_at, event.at)
         match event:
             case ev.StepStarting() if self.started is None:
                 self.started = event.at
@@ -383,24 +502,21 @@ class _Collector:
                 self.steps.append(event)
             case ev.PlanConfigured():
                 self.plans.append(event.plan)
+        if event.logged:
+            self.events.append(event)
 
 
-def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
+def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
+    checked = preflight(cfg)
     # Process code loads only now: the checks above ran without torch.
     from ftlab.runtime.cluster import LocalCluster
     from ftlab.runtime.coordinator import Coordinator
     from ftlab.runtime.local_backend import LocalBackend
     from ftlab.runtime.optim import OptimSettings
-    from ftlab.runtime.progress import ProgressLine
 
     t, c = cfg.train, cfg.cluster
-    bus = ev.EventBus()
-    collector = _Collector()
-    bus.subscribe(collector)
-    bus.subscribe(RunRecorder(tracker, cfg.model.seq_len, clock_origin=time.monotonic()))
-    ledger = FaultLedger(bus)
-    progress = ProgressLine(t.steps, enabled=cfg.progress)
-    bus.subscribe(progress)
+    seen = observe(cfg, tracker, clock_origin=time.monotonic())
+    record_checks(cfg, tracker, seen, checked, time.monotonic())
     setup = {
         "model": cfg.model,
         "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
@@ -408,6 +524,7 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
         "tokens_path": str(checked.tokens),
         "backend": checked.backend,
         "comm_timeout_s": c.comm_timeout_s,
+        "activation_checkpointing": t.activation_checkpointing,
         "zero": t.zero,
         "aor": False,
         **checked.protection.runtime_options(),
@@ -418,38 +535,29 @@ def _run(cfg: JobConfig, tracker: Tracker, checked: Preflight) -> JobResult:
     )  # fmt: skip
     setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
-    unfired = [(fault, f"the job runs steps before {t.steps} only (train.steps)") for fault in checked.beyond]
-    _warn_unfired(bus, unfired, time.monotonic())
+    stopped: JobStopped | None = None
     try:
         cluster.start(c.start_timeout_s)
         why = checked.backend_why
         if c.launcher != "local":
             setup["backend"], why = backend_for(cfg, checked.backend, cluster.gpus_of_node(), cluster.launcher.same_machine)
         log.info("communication backend: %s (%s)", setup["backend"], why)
-        tracker.set_tag("backend", setup["backend"])
-        tracker.set_tag("backend.why", why)
-        backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
-        injector = Injector(checked.faults, backend, bus)
+        tracker.set_tag("comm_backend", setup["backend"])
+        tracker.set_tag("comm_backend.why", why)
+        backend = LocalBackend(cluster, seen.bus, setup, c.heartbeat_timeout_s)
+        injector = Injector(checked.faults, backend, seen.bus)
         coordinator = Coordinator(
-            backend, checked.policy, checked.protection, checked.make_job, bus, t.steps, t.checkpoint_dir
+            backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir
         )
         coordinator.run(checked.decision)
+    except JobStopped as exc:
+        stopped = exc
     finally:
         if injector is not None:
             injector.stop()
-        progress.close()
+        seen.progress.close()
         cluster.shutdown()
-    assert collector.started is not None and injector is not None
-    ended = [(fault, "the job ended before it fired") for fault in injector.pending()]
-    _warn_unfired(bus, ended, time.monotonic())
-    first = collector.plans[0]
-    summary = summarise(collector.steps, ledger, first.generation)
-    summary["summary/faults_unfired"] = float(len(unfired) + len(ended))
-    tracker.log_metrics(summary, t.steps)
-    _log_timeline(tracker, collector.steps, ledger, collector.started, first, f"{cfg.policy.name} | {cfg.faults.schedule}")
-    return JobResult(
-        "", collector.steps, collector.plans, summary, list(ledger.records), dict(cluster.worker_pids), t.checkpoint_dir
-    )
+    return conclude(cfg, tracker, seen, checked, injector, stopped, dict(cluster.worker_pids))
 
 
 def worker_threads(c: ClusterConfig) -> int:
@@ -518,10 +626,10 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
 def _log_timeline(
     tracker: Tracker, steps: list[ev.StepCommitted], ledger: FaultLedger, started: float, plan: Plan, title: str
 ) -> None:
-    from ftlab.runtime.timeline import plot_timeline
+    from ftlab.runtime.timeline import merge_steps, plot_timeline
 
     path = plot_timeline(
-        [(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps],
+        merge_steps([(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps]),
         [r.fired_at - started for r in ledger.records if r.fired_at is not None],
         [r.recovered_at - started for r in ledger.records if r.recovered_at is not None],
         tracker.local / "timeline.png",

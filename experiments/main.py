@@ -12,6 +12,7 @@ the first failed job's exception after its batch, so the task function returns i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 register()
 
-MODES = ("train", "plan")
+MODES = ("train", "plan", "simulate")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -45,9 +46,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def report(result: JobResult, tracking_uri: str) -> None:
     s = result.summary
+    loss = s["summary/final_loss"]
     lines = [
-        f"\nftlab: {int(s['summary/steps'])} steps, final loss {s['summary/final_loss']:.4f}, "
-        f"{s['summary/samples_per_s']:.1f} samples/s after start-up",
+        f"\nftlab: {int(s['summary/steps'])} steps, "
+        + ("" if math.isnan(loss) else f"final loss {loss:.4f}, ")  # a simulation computes no loss
+        + f"{s['summary/samples_per_s']:.1f} samples/s after start-up",
         f"failures {int(s['summary/failures'])}, recovery {s['summary/recovery_s_total']:.2f} s in all, "
         f"goodput {s['summary/goodput_ratio']:.2f} of the fault-free rate "
         f"({s['summary/fault_free_samples_per_s']:.1f} samples/s)",
@@ -69,7 +72,10 @@ def run(cfg: DictConfig) -> str:
     if cfg.mode not in MODES:
         from ftlab.experiments.job import failed_run
 
-        error = ConfigError(f"mode={cfg.mode}: use mode=train (run the job) or mode=plan (show its plan)")
+        error = ConfigError(
+            f"mode={cfg.mode}: use mode=train (run the job), mode=plan (show its plan) or mode=simulate (run it on "
+            f"a simulated cluster)"
+        )
         failed_run(cfg, error)
         raise error
     if cfg.mode == "plan":
@@ -79,9 +85,14 @@ def run(cfg: DictConfig) -> str:
         print(planned.text, end="")
         print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
         return planned.run_id
-    from ftlab.experiments.job import run_job
+    if cfg.mode == "simulate":
+        from ftlab.experiments.simulate import simulate_job
 
-    result = run_job(cfg)
+        result = simulate_job(cfg)
+    else:
+        from ftlab.experiments.job import run_job
+
+        result = run_job(cfg)
     report(result, cfg.tracking.uri)
     return result.run_id
 

@@ -18,7 +18,7 @@ Where the costs come from (``cluster.device``):
 - ``cpu`` (the default) or ``cuda``: the model is measured on this machine (``runtime.profiler.measure_profile``,
   cached under ``<train.cache_dir>/profiles``: the very profile the Oobleck policy plans training with). Templates
   put one worker on each stage, as the runtime does. Measuring runs every layer forward and backward several times,
-  so it is refused for models too large for this machine (``MEASURE_FLOPS_LIMIT``).
+  so it is refused for models too large for this machine (``experiments.job.MEASURE_FLOPS_LIMIT``).
 - a GPU type of ``runtime.devices`` (``A40``, ``A100-80GB``, ...): the analytic profile from FLOPs and datasheet
   figures, which takes milliseconds at any size, and templates may use tensor parallelism inside a node. A paper
   scale job (GPT-3 6.7B on 16 x 8 A100) plans in well under a second.
@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import (
-    check_memory, check_settings, components, everyone, job_factory, job_profile, run_tags,
+    check_device, check_memory, check_settings, components, everyone, job_factory, job_profile, run_tags,
     describe, run_name,
 )  # fmt: skip
 from ftlab.policies.oobleck.policy import Oobleck
@@ -50,17 +50,11 @@ from ftlab.policies.oobleck.templates import PipelineTemplate
 from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.devices import DEVICES, UTILISATION
-from ftlab.runtime.model_spec import layer_specs
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.program_check import simulate
 from ftlab.runtime.tracking import Tracker
 
 GIB = 2**30
-MEASURED_DEVICES = ("cpu", "cuda")
-MEASURE_FLOPS_LIMIT = 5e10
-"""Forward FLOPs of one micro-batch through the whole model above which measuring is refused: the profiler runs
-each layer about 40 forward-equivalents, and a CPU core pair manages some 10-50 GFLOP/s, so this keeps a first
-(uncached) measurement under a minute or two. gpt2-tiny at micro-batch 2 needs 6e8, gpt2-small 6e11."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,14 +144,7 @@ def build_report(cfg: JobConfig) -> PlanReport:
 
 def _check_shape(cfg: JobConfig) -> None:
     check_settings(cfg)
-    device = cfg.cluster.device
-    if device not in DEVICES and device.split(":")[0] not in MEASURED_DEVICES:
-        raise ConfigError(
-            f"cluster.device={device!r} is not a device ftlab knows: use cpu (measured here) or a GPU type for an "
-            f"analytic profile: {', '.join(DEVICES)}"
-        )
-    if device not in DEVICES:
-        _check_measurable(cfg, device)
+    check_device(cfg)
 
 
 def _profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
@@ -166,22 +153,6 @@ def _profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
     if source["kind"] == "analytic":
         source["utilisation"] = UTILISATION
     return dataclasses.replace(profile, device_memory_bytes=int(cfg.cluster.device_memory_gb * GIB)), source
-
-
-def _check_measurable(cfg: JobConfig, device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"cluster.device={device} needs CUDA, which this machine lacks: use cpu or a GPU type")
-        return
-    flops = sum(s.fwd_flops_per_token for s in layer_specs(cfg.model)) * cfg.train.micro_batch * cfg.model.seq_len
-    if flops > MEASURE_FLOPS_LIMIT:
-        raise ConfigError(
-            f"measuring {cfg.model.name} on this CPU would take too long ({flops:.1e} FLOPs per forward micro-batch, "
-            f"the limit is {MEASURE_FLOPS_LIMIT:.0e}): plan it with a GPU profile (cluster.device=A100-80GB, or "
-            f"a GPU cluster preset such as cluster=a100-16x8), or use a smaller model or train.micro_batch"
-        )
 
 
 def _header(cfg: JobConfig, profile: ModelProfile) -> dict[str, Any]:

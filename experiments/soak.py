@@ -40,6 +40,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import GIB
+from ftlab.runtime import shm
 from ftlab.runtime.costs import layer_bytes, stage_memory
 from ftlab.runtime.model_spec import ModelConfig, layer_specs
 
@@ -57,7 +58,8 @@ class Scenario:
     """Overrides of the job itself (model, cluster, training, policy, protection)."""
     faults: list[str]
     every: int | None
-    """The checkpoint interval, when the protection saves to storage."""
+    """The most committed steps a restart may lose (the storage checkpoint or REFT flush interval), when the
+    protection keeps state."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -107,29 +109,41 @@ def draw(seed: int, index: int) -> Scenario:
         f"train.steps={steps}", "train.global_batch=16", f"train.micro_batch={micro_batch}",
         f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3",
     ]  # fmt: skip
-    policy = rng.choice(["checkpoint_restart", "oobleck", "oobleck"])
+    policy = rng.choice(["checkpoint_restart", "recycle", "oobleck", "oobleck"])
     every = None
-    if policy == "checkpoint_restart":
+    if policy in ("checkpoint_restart", "recycle"):
         stages = rng.randint(1, min(3, layers, nodes * wpn))
         every = rng.choice([2, 3, 4])
-        job += ["policy=checkpoint_restart", "protection=storage", f"protection.every={every}", f"train.stages={stages}"]
-        spare_nodes = nodes - 1  # the grid shrinks to the workers left (fewer stages if need be)
+        job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every)]
+        # The grid shrinks to the workers left (fewer stages if need be); ReCycle reroutes until a stage loses every
+        # replica, then restarts like checkpoint-restart from its protection's state.
+        spare_nodes = nodes - 1
     else:
         split = rng.random() < 0.5
         n0 = 2 if split else 1
         f = rng.choice([1, 2]) if nodes >= 3 * n0 else 1
         if nodes < (f + 1) * n0:
             split, n0, f = False, 1, 1
-        protection = rng.choice(["none", "storage"])
-        job += ["policy=oobleck", f"policy.fault_threshold={f}", f"protection={protection}"]
-        if protection == "storage":
+        job += ["policy=oobleck", f"policy.fault_threshold={f}"]
+        if rng.random() < 1 / 3:
+            job.append("protection=none")
+        else:
             every = rng.choice([2, 3, 4])
-            job.append(f"protection.every={every}")
+            job += draw_protection(rng, every)
         if split:
             job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
     faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)))
     return Scenario(index, job, faults, every, notes)
+
+
+def draw_protection(rng: random.Random, every: int) -> list[str]:
+    """Storage checkpoints every ``every`` steps, or REFT's snapshots every step with a flush to storage every
+    ``every`` steps: either way a restart loses at most ``every`` committed steps."""
+    if rng.random() < 0.5:
+        return ["protection=storage", f"protection.every={every}"]
+    return ["protection=reft", f"protection.mode={rng.choice(['arc', 'aec'])}", "protection.interval=1",
+            f"protection.flush_every={every}"]  # fmt: skip
 
 
 def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: int) -> tuple[list[str], list[str]]:
@@ -187,12 +201,20 @@ class Outcome:
 
 
 def run_ftlab(overrides: list[str], workdir: Path, cache: Path, mark: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run one job through the ftlab command; its completed process (``args`` holds the command and, last, the
+    coordinator's pid, which names the job's node memories in /dev/shm) and its MLflow store."""
     workdir.mkdir(parents=True, exist_ok=True)
     store = f"sqlite:///{workdir}/mlflow.db"
     command = [sys.executable, "-m", "ftlab.experiments.main", *overrides, "progress=false", f"tracking.uri={store}",
                f"train.cache_dir={cache}", f"train.checkpoint_dir={workdir}/checkpoints", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
     env = {**os.environ, MARK: mark}
-    return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800), store
+    with subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=1800)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+    return subprocess.CompletedProcess([*command, str(proc.pid)], proc.returncode, out, err), store
 
 
 def final_losses(store: str) -> tuple[str, dict[int, float], list[dict]]:
@@ -222,8 +244,9 @@ def leftovers(mark: str) -> list[str]:
     return found
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("ftlab*")}
+def shm_segments(coordinator_pid: str) -> list[str]:
+    """The node memories of the job this coordinator ran (jobs of other users may run beside)."""
+    return sorted(p.name for p in shm.ROOT.glob(f"ftlab-{coordinator_pid}-*"))
 
 
 def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], cache: Path) -> Outcome:
@@ -236,7 +259,6 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
             return Outcome(False, [f"the fault-free twin failed: {done.stderr.strip()[-400:]}"], time.monotonic() - began)
         twins[key] = final_losses(store)[1]
     mark = f"scenario-{scenario.index}-{os.getpid()}"
-    shm_before = shm_segments()
     done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark)
     time.sleep(1.0)  # processes ended by the job's shutdown finish dying
     if done.returncode != 0:
@@ -255,9 +277,9 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
     left = leftovers(mark)
     if left:
         problems.append(f"processes left behind: {left}")
-    new_shm = shm_segments() - shm_before
-    if new_shm:
-        problems.append(f"shared-memory segments left behind: {sorted(new_shm)}")
+    left_shm = shm_segments(done.args[-1])
+    if left_shm:
+        problems.append(f"shared-memory segments left behind: {left_shm}")
     return Outcome(not problems, problems, time.monotonic() - began)
 
 

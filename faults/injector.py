@@ -1,7 +1,9 @@
 """The fault injector: fires a schedule's events on a backend's machines (real signals on real processes locally).
 
-- Time events fire from one injector thread at their time (seconds since training started), wherever the
-  iteration is. The thread lives as long as the job, because a node it starts is tied to it by PR_SET_PDEATHSIG.
+- Time events fire at their time (seconds since training started), wherever the iteration is. On real processes
+  they fire from one injector thread on the wall clock; the thread lives as long as the job, because a node it
+  starts is tied to it by PR_SET_PDEATHSIG. A backend with a clock of its own (the simulator) passes ``clock`` and
+  ``schedule``: the events are then handed to its timers and fire in its time.
 - Step events without a phase fire when the coordinator is about to start that step.
 - Step events with a phase are armed on the target worker, which stops at the start of that phase and reports it;
   the injector then kills it there. So "kill a node during the gradient reduction of step 7" happens exactly then,
@@ -16,16 +18,32 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from ftlab.faults.schedules import FaultEvent
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import FaultTarget
 
 
+Schedule = Callable[[float, Callable[[], None]], object]
+"""Run a callable at a time of the backend's clock (``SimBackend.call_at``)."""
+
+
 class Injector:
-    def __init__(self, events: list[FaultEvent], target: FaultTarget, bus: ev.EventBus) -> None:
+    def __init__(
+        self,
+        events: list[FaultEvent],
+        target: FaultTarget,
+        bus: ev.EventBus,
+        clock: Callable[[], float] = time.monotonic,
+        schedule: Schedule | None = None,
+    ) -> None:
         self.target = target
         self.bus = bus
+        self.clock = clock
+        """The backend's clock: fault times are taken from it."""
+        self.schedule = schedule
+        self._started = False
         self._timed = sorted((e for e in events if e.at_time_s is not None), key=lambda e: e.at_time_s or 0.0)
         self._stepped = [e for e in events if e.at_step is not None and e.phase is None]
         self._phased = [e for e in events if e.phase is not None]
@@ -40,7 +58,7 @@ class Injector:
     def on_event(self, event: ev.Event) -> None:
         match event:
             case ev.StepStarting(step=step):
-                if self._thread is None:
+                if not self._started:
                     self._start()
                 for fault in [e for e in self._stepped if e.at_step == step]:
                     self._stepped.remove(fault)
@@ -56,13 +74,18 @@ class Injector:
     # -- clocks ------------------------------------------------------------------------------------------------
     def _start(self) -> None:
         """Training starts now: time events count from here."""
-        started = time.monotonic()
+        self._started = True
+        started = self.clock()
+        if self.schedule is not None:
+            for fault in self._timed:
+                self.schedule(started + (fault.at_time_s or 0.0), lambda fault=fault: self.fire(fault))
+            return
         self._thread = threading.Thread(target=self._run_timed, args=(started,), daemon=True, name="fault-injector")
         self._thread.start()
 
     def _run_timed(self, started: float) -> None:
         for fault in self._timed:
-            delay = started + (fault.at_time_s or 0.0) - time.monotonic()
+            delay = started + (fault.at_time_s or 0.0) - self.clock()
             if self._stop.wait(max(0.0, delay)):
                 return
             self.fire(fault)
@@ -101,17 +124,17 @@ class Injector:
             if fault.kind == "join":
                 # "Joins at step k" means: is up by step k, whatever this machine's start-up time.
                 self.target.start_node(fault.node, wait=fault.at_step is not None)
-                return self._injected(time.monotonic(), fault, ())
+                return self._injected(self.clock(), fault, ())
             if fault.kind == "node":
                 if fault.node not in self.target.alive_nodes():
-                    return ev.FaultSkipped(at=time.monotonic(), fault=fault.to_dict(), reason="node already dead")
-                at, workers = time.monotonic(), tuple(self.target.workers_of(fault.node))
+                    return ev.FaultSkipped(at=self.clock(), fault=fault.to_dict(), reason="node already dead")
+                at, workers = self.clock(), tuple(self.target.workers_of(fault.node))
                 self.target.kill_node(fault.node)
                 return self._injected(at, fault, workers)
             worker = self._target_worker(fault)
             if worker not in self.target.alive_workers():
-                return ev.FaultSkipped(at=time.monotonic(), fault=fault.to_dict(), reason="worker already dead")
-            at = time.monotonic()
+                return ev.FaultSkipped(at=self.clock(), fault=fault.to_dict(), reason="worker already dead")
+            at = self.clock()
             if fault.kind == "hang":
                 self.target.hang_worker(worker)
             else:

@@ -67,6 +67,12 @@ Schedules (``FaultsConfig.schedule``):
     With N equal to the trace's initial size and ``max_nodes`` at least its peak, the replay is exact;
   * a ``remove`` of a node the cluster stands for is a ``node`` fault. (The synthetic traces remove 15 of their 30
     nodes, few of the first ones: name the nodes to replay in ``node_map`` to see more of their faults.)
+  * a cluster larger than the trace (more nodes than it ever holds at once) needs a mapping: ``node_map`` (the
+    cluster's other nodes never fail), or ``trace_copies`` k: k copies of the trace replayed side by side, each
+    with nodes of its own, so that every node lives the trace's kind of life (the same preemption rate per node).
+    Copy j's events after the first timestamp are delayed by j times the trace's mean time between removals over
+    k, so the copies' preemptions interleave instead of striking k nodes at once; copies run past the trace's
+    end by at most that delay. Without either, a larger cluster is refused rather than left mostly failure-free.
   * ``max_failures`` ends the replay with that fault, ``horizon_steps`` / ``horizon_s`` (run steps or seconds) there.
 
 Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over
@@ -213,6 +219,8 @@ class FaultsConfig:
     """trace: trace node name -> cluster node index; default: the first N trace nodes in order of appearance."""
     max_nodes: int | None = None
     """trace: trace adds become joins only while fewer nodes than this are alive; default: the cluster's size."""
+    trace_copies: int = 1
+    """trace: replay this many copies of the trace side by side (for a cluster larger than the trace)."""
 
 
 @dataclass(frozen=True)
@@ -263,7 +271,7 @@ def failure_rate(cfg: FaultsConfig) -> FailureRate | None:
         mean = cfg.interval_steps, cfg.interval_s, 1.0
     elif cfg.schedule == "exponential":
         mean = cfg.mtbf_steps, cfg.mtbf_s, 1.0
-    elif cfg.schedule == "weibull" and cfg.weibull_shape:
+    elif cfg.schedule == "weibull" and cfg.weibull_shape and cfg.weibull_shape > 0:  # else refused by build_schedule
         scale = math.gamma(1 + 1 / cfg.weibull_shape)
         steps, seconds = cfg.weibull_scale_steps, cfg.weibull_scale_s
         mean = steps and steps * scale, seconds and seconds * scale, cfg.weibull_shape
@@ -289,7 +297,7 @@ _USES: dict[str, set[str]] = {
     "exponential": {"mtbf_steps", "mtbf_s"} | _GENERATED,
     "weibull": {"weibull_shape", "weibull_scale_steps", "weibull_scale_s"} | _GENERATED,
     "trace": {"trace", "trace_s_per_step", "time_compression", "node_map", "max_nodes", "max_failures",
-              "horizon_steps", "horizon_s"},
+              "horizon_steps", "horizon_s", "trace_copies"},
 }  # fmt: skip
 
 # The setting that gives a schedule's rate in each clock: (steps, seconds).
@@ -493,6 +501,18 @@ def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
         records = read_trace(cfg.trace)
     except TraceError as e:
         raise FaultConfigError(f"faults.trace: {e}") from e
+    if cfg.trace_copies < 1:
+        raise FaultConfigError(f"faults.trace_copies is {cfg.trace_copies}; replay 1 or more copies of the trace")
+    peak = _peak(records)
+    if cfg.node_map is None and cluster.nodes > cfg.trace_copies * peak:
+        copies = -(-cluster.nodes // peak)
+        raise FaultConfigError(
+            f"trace {cfg.trace} holds at most {peak} nodes at once ({cfg.trace_copies} cop"
+            f"{'y' if cfg.trace_copies == 1 else 'ies'}: {cfg.trace_copies * peak}), fewer than the cluster's "
+            f"{cluster.nodes}: replay faults.trace_copies={copies} copies of it side by side, or map trace nodes onto "
+            f"cluster nodes with faults.node_map (the others never fail)"
+        )
+    records = _copies(records, cfg.trace_copies)
     node_map = _node_map(cfg, cluster, records)
 
     start_ms = records[0].time_ms
@@ -515,6 +535,32 @@ def _trace(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
             events.append(FaultEvent("node", standing.pop(r.node), **_at(clock, t)))
             alive_count, failures = alive_count - 1, failures + 1
     return events
+
+
+def _peak(records: list[TraceRecord]) -> int:
+    """The most nodes the trace holds at once."""
+    alive = peak = 0
+    for r in records:
+        alive += 1 if r.action == "add" else -1
+        peak = max(peak, alive)
+    return peak
+
+
+def _copies(records: list[TraceRecord], copies: int) -> list[TraceRecord]:
+    """``copies`` copies of the trace, copy j's nodes named ``<node>#j`` (j > 0) and its later events delayed by
+    j / copies of the mean time between removals (see the module docstring)."""
+    if copies == 1:
+        return records
+    start = records[0].time_ms
+    removes = [r.time_ms for r in records if r.action == "remove"]
+    gap_ms = (removes[-1] - start) / len(removes) if removes else 0.0
+    merged = []
+    for j in range(copies):
+        delay = round(j * gap_ms / copies)
+        for order, r in enumerate(records):
+            at = r.time_ms if r.time_ms == start else r.time_ms + delay
+            merged.append((at, j, order, TraceRecord(at, r.action, r.node if j == 0 else f"{r.node}#{j}")))
+    return [record for *_, record in sorted(merged, key=lambda m: m[:3])]
 
 
 def _node_map(cfg: FaultsConfig, cluster: ClusterShape, records: list[TraceRecord]) -> dict[str, int]:

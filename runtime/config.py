@@ -60,6 +60,9 @@ class TrainConfig:
     micro_batch: int = 2
     stages: int = 2
     """Pipeline stages of the default plan (a PP x DP grid over every worker)."""
+    activation_checkpointing: bool = False
+    """Each stage keeps only its input per micro-batch and recomputes its forward in the backward pass: far less
+    activation memory for one more forward per micro-batch (``runtime.costs``). Losses are the same."""
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 5
@@ -89,3 +92,52 @@ class TrackingConfig:
     parent_run_id: str | None = None
     """The sweep's run, when the job is one of a sweep (set by ``ftlab -m``): the job's run is its child."""
     sweep_id: str | None = None
+
+
+@dataclass
+class SimConfig:
+    """The simulator's settings (``mode=simulate``, ``runtime.sim_backend``) and the costs it cannot read off a
+    model profile: constants of the machinery around training, measured on this machine by
+    ``experiments/measure_sim_constants.py`` and stored in ``conf/sim/measured.yaml``."""
+
+    horizon_s: float | None = None
+    """Simulated seconds of training after which the job ends (with train.steps as a cap); None: train.steps."""
+    check_programs: bool = True
+    """Hold every distinct component of every plan's programs to the program checker."""
+    detect_s: float = 0.0
+    """A kill to the coordinator noticing it (a closed connection)."""
+    failure_window_s: float = 0.0
+    """After the first sign of a failure, how long the coordinator waits for the rest of it."""
+    control_s: float = 0.0
+    """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep)."""
+    instruction_s: float = 0.0
+    """The runtime's own cost per forward or backward instruction, on top of the profiled layer times (dispatch,
+    buffers, the loss scaling): measured on this machine's runtime; a GPU type's profile is the whole cost."""
+    abort_s: float = 0.0
+    """Aborting the iteration in flight on every survivor."""
+    configure_s: float = 0.0
+    """Configuring a plan on its workers (programs, a fresh process group per generation), before layers move."""
+    process_start_s: float = 0.0
+    """Starting one worker process until it registers (torch and the runtime imported), on an idle host."""
+    node_start_s: float = 0.0
+    """A joining node's agent starting, before its workers start."""
+    build_bytes_per_s: float = 1.0
+    """Building a layer's weights and optimizer state (a fresh worker's model load), bytes of state per second."""
+    codec_bytes_per_s: float = 1.0
+    """Serialising and deserialising a layer's state for a copy or a checkpoint, bytes per second."""
+    storage_write_bytes_per_s: float = 1.0
+    """Checkpoint writes, all writers together."""
+    storage_read_bytes_per_s: float = 1.0
+    """Checkpoint reads, all readers together."""
+    snapshot_bytes_per_s: float = 1e9
+    """A REFT snapshot's copy into the node's memory (with its checksum), and a record's read back, per worker, bytes
+    per second: the copy-and-CRC rate measured here for ``policies/reft/interval.py`` (about 2.5 GB/s copying into
+    pre-touched /dev/shm and 2.2 GB/s of CRC-32, one thread, on this loaded 2-core machine: about 1 GB/s)."""
+    snapshot_launch_s: float = 1e-3
+    """A snapshot's cost on the training thread before its copy runs beside training: starting the copy thread
+    and describing the state to it (``policies/reft/interval.py``'s ``LAUNCH_S``, an estimate, not a measurement)."""
+    host_cores: float = 0.0
+    """Cores of the host that every worker of a measured (cpu) profile shares, as the local runtime runs them all
+    on this machine: compute slows down when more workers compute at once than there are cores, and worker
+    processes that start together take longer. A GPU type gives each worker its own device and each node its own
+    host, and ignores it."""

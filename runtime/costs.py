@@ -10,6 +10,12 @@ weights, 12 more bytes per parameter for the gradient and AdamW's two moments, t
 micro-batch), and a stage holds its layers' state plus the activations of every micro-batch in flight
 (``stage_memory``). ``tests/test_model.py`` holds the activation formulas to what autograd keeps.
 
+Activation checkpointing (``train.activation_checkpointing``, ``ModelProfile.activation_checkpointing``) is per
+stage, as the runtime does it (``runtime.executor``): a stage keeps only its input for each micro-batch in flight
+and recomputes its whole forward in the backward pass. So a stage holds its state, its input for every micro-batch
+in flight, and the full activations of the one micro-batch whose backward runs; and every backward (its input
+half, for a decoupled one) costs one forward more.
+
 Communication: a point-to-point message of n bytes costs ``latency_s + n / p2p_bytes_per_s``; a ring all-reduce of
 n bytes over k ranks ``latency_s + 2 (k - 1) / k * n / allreduce_bytes_per_s`` (bus bandwidth). Which link a
 message takes is not known from a plan (it names workers, not hosts), so plan-level predictions charge the
@@ -76,6 +82,8 @@ class ModelProfile:
     """All-reduce bandwidths are bus bandwidths: an all-reduce of n bytes over k ranks takes 2(k-1)/k * n / bw."""
     latency_s: float = 0.0
     """Per message, on top of the bandwidth term."""
+    activation_checkpointing: bool = False
+    """Stages recompute their forward in the backward pass (module docstring): the job's setting, not measured."""
 
     @property
     def num_layers(self) -> int:
@@ -135,10 +143,28 @@ def profile_from_specs(
     )
 
 
-def stage_memory(state_bytes: float, activation_bytes: float, in_flight: float) -> float:
+def stage_memory(state_bytes: float, activation_bytes: float, in_flight: float, transient_bytes: float = 0.0) -> float:
     """A stage's memory: its layers' state plus the kept activations of ``in_flight`` micro-batches (under 1F1B a
-    stage with k stages after it holds k + 1). Works on numbers and on numpy arrays alike."""
-    return state_bytes + in_flight * activation_bytes
+    stage with k stages after it holds k + 1), plus what one backward holds on top (a checkpointed stage's
+    recomputed activations). Works on numbers and on numpy arrays alike."""
+    return state_bytes + in_flight * activation_bytes + transient_bytes
+
+
+def stage_footprint(layers: Sequence[LayerProfile], start: int, stop: int, in_flight: int, checkpointing: bool) -> float:
+    """The memory of a stage of ``layers[start:stop]`` with ``in_flight`` micro-batches, with or without activation
+    checkpointing: the one formula ``CostModel.stage_memory`` and the preflight check share."""
+    held = layers[start:stop]
+    state = sum(layer.state_bytes for layer in held)
+    saved = sum(layer.saved_bytes for layer in held)
+    if not checkpointing:
+        return stage_memory(state, saved, in_flight)
+    return stage_memory(state, stage_input_bytes(layers, start), in_flight, transient_bytes=saved)
+
+
+def stage_input_bytes(layers: Sequence[LayerProfile], start: int) -> int:
+    """What a checkpointed stage keeps per micro-batch: its input (the previous layer's output; token ids, counted
+    as nothing, for the first stage)."""
+    return layers[start - 1].output_bytes if start > 0 else 0
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
@@ -168,7 +194,9 @@ class CostModel:
         return self._fwd[stop] - self._fwd[start]
 
     def backward_input_s(self, start: int, stop: int) -> float:
-        return self._bwd_input[stop] - self._bwd_input[start]
+        """With activation checkpointing, the recomputed forward comes first."""
+        recompute = self.forward_s(start, stop) if self.profile.activation_checkpointing else 0.0
+        return recompute + self._bwd_input[stop] - self._bwd_input[start]
 
     def backward_weight_s(self, start: int, stop: int) -> float:
         return self._bwd_weight[stop] - self._bwd_weight[start]
@@ -187,10 +215,19 @@ class CostModel:
         return self._params[stop] - self._params[start]
 
     def activation_bytes(self, start: int, stop: int) -> float:
+        """Kept per micro-batch in flight: the layers' saved activations, or a checkpointed stage's input."""
+        if self.profile.activation_checkpointing:
+            return stage_input_bytes(self.profile.layers, start)
         return self._saved[stop] - self._saved[start]
 
+    def transient_bytes(self, start: int, stop: int) -> float:
+        """Held on top during one backward: a checkpointed stage's recomputed activations."""
+        return self._saved[stop] - self._saved[start] if self.profile.activation_checkpointing else 0.0
+
     def stage_memory(self, start: int, stop: int, in_flight: int) -> float:
-        return stage_memory(self.state_bytes(start, stop), self.activation_bytes(start, stop), in_flight)
+        return stage_memory(
+            self.state_bytes(start, stop), self.activation_bytes(start, stop), in_flight, self.transient_bytes(start, stop)
+        )
 
     # -- communication -----------------------------------------------------------------------------------------
     def boundary_bytes(self, layer: int) -> int:
@@ -212,17 +249,23 @@ class CostModel:
         return self.p2p_s(self.profile.layers[layer].state_bytes)
 
     # -- programs ----------------------------------------------------------------------------------------------
+    def reduce_s(self, plan: Plan) -> dict[int, float]:
+        """Each worker's ``ReduceGrads``: the all-reduce of each of its replica sets (issued together, so their
+        costs add up on the worker's link). Workers that share no layer are left out (they reduce nothing)."""
+        reduce_s: dict[int, float] = {}
+        for holders, layers in plan.reduction_groups():
+            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
+            for worker in holders:
+                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+        return reduce_s
+
     def durations(self, plan: Plan) -> Durations:
         """What each instruction of ``plan``'s programs costs on its worker: compute of the worker's layers, a send
         at the p2p cost of the activation (or gradient) at its stage boundary, the gradient all-reduce of each of
         its replica sets (issued together, so their costs add up on the worker's link), the optimizer step.
         Receives and loads cost nothing of their own: a receive waits for its send's arrival."""
         ranges = plan.layer_ranges()
-        reduce_s: dict[int, float] = {}
-        for holders, layers in plan.reduction_groups():
-            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
-            for worker in holders:
-                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+        reduce_s = self.reduce_s(plan)
 
         def duration(worker: int, instruction: ins.Instruction) -> float:
             start, stop = ranges[worker]

@@ -3,6 +3,8 @@
 The loss of micro-batch ``m`` is the mean token cross-entropy of ``m`` scaled by micro_batch / global_batch, so the
 sum over every micro-batch of every pipeline is the mean loss over the global batch, and the per-layer gradient sum
 over replicas (``ReduceGrads``) is its gradient, whatever the layout.
+
+With activation checkpointing (``runtime.passes``) a stage keeps only its inputs between forward and backward.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Executor:
         comm: GenerationComm,
         batches: Batches,
         on_phase: Callable[[int, str], None] = lambda step, phase: None,
+        checkpointing: bool = False,
     ) -> None:
         self.stage = stage
         self.first = stage.start == 0
@@ -94,7 +97,7 @@ class Executor:
         self.batches = batches
         self.on_phase = on_phase
         plan = comm.plan
-        self.passes = StagePasses(stage, loss_scale=plan.micro_batch / plan.global_batch)
+        self.passes = StagePasses(stage, plan.micro_batch / plan.global_batch, checkpointing)
         self.activation_shape = (plan.micro_batch, batches.seq_len, hidden)
 
     def run(self, program: ins.Program, step: int) -> StepResult:
@@ -107,7 +110,7 @@ class Executor:
         for instruction in program:
             if self.comm.aborted.is_set():
                 raise Aborted()
-            new_phase = _phase_of(instruction)
+            new_phase = ins.phase_of(instruction)
             if new_phase and new_phase != phase:
                 phase = new_phase
                 self.on_phase(step, phase)
@@ -166,13 +169,3 @@ class Executor:
             if p.grad is None:  # a parameter no micro-batch used: every replica must still step it alike
                 p.grad = torch.zeros_like(p)
         self.comm.all_reduce_gradients()
-
-
-def _phase_of(instruction: ins.Instruction) -> str:
-    if isinstance(instruction, (ins.ForwardPass, ins.LoadMicroBatch, ins.RecvActivation, ins.SendActivation)):
-        return "forward"
-    if isinstance(instruction, (ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight, ins.RecvGrad, ins.SendGrad)):
-        return "backward"
-    if isinstance(instruction, ins.ReduceGrads):
-        return "reduce"
-    return ""  # the optimizer phase begins at the coordinator's Commit (runtime.worker)

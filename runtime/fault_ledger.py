@@ -55,6 +55,8 @@ class FaultLedger:
         self.bus = bus
         self._lock = threading.Lock()  # the injector's thread adds, the coordinator's reads
         self.records: list[FaultRecord] = []
+        self._waiting: list[FaultRecord] = []
+        """Noticed and not yet recovered (a short list: every committed step looks at it)."""
         bus.subscribe(self.on_event)
 
     def on_event(self, event: ev.Event) -> None:
@@ -78,7 +80,7 @@ class FaultLedger:
     def _open(self) -> list[FaultRecord]:
         """Faults noticed and not yet recovered from."""
         with self._lock:
-            return [r for r in self.records if r.noticed_at is not None and r.recovered_at is None]
+            return [r for r in self._waiting if r.recovered_at is None]
 
     def _noticed(self, workers: set[int], at: float) -> None:
         """Attach a failure to the faults that caused it; a failure nobody injected gets a record of its own."""
@@ -89,10 +91,14 @@ class FaultLedger:
                 self.records.append(matched[0])
             for record in matched:
                 record.noticed_at = at
+                self._waiting.append(record)
 
     def _recovered(self, at: float) -> None:
         """Every fault waiting for a committed step is recovered now."""
-        for record in self._open():
+        recovered = self._open()
+        with self._lock:
+            self._waiting.clear()
+        for record in recovered:
             record.recovered_at = at
             self.bus.publish(
                 ev.Recovered(

@@ -122,3 +122,15 @@ class RecvLayer(LayerInstruction):
 
 
 Program = list[Instruction]
+
+
+def phase_of(instruction: Instruction) -> str:
+    """The phase of an iteration an instruction belongs to (where a phase fault stops a worker): forward,
+    backward, reduce, or "" for the others. The optimizer phase begins at the coordinator's commit."""
+    if isinstance(instruction, (ForwardPass, LoadMicroBatch, RecvActivation, SendActivation)):
+        return "forward"
+    if isinstance(instruction, (BackwardPass, BackwardInput, BackwardWeight, RecvGrad, SendGrad)):
+        return "backward"
+    if isinstance(instruction, ReduceGrads):
+        return "reduce"
+    return ""

@@ -19,6 +19,11 @@ holds them equal for every model family). It relies on each parameter being used
 module that owns it (no weights tied across modules), which every layer of ``runtime.model_families`` satisfies.
 The price is memory: a micro-batch keeps its noted outputs' gradients from ``backward_input`` to
 ``backward_weight``, which is why schedules decouple only where a bubble is worth it.
+
+With activation checkpointing (``train.activation_checkpointing``) the stage's forward runs under
+``torch.utils.checkpoint`` (non-reentrant): only its input is kept, and the backward recomputes the forward first.
+Recomputation replays the same operations on the same inputs (and the same random state), so losses and gradients
+are those without it; the noted outputs stay in the graph, so a decoupled backward works alike.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ftlab.runtime.model import StageModule
 
@@ -49,9 +55,10 @@ class MicroBatch:
 
 
 class StagePasses:
-    def __init__(self, stage: StageModule, loss_scale: float) -> None:
+    def __init__(self, stage: StageModule, loss_scale: float, checkpointing: bool = False) -> None:
         self.stage = stage
         self.loss_scale = loss_scale
+        self.checkpointing = checkpointing
         self._owners = {
             module: own for module in stage.modules() if (own := list(module.parameters(recurse=False)))
         }
@@ -65,7 +72,10 @@ class StagePasses:
         # Hooks for this call only: an executor lives one generation, the layers longer.
         handles = [module.register_forward_hook(note) for module in self._owners]
         try:
-            out = self.stage(x, labels)
+            if self.checkpointing:
+                out = checkpoint(self.stage, x, labels, use_reentrant=False)
+            else:
+                out = self.stage(x, labels)
         finally:
             for handle in handles:
                 handle.remove()

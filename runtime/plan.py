@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from functools import cached_property
 
 
 class PlanError(ValueError):
@@ -56,7 +57,7 @@ class Plan:
     def num_microbatches(self) -> int:
         return self.global_batch // self.micro_batch
 
-    @property
+    @cached_property
     def workers(self) -> tuple[int, ...]:
         """Every worker in the plan, sorted; a worker's index here is its rank in the generation's group.
 
@@ -87,10 +88,20 @@ class Plan:
         Every worker walks this list in the same order, so gradient all-reduces over overlapping groups cannot
         deadlock; groups with a single holder need no communication and are left out.
         """
+        return list(self._reduction_groups)
+
+    @cached_property
+    def _reduction_groups(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        holders: list[list[int]] = [[] for _ in range(self.num_layers)]
+        ranges = self._layer_ranges
+        for worker in sorted(ranges):
+            start, stop = ranges[worker]
+            for layer in range(start, stop):
+                holders[layer].append(worker)
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in range(self.num_layers):
-            groups.setdefault(self.holders(layer), []).append(layer)
-        return [(h, tuple(ls)) for h, ls in groups.items() if len(h) > 1]
+            groups.setdefault(tuple(holders[layer]), []).append(layer)
+        return tuple((h, tuple(ls)) for h, ls in groups.items() if len(h) > 1)
 
     def validate(self) -> None:
         """Raise PlanError unless every micro-batch and every layer is covered exactly as training needs."""
@@ -125,6 +136,11 @@ class Plan:
 
     def layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Each worker's layers ``(start, stop)``; a worker serving several pipelines must hold the same ones."""
+        return dict(self._layer_ranges)
+
+    @cached_property
+    def _layer_ranges(self) -> dict[int, tuple[int, int]]:
+        """Plans are immutable: what is derived from one is kept (a plan of a thousand workers is asked often)."""
         ranges: dict[int, tuple[int, int]] = {}
         for _, _, stage in self.stages():
             held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
@@ -135,8 +151,30 @@ class Plan:
                 )
         return ranges
 
+    def to_dict(self) -> dict:
+        """The plan as plain data (what ``dataclasses.asdict`` gives, built directly: plans run to thousands of
+        stages)."""
+        return {
+            "generation": self.generation,
+            "num_layers": self.num_layers,
+            "global_batch": self.global_batch,
+            "micro_batch": self.micro_batch,
+            "pipelines": [
+                {
+                    "stages": [{"worker": s.worker, "start": s.start, "stop": s.stop} for s in p.stages],
+                    "microbatches": list(p.microbatches),
+                }
+                for p in self.pipelines
+            ],
+            "step": self.step,
+            "notes": dict(self.notes),
+        }
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        """One pipeline a line."""
+        data = self.to_dict()
+        pipelines = ",\n".join(json.dumps(p, separators=(",", ":")) for p in data.pop("pipelines"))
+        return json.dumps(data)[:-1] + f', "pipelines": [\n{pipelines}\n]}}\n'
 
     @staticmethod
     def from_dict(data: dict) -> Plan:

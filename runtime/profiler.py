@@ -64,8 +64,10 @@ class ProfileKey:
     repeats: int
     warmup: int
     links: bool
-    format: int = 2
-    """The profile's own format: 2 measures the optimizer step and the link latency."""
+    threads: int = 0
+    """Torch's compute threads while measuring (0: whatever the measuring process had)."""
+    format: int = 3
+    """The profile's own format: 2 measures the optimizer step and the link latency; 3 records the threads."""
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
@@ -270,11 +272,14 @@ def measure_profile(
     dtype: str = "float32",
     links: bool = True,
     cache_dir: str | Path | None = None,
+    threads: int = 0,
 ) -> ModelProfile:
     """Measure every layer of ``cfg`` on ``device``, or return the cached profile of the very same setting.
 
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
-    bandwidths: communication then costs nothing in the planners.
+    bandwidths: communication then costs nothing in the planners. ``threads``: measure with as many torch threads
+    as a worker computes with (``cluster.threads_per_worker``); on a CPU a layer timed with every core is faster
+    than the single-threaded worker that runs it. 0 leaves the measuring process's setting.
     """
     seq_len = cfg.seq_len if seq_len is None else seq_len
     if not 0 < seq_len <= cfg.seq_len:
@@ -290,6 +295,7 @@ def measure_profile(
         repeats=repeats,
         warmup=warmup,
         links=links,
+        threads=threads,
     )
     path = Path(cache_dir) / f"{cfg.name}-{key.digest()}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
@@ -300,10 +306,16 @@ def measure_profile(
     import torch
 
     torch_dtype = getattr(torch, dtype)
-    layers = tuple(
-        measure_layer(cfg, index, micro_batch, seq_len, torch_dtype, device, repeats, warmup)
-        for index in range(num_layers(cfg))
-    )
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        layers = tuple(
+            measure_layer(cfg, index, micro_batch, seq_len, torch_dtype, device, repeats, warmup)
+            for index in range(num_layers(cfg))
+        )
+    finally:
+        torch.set_num_threads(before)
     p2p, allreduce, latency = measure_links() if links else (float("inf"), float("inf"), 0.0)
     profile = ModelProfile(
         model=cfg.name,

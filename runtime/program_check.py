@@ -76,8 +76,13 @@ def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
 
 def _co_holders(ranges: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, ...]]:
     """For each worker, the workers (itself included) it all-reduces a layer with."""
+    holders: dict[int, list[int]] = defaultdict(list)
+    for w, (start, stop) in ranges.items():
+        for layer in range(start, stop):
+            holders[layer].append(w)
     return {
-        w: tuple(v for v, (a, b) in ranges.items() if a < stop and start < b) for w, (start, stop) in ranges.items()
+        w: tuple(sorted({v for layer in range(start, stop) for v in holders[layer]}))
+        for w, (start, stop) in ranges.items()
     }
 
 
@@ -115,19 +120,28 @@ class _Machine:
     # -- execution ---------------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        progress = True
-        while progress:
-            progress = False
-            for w, program in self.programs.items():
-                while self.pc[w] < len(program) and self._step(w, program[self.pc[w]]):
-                    self.pc[w] += 1
-                    progress = True
+        """Run every worker as far as it goes; a worker that blocks waits until the send or the ReduceGrads
+        arrival it needs wakes it. Each instruction is tried a bounded number of times, so programs of a
+        thousand workers run in time proportional to their length."""
+        self.ready = deque(self.programs)
+        self.queued = set(self.programs)
+        while self.ready:
+            w = self.ready.popleft()
+            self.queued.discard(w)
+            program = self.programs[w]
+            while self.pc[w] < len(program) and self._step(w, program[self.pc[w]]):
+                self.pc[w] += 1
         blocked = {w: p[self.pc[w]] for w, p in self.programs.items() if self.pc[w] < len(p)}
         if blocked:
             raise ProgramError("deadlock: no worker can progress; " + "; ".join(
                 f"worker {w} blocks at instruction {self.pc[w]} {show(i)} ({self._why_blocked(w, i)})"
                 for w, i in sorted(blocked.items())
             ))
+
+    def _wake(self, w: int) -> None:
+        if w not in self.queued:
+            self.queued.add(w)
+            self.ready.append(w)
 
     def _why_blocked(self, w: int, instr: ins.Instruction) -> str:
         if isinstance(instr, ins.ReduceGrads):
@@ -142,7 +156,7 @@ class _Machine:
         if type(instr) in _RECVS:
             queue = self.channels[(_RECVS[type(instr)], _peer(instr), w, _key(instr))]
             if not queue:
-                return False
+                return False  # the matching send wakes this worker
             arrival, boundary = queue.popleft()
             if self.plan is not None:
                 self._receive(w, instr, boundary)
@@ -154,9 +168,14 @@ class _Machine:
             self.sent.add(channel)
             boundary = self._send(w, instr) if self.plan is not None else -1
             self.channels[channel].append((start + cost, boundary))
+            self._wake(channel[2])
             end = start  # asynchronous: the worker goes on at once
         elif isinstance(instr, ins.ReduceGrads) and self.plan is not None:
-            self.reduce_arrival.setdefault(w, start)
+            if w not in self.reduce_arrival:
+                self.reduce_arrival[w] = start
+                for v in self.groups[w]:  # those waiting for this arrival may go on now
+                    if v != w:
+                        self._wake(v)
             if any(v not in self.reduce_arrival for v in self.groups[w]):
                 return False
             self._reduce(w, instr)

@@ -15,18 +15,50 @@ it the last stage waits a whole round trip (its gradient out, the next activatio
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.plan import Pipeline, Plan
 
 
-def one_f_one_b(plan: Plan) -> dict[int, ins.Program]:
-    programs: dict[int, ins.Program] = {}
-    for pipeline in plan.pipelines:
-        for stage_id in range(len(pipeline.stages)):
-            programs[pipeline.stages[stage_id].worker] = stage_program(pipeline, stage_id)
-    return programs
+class OneFOneB(Mapping[int, ins.Program]):
+    """Every worker's 1F1B program for one plan, each built when first read.
+
+    A worker's program is a pure function of its pipeline and its stage in it (``stage_program``), so a reader who
+    needs only some of them (the simulator executes one pipeline of each shape, ``runtime.sim_timing``) does not pay
+    for building a thousand workers' programs per plan. Reading every program gives exactly the dict the scheduler
+    always gave; a worker named in several pipelines gets the program of the last.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.stage_of: dict[int, tuple[Pipeline, int]] = {
+            stage.worker: (pipeline, stage_id)
+            for pipeline in plan.pipelines
+            for stage_id, stage in enumerate(pipeline.stages)
+        }
+        self._built: dict[int, ins.Program] = {}
+
+    def __getitem__(self, worker: int) -> ins.Program:
+        program = self._built.get(worker)
+        if program is None:
+            program = self._built[worker] = stage_program(*self.stage_of[worker])
+        return program
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.stage_of)
+
+    def __len__(self) -> int:
+        return len(self.stage_of)
+
+    @property
+    def disjoint(self) -> bool:
+        """No worker serves two pipelines: each pipeline's programs talk only among themselves."""
+        return len(self.stage_of) == sum(len(p.stages) for p in self.plan.pipelines)
+
+
+def one_f_one_b(plan: Plan) -> OneFOneB:
+    return OneFOneB(plan)
 
 
 def passes(stages: int, stage_id: int, microbatches: int) -> Iterator[tuple[bool, int]]:

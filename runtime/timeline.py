@@ -24,6 +24,17 @@ def throughput_curve(steps: list[tuple[float, float, float]]) -> tuple[list[floa
     return times, rates
 
 
+def merge_steps(steps: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """Adjacent steps at the same rate as one interval: the same curve, fewer points (a simulated day)."""
+    merged: list[tuple[float, float, float]] = []
+    for start, end, rate in sorted(steps):
+        if merged and merged[-1][1] == start and merged[-1][2] == rate:
+            merged[-1] = (merged[-1][0], end, rate)
+        else:
+            merged.append((start, end, rate))
+    return merged
+
+
 def plot_timeline(
     steps: list[tuple[float, float, float]], faults_s: list[float], recoveries_s: list[float], path: Path, title: str
 ) -> Path:

@@ -2,8 +2,8 @@
 
 A run is opened before any worker starts and closed on every path out of the job: FINISHED when training
 completes, FAILED with the reason (as a tag and a ``failure.txt`` artifact) otherwise. ``RunRecorder`` turns the
-job's event stream into the run's record: per-step and per-fault metrics, the plans, and ``events.jsonl`` (written
-locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
+job's event stream into the run's record: per-step and per-fault metrics, and the plans and ``events.jsonl`` (both
+written locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
 
 A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
 
@@ -17,6 +17,7 @@ goodput: ``view_url`` is its address.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -179,6 +180,13 @@ class Tracker:
         assert self.run_id is not None
         self.client.log_artifact(self.run_id, str(local), folder)
 
+    def write_artifact(self, path: str, text: str) -> None:
+        """Write an artifact locally now and upload it when the run closes (with ``events.jsonl``): a simulated
+        day writes hundreds of plans, and an upload each is a store transaction and a file copy."""
+        local = self.local / "artifacts" / path
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+
     def write_event(self, record: dict[str, Any]) -> None:
         with open(self.events_path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
@@ -189,6 +197,8 @@ class Tracker:
         self.flush()
         if self.events_path.exists():
             self.log_file(self.events_path)
+        if (self.local / "artifacts").exists():
+            self.client.log_artifacts(self.run_id, str(self.local / "artifacts"))
         if failure is not None:
             self.client.set_tag(self.run_id, "failure_reason", failure[:5000])
             self.log_text("failure.txt", failure)
@@ -198,13 +208,36 @@ class Tracker:
 
 
 class RunRecorder:
-    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``."""
+    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``.
 
-    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float) -> None:
+    A step without a loss (a simulated one) logs no ``train/loss``. With ``repeats=False`` a run of steps whose
+    metrics are all equal is logged as its first and last step, which draws the same chart: the simulator's steps
+    of one plan are identical, and a day of them would otherwise be tens of thousands of equal points.
+    """
+
+    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float, repeats: bool = True) -> None:
         self.tracker = tracker
         self.seq_len = seq_len
         self.origin = clock_origin
         """The backend-clock time written as t = 0 in events.jsonl."""
+        self.repeats = repeats
+        self._last: dict[str, float] | None = None
+        self._held: tuple[dict[str, float], int] | None = None
+        """The newest step, not logged because it equals the last logged one."""
+
+    def _log_step(self, metrics: dict[str, float], step: int) -> None:
+        if not self.repeats and self._last is not None and _same(metrics, self._last):
+            self._held = (metrics, step)
+            return
+        self.close()
+        self.tracker.log_metrics(metrics, step)
+        self._last = metrics
+
+    def close(self) -> None:
+        """Log the step a run of equal ones ended with."""
+        if self._held is not None:
+            self.tracker.log_metrics(*self._held)
+            self._held = None
 
     def __call__(self, event: ev.Event) -> None:
         match event:
@@ -220,7 +253,9 @@ class RunRecorder:
                 }
                 if event.snapshot_s is not None:
                     metrics["ft/snapshot_s"] = event.snapshot_s
-                self.tracker.log_metrics(metrics, event.step)
+                if math.isnan(event.loss):
+                    del metrics["train/loss"]
+                self._log_step(metrics, event.step)
             case ev.SnapshotTaken():
                 # At the index of the last step the snapshot holds, as train/loss of that step.
                 self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_bytes": event.nbytes},
@@ -230,8 +265,9 @@ class RunRecorder:
                                          event.generation)  # fmt: skip
                 self.tracker.set_tag("restore_source", event.source)
             case ev.PlanConfigured():
-                self.tracker.log_text(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
+                self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():
+                self.close()
                 metrics = {
                     "ft/detect_s": event.detect_s,
                     "ft/recover_s": event.recover_s,
@@ -243,3 +279,8 @@ class RunRecorder:
             self.tracker.write_event(
                 {"t": round(event.at - self.origin, 6), "wall": time.time(), "kind": event.kind, **event.fields()}
             )
+
+
+def _same(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Equal metrics, to the rounding of times taken on a clock far from zero (a simulated day)."""
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=1e-9) for k in a)

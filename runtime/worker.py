@@ -215,7 +215,10 @@ class Worker:
         batches = Batches(tokens, model.seq_len, plan.global_batch, plan.micro_batch, self.setup["seed"])
         stage_module = StageModule(model, {i: self.layers[i] for i in stage.layers})
         self._shard_optimizers(plan, comm)
-        self.executor = Executor(stage_module, num_layers(model), model.hidden, comm, batches, self._phase)
+        self.executor = Executor(
+            stage_module, num_layers(model), model.hidden, comm, batches, self._phase,
+            checkpointing=self.setup["activation_checkpointing"],
+        )  # fmt: skip
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
 

@@ -1,7 +1,7 @@
 """The contract between policies, runtime and simulator is light, and the code points one way.
 
 - Plans, programs, the scheduler, the program checker, the cost model, the job view, changes, decisions, events, the
-  backend seam and every policy and protection import without torch, transformers, DeepSpeed or Hydra (checked in a
+  backend seam, the simulated backend and every policy and protection import without torch, transformers, DeepSpeed or Hydra (checked in a
   fresh interpreter, since this one has them all loaded).
 - A policy never imports process code; the runtime never imports policies, fault schedules or the entry point.
 """
@@ -31,6 +31,8 @@ CONTRACT = [
     "ftlab.runtime.coordinator",
     "ftlab.runtime.model_spec",
     "ftlab.runtime.checkpoint",
+    "ftlab.runtime.sim_timing",
+    "ftlab.runtime.sim_backend",
     "ftlab.runtime.snapshot_layout",
     "ftlab.runtime.shm",
     # Not contract, but loaded before torch all the same: preflight checks launch settings with the first two, and

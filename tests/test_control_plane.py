@@ -132,5 +132,5 @@ def test_the_secret_is_not_in_the_runs_params(run, monkeypatch: pytest.MonkeyPat
     (found,) = client.search_runs([experiment.experiment_id])
     recorded = [*found.data.params.items(), *found.data.tags.items()]
     assert recorded and not [kv for kv in recorded if SECRET in kv[0] or SECRET in kv[1]]
-    assert found.data.tags["backend"] == "gloo"  # and the run says which backend it chose, and why
-    assert found.data.tags["backend.why"].startswith("auto: ")
+    assert found.data.tags["comm_backend"] == "gloo"  # and the run says which backend it chose, and why
+    assert found.data.tags["comm_backend.why"].startswith("auto: ")

@@ -27,9 +27,9 @@ CFG = config("gpt2")
 LAYERS = num_layers(CFG)  # embedding, 3 blocks, head
 
 
-def stage(start: int, stop: int, cfg: ModelConfig = CFG) -> StagePasses:
+def stage(start: int, stop: int, cfg: ModelConfig = CFG, checkpointing: bool = False) -> StagePasses:
     module = StageModule(cfg, {i: build_layer(cfg, i, seed=7) for i in range(start, stop)})
-    return StagePasses(module, loss_scale=0.25)
+    return StagePasses(module, 0.25, checkpointing)
 
 
 def inputs(start: int, mb: int) -> torch.Tensor:
@@ -71,6 +71,18 @@ def test_decoupled_backward_equals_the_full_backward(family: str, start: int, st
     for name, grad in full.items():
         assert grad is not None
         torch.testing.assert_close(split[name], grad, rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_activation_checkpointing_recomputes_the_same_gradients(family: str, decoupled: bool) -> None:
+    cfg = config(family)
+    plain_inputs, plain = run(stage(1, 4, cfg), decoupled=False)
+    kept_inputs, kept = run(stage(1, 4, cfg, checkpointing=True), decoupled=decoupled)
+    for a, b in zip(plain_inputs, kept_inputs):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-7)
+    for name, grad in plain.items():
+        torch.testing.assert_close(kept[name], grad, rtol=0, atol=1e-7, msg=name)
 
 
 def test_backward_weight_needs_backward_input_first() -> None:

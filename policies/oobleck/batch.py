@@ -18,7 +18,7 @@ does, we do not change B but say which global batch to use.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pyomo.environ as pyo
@@ -119,6 +119,21 @@ def _variance(pipelines: Sequence[PipelineTemplate], total: int) -> tuple[int, .
     return tuple(round(pyo.value(m.n[i])) for i in index)
 
 
+_KEPT: dict[tuple[tuple, int], tuple[int, ...]] = {}
+_KEEP = 4096
+
+
+def _minmax_kept(shape: tuple, total: int, solve: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+    """The min-max split, kept by its inputs: a cluster that loses and regains nodes asks the same few questions
+    hundreds of times, and each solve takes HiGHS tens of ms."""
+    key = (shape, total)
+    if key not in _KEPT:
+        if len(_KEPT) >= _KEEP:
+            _KEPT.clear()
+        _KEPT[key] = solve()
+    return _KEPT[key]
+
+
 def distribute_batch(
     pipelines: Sequence[PipelineTemplate], global_batch: int, micro_batch: int, method: str = "minmax"
 ) -> BatchSplit:
@@ -127,7 +142,9 @@ def distribute_batch(
         raise ValueError("no pipeline to distribute the batch over")
     total = microbatch_count(global_batch, micro_batch, len(pipelines))
     if method == "minmax":
-        counts = _minmax(pipelines, total)
+        # Pipelines of one size are of one template, so (size, a, b) names each one's part in the problem.
+        shape = tuple((p.num_nodes, p.fixed_s, p.per_microbatch_s) for p in pipelines)
+        counts = _minmax_kept(shape, total, lambda: _minmax(pipelines, total))
     elif method == "variance":
         counts = _variance(pipelines, total)
     else:

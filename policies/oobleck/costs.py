@@ -12,7 +12,10 @@ Time of a stage for one micro-batch, forward plus backward (the F + B of the pap
   slower link so a template never counts on a placement it does not control).
 
 Memory per GPU: ``runtime.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``.
-Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches.
+Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches. With activation checkpointing (the
+profile says so) a stage keeps only its input per micro-batch in flight, holds one micro-batch's full activations
+while it recomputes them (counted with the state: it does not grow with the micro-batches in flight), and its
+time gains one forward.
 """
 
 from __future__ import annotations
@@ -63,11 +66,17 @@ def _ranges(per_layer: np.ndarray) -> np.ndarray:
 def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
     layers = profile.layers
     n = len(layers)
-    compute = _ranges(np.array([layer.time_s for layer in layers]))
+    checkpointing = profile.activation_checkpointing
+    recompute = np.array([layer.fwd_s if checkpointing else 0.0 for layer in layers])
+    compute = _ranges(np.array([layer.time_s for layer in layers]) + recompute)
     outputs = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
     output_ranges = _ranges(outputs)
     static = _ranges(np.array([layer.state_bytes for layer in layers], dtype=np.float64))
     saved = _ranges(np.array([layer.saved_bytes for layer in layers], dtype=np.float64))
+    if checkpointing:  # the stage's input per micro-batch in flight; its activations once, while it recomputes
+        static = static + saved
+        inputs = np.concatenate(([0.0], outputs[: n - 1], [0.0]))  # the input of a stage starting at u
+        saved = np.triu(np.repeat(inputs[:, None], n + 1, axis=1), k=1)
     # The stage ending at v sends layer v-1's output forward and receives its gradient back; the last sends none.
     send = np.zeros(n + 1)
     send[1:n] = 2 * (profile.latency_s + outputs[: n - 1] / profile.p2p_bytes_per_s)

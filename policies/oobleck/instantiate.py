@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import pyomo.environ as pyo
 from pyomo.opt import TerminationCondition
@@ -45,6 +46,11 @@ class PipelineInstance:
         if len(self.nodes) != self.template.num_nodes:
             raise ValueError(f"a {self.template.num_nodes}-node template cannot run on nodes {self.nodes}")
 
+    @cached_property
+    def held(self) -> tuple[tuple[tuple[int, int], range], ...]:
+        """((node id, local GPU), layers) of every GPU of the pipeline: kept, as every reconfiguration asks."""
+        return tuple(((self.nodes[position], gpu), layers) for position, gpu, layers in self.template.slots())
+
 
 def instantiate(templates: TemplateSet, num_nodes: int, max_pipelines: int | None = None) -> dict[int, int]:
     """Pipelines per template size (only sizes used) maximising throughput on exactly ``num_nodes`` nodes."""
@@ -58,8 +64,18 @@ def instantiate(templates: TemplateSet, num_nodes: int, max_pipelines: int | Non
             f"{max_pipelines} micro-batches cannot feed f + 1 = {least} pipelines: raise the global batch to at "
             f"least {least} micro-batches"
         )
-    sizes = [n for n in templates.sizes if n <= num_nodes]
-    rate = {n: templates.for_nodes(n).rate for n in sizes}
+    sizes = tuple(n for n in templates.sizes if n <= num_nodes)
+    rates = tuple(templates.for_nodes(n).rate for n in sizes)
+    return dict(_solve(sizes, rates, least, num_nodes, max_pipelines))
+
+
+@lru_cache(maxsize=1024)
+def _solve(
+    sizes: tuple[int, ...], rates: tuple[float, ...], least: int, num_nodes: int, max_pipelines: int | None
+) -> tuple[tuple[int, int], ...]:
+    """The integer program, kept by its inputs: a cluster that loses and regains nodes (a spot trace, a
+    simulated day) asks the same few questions hundreds of times, and each solve takes HiGHS tens of ms."""
+    rate = dict(zip(sizes, rates))
     bonus = PIPELINE_BONUS * min(rate.values())
 
     model = pyo.ConcreteModel()
@@ -78,7 +94,7 @@ def instantiate(templates: TemplateSet, num_nodes: int, max_pipelines: int | Non
         )
     model.solutions.load_from(result)
     counts = {n: round(pyo.value(model.x[n])) for n in sizes}
-    return {n: c for n, c in counts.items() if c}
+    return tuple((n, c) for n, c in counts.items() if c)
 
 
 def assign_nodes(templates: TemplateSet, counts: dict[int, int], node_ids: Sequence[int]) -> list[PipelineInstance]:

@@ -65,9 +65,7 @@ class Impossible:
 
 def holdings(pipelines: Iterable[PipelineInstance]) -> dict[Slot, range]:
     """The layers each GPU holds."""
-    return {
-        (p.nodes[position], gpu): layers for p in pipelines for position, gpu, layers in p.template.slots()
-    }
+    return {slot: layers for p in pipelines for slot, layers in p.held}
 
 
 def _lost_layers(held: dict[Slot, range], num_layers: int) -> list[int]:
@@ -96,20 +94,25 @@ def _place(
 
 
 def _copies(new: Sequence[PipelineInstance], held: dict[Slot, range], layer_bytes: np.ndarray) -> tuple[LayerCopy, ...]:
+    needed: list[tuple[Slot, int]] = []  # (GPU, layer) it lacks, by GPU then layer
+    for dst, layers in sorted(holdings(new).items()):
+        have = held.get(dst, range(0))
+        if have.start <= layers.start and layers.stop <= have.stop and have:
+            continue  # most GPUs keep their layers: skip them whole
+        needed.extend((dst, layer) for layer in layers if layer not in have)
+    wanted = {layer for _, layer in needed}
     holders: dict[int, list[Slot]] = {}
     for slot, layers in sorted(held.items()):
         for layer in layers:
-            holders.setdefault(layer, []).append(slot)
-    sent: dict[Slot, float] = {slot: 0.0 for slot in held}
+            if layer in wanted:
+                holders.setdefault(layer, []).append(slot)
+    sent: dict[Slot, float] = dict.fromkeys(held, 0.0)
     copies = []
-    for dst, layers in sorted(holdings(new).items()):
-        for layer in layers:
-            if layer in held.get(dst, range(0)):
-                continue
-            local = [s for s in holders[layer] if s[0] == dst[0]]
-            src = local[0] if local else min(holders[layer], key=lambda s: (sent[s], s))
-            sent[src] += float(layer_bytes[layer])
-            copies.append(LayerCopy(layer, src[0], src[1], dst[0], dst[1]))
+    for dst, layer in needed:
+        local = [s for s in holders[layer] if s[0] == dst[0]]
+        src = local[0] if local else min(holders[layer], key=lambda s: (sent[s], s))
+        sent[src] += float(layer_bytes[layer])
+        copies.append(LayerCopy(layer, src[0], src[1], dst[0], dst[1]))
     return tuple(copies)
 
 

@@ -49,6 +49,8 @@ class ReftProtection(Protection):
         """The newest complete flush to storage."""
         self.snapshots: dict[int, _Snapshot] = {}
         """Snapshots whose records may still be in memory, by step."""
+        self._expected: tuple[int, int] = (-1, 0)
+        """(plan generation, records a snapshot of it writes): counted once per plan, not per snapshot."""
 
     # -- checks ------------------------------------------------------------------------------------------------
     def check(self, job: Job) -> None:
@@ -132,8 +134,10 @@ class ReftProtection(Protection):
             keep = self._newest_complete()
             # Every record's slots now hold the kept snapshot and this one: forget the rest.
             self.snapshots = {s: snap for s, snap in self.snapshots.items() if s == keep}
-            expected = records_to_write(plan, self.settings.mode, self.workers_per_node)
-            self.snapshots[step] = _Snapshot(plan, sum(len(r) for r in expected.values()))
+            if self._expected[0] != plan.generation:
+                expected = records_to_write(plan, self.settings.mode, self.workers_per_node)
+                self._expected = (plan.generation, sum(len(r) for r in expected.values()))
+            self.snapshots[step] = _Snapshot(plan, self._expected[1])
             actions.append(TakeSnapshot(plan, self.settings.mode, self.workers_per_node, keep))
         if step % self.settings.flush_every == 0:
             actions.append(SaveCheckpoint(self.directory, self.settings.keep))

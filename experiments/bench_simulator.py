@@ -1,0 +1,199 @@
+"""The simulator against the real runtime on the same jobs, and its speed at a thousand GPUs.
+
+    .venv/bin/python -m experiments.bench_simulator            # the validation jobs, then the scale run
+    .venv/bin/python -m experiments.bench_simulator --smoke    # shorter jobs (what CI and a busy machine can afford)
+    .venv/bin/python -m experiments.bench_simulator --no-real  # the scale run only
+
+Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
+composed config is simulated (``mode=simulate``) from the profile measured on this machine (the one the real run's
+policy planned with) and the constants in ``conf/sim/measured.yaml``:
+
+- ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
+- ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
+- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction.
+
+This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
+each job the bench measures the cores this job can have (``available_cores``: two CPU-bound processes' speed next
+to one's alone) and gives the simulation of that job ``sim.host_cores`` = that figure: the environment the real run
+met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+
+Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
+median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
+the next committed step) and the goodput (``summary/goodput_ratio``). Targets: iteration and goodput within 5%,
+recovery within 15%. The machine is shared: the real runs are as noisy as it is loaded, and so are the constants
+the simulator was given; the lead takes final figures on a quiet machine.
+
+Scale. ``scale_run_s``: wall seconds to simulate 12 hours of ``llama2-6.7b`` on 125 nodes of 8 A100s (1,000 GPUs,
+activation checkpointing, a global batch of 1,024 sequences of 4,096 tokens in micro-batches of 2) under Oobleck,
+with the EC2 P3 spot trace replayed in real time, four copies side by side (``faults.trace_copies=4``: the trace's
+preemption rate per node on 125 nodes): some 650 preemptions and as many joins. Timed in this process around
+``simulate`` (checks, planning, the simulated day), with no MLflow record; ``scale_record_s`` adds the record.
+
+The last line printed is one JSON object: ``max_error_iter``, ``max_error_recover``, ``max_error_goodput``,
+``scale_run_s``, and per job its real and simulated figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / ".ftlab" / "cache"
+KILL = "{{kind: node, node: {node}, at_step: 8, phase: reduce}}"
+
+JOBS: dict[str, list[str]] = {
+    "fault-free": ["policy=none", "cluster=local-4", "train.stages=2"],
+    "oobleck": ["policy=oobleck", "policy.fault_threshold=1", "cluster=local-6", "cluster.device_memory_gb=0.04",
+                "faults=explicit", f"faults.events=[{KILL.format(node=3)}]"],
+    "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5", "cluster=local-4",
+                           "faults=explicit", f"faults.events=[{KILL.format(node=1)}]"],
+}  # fmt: skip
+
+SCALE = [
+    "model=llama2-6.7b", "cluster=a100-125x8", "policy=oobleck", "train.activation_checkpointing=true",
+    "train.global_batch=1024", "train.micro_batch=2", "train.steps=100000000", "sim.horizon_s=43200",
+    "faults=trace", "faults.trace=p3", "faults.trace_copies=4", "faults.trace_s_per_step=null", "faults.time_compression=1",
+]  # fmt: skip
+
+
+def figures(result: Any) -> dict[str, float | None]:  # noqa: ANN401 - a JobResult
+    s = result.summary
+    recovered = [f.recover_s for f in result.faults if f.recover_s is not None]
+    return {
+        "iter_s": s["summary/median_iter_s"],
+        "recover_s": sum(recovered) if recovered else None,
+        "goodput": s["summary/goodput_ratio"],
+    }
+
+
+def error(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return abs(sim - real) / abs(real)
+
+
+def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing queue
+    """Count loop turns for ``seconds``: a single-threaded CPU-bound process."""
+    turns, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10_000):
+            turns += 1
+    out.put(turns)
+
+
+def available_cores(processes: int = 2, seconds: float = 1.5) -> float:
+    """How many cores this job can have now: ``processes`` spinners' turns over one spinner's alone."""
+    import multiprocessing as mp
+
+    context = mp.get_context("fork")
+
+    def spin(k: int) -> list[int]:
+        out = context.Queue()
+        procs = [context.Process(target=_spin, args=(seconds, out)) for _ in range(k)]
+        for proc in procs:
+            proc.start()
+        counts = [out.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        return counts
+
+    alone = spin(1)[0]
+    together = sum(spin(processes))
+    return round(max(together / alone, 0.25), 2)
+
+
+def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
+    from ftlab.experiments.job import compose_config, run_job
+    from ftlab.experiments.simulate import simulate
+
+    out: dict[str, Any] = {}
+    for name, overrides in JOBS.items():
+        d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
+        common = [
+            "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
+            f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
+        ]  # fmt: skip
+        cores = [f"sim.host_cores={available_cores()}"] if measure_cores else []
+        print(f"[{name}] real ({' '.join(cores) or 'cores as measured'}) ...", flush=True)
+        real = figures(run_job(compose_config([*common, *overrides])))
+        print(f"[{name}] simulated ...", flush=True)
+        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *cores]))
+        sim = figures(simulate(sim_cfg).result)
+        errors = {measure: error(sim[measure], real[measure]) for measure in real}
+        out[name] = {"real": real, "sim": sim, "error": errors, "host_cores": cores}
+        print(f"[{name}] " + "  ".join(
+            f"{m}: real {_fmt(real[m])} sim {_fmt(sim[m])} error {_pct(errors[m])}" for m in real
+        ), flush=True)  # fmt: skip
+    return out
+
+
+def scale(record: bool, scratch: Path) -> dict[str, float]:
+    from ftlab.experiments.job import compose_config
+    from ftlab.experiments.simulate import simulate, simulate_job
+
+    overrides = ["experiment=plain", "mode=simulate", "progress=false", *SCALE]
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    started = time.perf_counter()
+    simulated = simulate(cfg)
+    seconds = time.perf_counter() - started
+    result = simulated.result
+    print(
+        f"[scale] 12 h of llama2-6.7b on 1,000 A100s under Oobleck and the P3 trace x4: simulated in {seconds:.2f} s; "
+        f"{len({s.step for s in result.steps})} steps, {len(result.plans)} plans, "
+        f"{sum(f.noticed_at is not None for f in result.faults)} failures, "
+        f"goodput {result.summary['summary/goodput_ratio']:.3f}, {simulated.components} distinct pipelines run",
+        flush=True,
+    )
+    out = {"scale_run_s": seconds, "scale_steps": float(len(result.steps)), "scale_plans": float(len(result.plans))}
+    if record:
+        started = time.perf_counter()
+        simulate_job(compose_config([*overrides, f"tracking.uri=sqlite:///{scratch}/scale.db"]))
+        out["scale_record_s"] = time.perf_counter() - started
+        print(f"[scale] with its MLflow record: {out['scale_record_s']:.2f} s", flush=True)
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="14 steps a job instead of 30")
+    parser.add_argument("--no-real", action="store_true", help="skip the validation jobs")
+    parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
+    parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
+    jobs = {} if args.no_real else validate(14 if args.smoke else 30, scratch, not args.cores_as_measured)
+    speed = scale(not args.no_record, scratch)
+
+    def worst(measure: str) -> float | None:
+        found = [j["error"][measure] for j in jobs.values() if j["error"][measure] is not None]
+        return max(found) if found else None
+
+    summary = {
+        "max_error_iter": worst("iter_s"),
+        "max_error_recover": worst("recover_s"),
+        "max_error_goodput": worst("goodput"),
+        **speed,
+        "jobs": jobs,
+    }
+    print(json.dumps(summary))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

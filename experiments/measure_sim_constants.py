@@ -1,0 +1,226 @@
+"""Measure the simulator's constants on this machine and store them in ``conf/sim/measured.yaml``.
+
+    .venv/bin/python -m experiments.measure_sim_constants            # measure and rewrite conf/sim/measured.yaml
+    .venv/bin/python -m experiments.measure_sim_constants --print    # measure and print only
+
+What a model profile has no figure for is measured here, on the local runtime itself (``runtime.local_backend`` with
+real agents and workers running gpt2-tiny on two nodes of one worker), each the median of a few repeats:
+
+- ``process_start_s``: ``restart_workers`` of two workers (this machine's cores start two as fast as one);
+  ``node_start_s``: starting the cluster less that (the agents).
+- ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
+  worker's configuration takes longer by building its layers' weights and optimizer state.
+- ``control_s``: the coordinator's round trip per step: a one-worker, one-micro-batch step's wall time less the
+  profile's compute and optimizer step for it; ``instruction_s``: the runtime's cost per forward or backward
+  instruction beyond the profiled layers', from the same worker's steps of four micro-batches (each micro-batch
+  more costs its profiled compute and two instructions' overhead).
+- ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
+  ``storage_write_bytes_per_s``: a checkpoint's bytes over its time less the encoding; ``storage_read_bytes_per_s``:
+  restoring a checkpoint on fresh workers, less configuring, building and decoding.
+- ``detect_s``: a node killed in the middle of a step to the coordinator noticing; ``abort_s``: aborting the
+  survivors; ``failure_window_s``: the local backend's own constant.
+- ``host_cores``: this machine's cores.
+
+The machine is shared and noisy: the file records the load average it was measured under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT = REPO / "conf" / "sim" / "measured.yaml"
+REPEATS = 3
+
+
+def measure(cache_dir: Path) -> dict[str, float]:
+    from ftlab.experiments.job import compose_config, everyone, preflight
+    from ftlab.runtime import events as ev
+    from ftlab.runtime import local_backend
+    from ftlab.runtime.backend import Failure
+    from ftlab.runtime.cluster import LocalCluster
+    from ftlab.runtime.contract import SaveCheckpoint, StorageSource
+    from ftlab.runtime.costs import CostModel
+    from ftlab.runtime.local_backend import LocalBackend
+    from ftlab.runtime.optim import OptimSettings
+    from ftlab.runtime.plan import grid_plan
+    from ftlab.runtime.scheduler import one_f_one_b
+
+    scratch = Path(tempfile.mkdtemp(prefix="ftlab-constants-"))
+    overrides = [
+        "experiment=plain", "cluster.nodes=2", "train.stages=2", "train.global_batch=4", "train.micro_batch=2",
+        f"train.cache_dir={cache_dir}", f"train.checkpoint_dir={scratch}", f"tracking.uri=sqlite:///{scratch}/m.db",
+    ]  # fmt: skip
+    cfg = OmegaConf.to_object(compose_config(overrides))
+    checked = preflight(cfg)
+    job = checked.make_job(everyone(cfg))
+    costs = CostModel(job.profile())
+    t, c = cfg.train, cfg.cluster
+    setup = {
+        "model": cfg.model,
+        "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, 1000, t.weight_decay, t.beta1, t.beta2),
+        "seed": t.seed, "tokens_path": str(checked.tokens), "backend": checked.backend,
+        "comm_timeout_s": c.comm_timeout_s,
+    }  # fmt: skip
+    layers = costs.num_layers
+    two = grid_plan([0, 1], 2, layers, 4, 2)
+    one = grid_plan([0], 1, layers, 2, 2)
+    generation = 0
+
+    def next_plan(plan):  # noqa: ANN001, ANN202
+        nonlocal generation
+        generation += 1
+        return dataclasses.replace(plan, generation=generation)
+
+    def timed(action) -> float:  # noqa: ANN001
+        started = time.monotonic()
+        result = action()
+        assert not isinstance(result, Failure), result
+        return time.monotonic() - started
+
+    bus = ev.EventBus()
+    cluster = LocalCluster(2, 1, c.heartbeat_s, c.threads_per_worker)
+    found: dict[str, list[float]] = {}
+    try:
+        started = time.monotonic()
+        cluster.start(c.start_timeout_s)
+        cluster_start = time.monotonic() - started
+        backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
+        state = sum(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
+        slowest_state = max(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
+        for _ in range(REPEATS):
+            found.setdefault("process_start_s", []).append(timed(backend.restart_workers))
+            plan = next_plan(two)
+            fresh = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None))
+            plan = next_plan(two)
+            same = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None))
+            found.setdefault("configure_s", []).append(same)
+            found.setdefault("build_bytes_per_s", []).append(slowest_state / max(fresh - same, 1e-3))
+        # The control round trip: one worker, one micro-batch, steps of almost nothing but the protocol.
+        plan = next_plan(one)
+        backend.configure(plan, one_f_one_b(plan), {}, None)
+        compute = costs.forward_s(0, layers) + costs.backward_s(0, layers) + costs.optimizer_s(0, layers)
+        step = 0
+        for _ in range(10):
+            started = time.monotonic()
+            backend.begin_step(plan, step)
+            assert not isinstance(backend.finish_step(plan, step), Failure)
+            backend.commit(plan, step)
+            found.setdefault("control_s", []).append(max(time.monotonic() - started - compute, 0.0))
+            step += 1
+        four = next_plan(grid_plan([0], 1, layers, 8, 2))
+        backend.configure(four, one_f_one_b(four), {}, None)
+        per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
+        for _ in range(10):
+            started = time.monotonic()
+            backend.begin_step(four, step)
+            assert not isinstance(backend.finish_step(four, step), Failure)
+            backend.commit(four, step)
+            extra = time.monotonic() - started - statistics.median(found["control_s"]) - compute - 3 * per_microbatch
+            found.setdefault("instruction_s", []).append(max(extra / (3 * 2), 0.0))
+            step += 1
+        # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
+        codec = _codec_bytes_per_s(cfg)
+        plan = dataclasses.replace(next_plan(two), step=step)
+        backend.configure(plan, one_f_one_b(plan), {}, None)
+        writers = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+        for _ in range(REPEATS):
+            save = timed(lambda: backend.save(step, SaveCheckpoint(str(scratch / "ckpt"), keep=1), writers, layers))
+            writing = save - statistics.median(found["control_s"]) - slowest_state / codec
+            found.setdefault("storage_write_bytes_per_s", []).append(state / max(writing, 1e-3))
+        source = StorageSource(step, str(scratch / "ckpt" / f"step-{step:06d}"))
+        configure = statistics.median(found["configure_s"])
+        build = statistics.median(found["build_bytes_per_s"])
+        for _ in range(REPEATS):
+            backend.restart_workers()
+            plan = dataclasses.replace(next_plan(two), step=step)
+            restore = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, source))
+            reading = restore - configure - slowest_state / build - slowest_state / codec
+            found.setdefault("storage_read_bytes_per_s", []).append(state / max(reading, 1e-3))
+        # A node killed mid-step: noticed, then the survivor aborts.
+        plan = dataclasses.replace(next_plan(two), step=step)
+        backend.configure(plan, one_f_one_b(plan), {}, source)
+        backend.begin_step(plan, step)
+        killed = time.monotonic()
+        cluster.kill_node(1)
+        failure = backend.finish_step(plan, step)
+        assert isinstance(failure, Failure), failure
+        found["detect_s"] = [failure.noticed_at - killed]
+        found["abort_s"] = [timed(lambda: backend.abort(plan, failure, step) and None)]
+    finally:
+        cluster.shutdown()
+    medians = {name: statistics.median(values) for name, values in found.items()}
+    medians["control_s"] = max(medians["control_s"] - 2 * medians["instruction_s"], 0.0)  # its step's two passes
+    medians["node_start_s"] = max(cluster_start - medians["process_start_s"], 0.0)
+    medians["codec_bytes_per_s"] = codec
+    medians["failure_window_s"] = local_backend._FAILURE_WINDOW_S
+    medians["host_cores"] = os.cpu_count() or 1
+    return medians
+
+
+def _codec_bytes_per_s(cfg) -> float:  # noqa: ANN001
+    """Encoding and decoding every layer's state, as copies and checkpoints do."""
+    from ftlab.runtime.layer_state import decode, encode, layer_state
+    from ftlab.runtime.model import build_layer
+    from ftlab.runtime.model_spec import num_layers
+    from ftlab.runtime.optim import OptimSettings, layer_optimizer
+
+    settings = OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95)
+    total, seconds = 0, []
+    for index in range(num_layers(cfg.model)):
+        layer = build_layer(cfg.model, index, seed=0)
+        optimizer = layer_optimizer(layer, settings)
+        for p in layer.parameters():
+            p.grad = p.detach().clone()
+        optimizer.step()  # the moments exist, as in a trained layer
+        samples = []
+        for _ in range(REPEATS):
+            started = time.perf_counter()
+            data = encode(layer_state(layer, optimizer))
+            decode(data)
+            samples.append(time.perf_counter() - started)
+        total += len(data)
+        seconds.append(min(samples))
+    return total / sum(seconds)
+
+
+def render(values: dict[str, float]) -> str:
+    load = os.getloadavg()[0]
+    lines = [
+        "# Constants of the machinery around training, measured on this machine by",
+        "#   .venv/bin/python -m experiments.measure_sim_constants",
+        f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
+        "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
+    ]
+    order = ["detect_s", "failure_window_s", "control_s", "instruction_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
+             "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
+             "host_cores"]  # fmt: skip
+    for name in order:
+        value = values[name]
+        lines.append(f"{name}: {int(value) if name == 'host_cores' else f'{value:.6g}'}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--print", action="store_true", help="print the constants; leave conf/sim/measured.yaml")
+    parser.add_argument("--cache-dir", default=str(REPO / ".ftlab" / "cache"))
+    args = parser.parse_args()
+    text = render(measure(Path(args.cache_dir)))
+    print(text, end="")
+    if not args.print:
+        OUTPUT.write_text(text)
+        print(f"written to {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()

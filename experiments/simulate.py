@@ -1,0 +1,90 @@
+"""``ftlab mode=simulate``: the job as composed, on a simulated cluster (``runtime.sim_backend``).
+
+The same checks as a real job (``job.check_job``), the same policy and protection objects, the same coordinator,
+the same fault schedule fired by the same injector (in simulated time), the same MLflow run with tag
+``backend=sim``: only the machines are simulated. Costs come from the job's profile, the one a policy plans with:
+analytic for a GPU type of ``runtime.devices`` (each worker its own device, each node its own host), measured on
+this machine for ``cluster.device=cpu`` (then every worker shares this host's ``sim.host_cores`` cores, as the
+local runtime's processes do). The constants the profile has no figure for (process start, detection, storage)
+are ``conf/sim/measured.yaml``, measured here by ``experiments/measure_sim_constants.py``.
+
+``sim.horizon_s`` ends the job after that much simulated training, whatever ``train.steps`` (then a cap) says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import (
+    JobResult, check_device, check_job, conclude, everyone, observe, record_checks, tracked,
+)
+from ftlab.faults.injector import Injector
+from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.coordinator import Coordinator, JobStopped
+from ftlab.runtime.devices import DEVICES
+from ftlab.runtime.sim_backend import HorizonReached, SimBackend
+from ftlab.runtime.tracking import Tracker
+
+
+@dataclass
+class Simulated:
+    """What ``simulate`` gives besides the job's result."""
+
+    result: JobResult
+    horizon_reached: bool
+    """The job ended at ``sim.horizon_s`` rather than at train.steps or a stop."""
+    components: int
+    """Distinct plan components the simulator executed (every other pipeline reused one of them)."""
+
+
+def simulate_job(dict_cfg: DictConfig) -> JobResult:
+    """One simulated job as its own MLflow run (tag ``backend=sim``)."""
+    return tracked(dict_cfg, lambda cfg, tracker: simulate(cfg, tracker).result, backend="sim")
+
+
+def check_sim(cfg: JobConfig) -> None:
+    """What only a simulation needs: a profile for the device, a positive horizon, a protection it can cost."""
+    check_device(cfg)
+    if cfg.protection.name == "reft" and cfg.protection.mode == "aor":
+        raise ConfigError(
+            "mode=simulate has no model of protection.mode=aor (the peer's optimizer chunk recomputed on the host "
+            "from its gradient chunk, with train.zero=1): use protection.mode=arc, aec or arc+aec, or run the job for "
+            "real (mode=train)"
+        )
+    horizon = cfg.sim.horizon_s
+    if horizon is not None and not horizon > 0:
+        raise ConfigError(f"sim.horizon_s={horizon}: give the simulated seconds of training, > 0, or null")
+
+
+def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
+    """Simulate the job; with a tracker, record it in the tracker's open run."""
+    check_sim(cfg)
+    checked = check_job(cfg)
+    c, t = cfg.cluster, cfg.train
+    job = checked.make_job(everyone(cfg))
+    seen = observe(cfg, tracker, clock_origin=0.0, repeats=False)
+    record_checks(cfg, tracker, seen, checked, 0.0)
+    backend = SimBackend(
+        c.nodes, c.workers_per_node, job.costs, cfg.sim, c.heartbeat_timeout_s, seen.bus,
+        shared_host=c.device not in DEVICES,
+    )  # fmt: skip
+    injector = Injector(checked.faults, backend, seen.bus, clock=backend.clock, schedule=backend.call_at)
+    coordinator = Coordinator(
+        backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir
+    )
+    stopped: JobStopped | None = None
+    horizon = False
+    try:
+        coordinator.run(checked.decision)
+    except JobStopped as exc:
+        stopped = exc
+    except HorizonReached:
+        horizon = True
+    finally:
+        injector.stop()
+        seen.progress.close()
+    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.timer.components)
+

@@ -1,0 +1,740 @@
+"""The simulated backend: the coordinator's protocol carried out on a simulated cluster, in simulated time.
+
+The coordinator (``runtime.coordinator``), the policies and the protections run unchanged: they see the same calls
+answer with the same values (a plan configured, a step ready, a ``Failure``) as on real processes, and the fault
+injector fires the same schedules on this backend's ``FaultTarget``. Only the machines are simulated.
+
+Time advances by events, never by ticks. A call that waits (a step, a configuration, a restart, a save, an abort)
+moves the clock to when the wait would end, unless something happens first: a timer of the fault injector fires
+(a kill, a hang, a join) or a failure is noticed. Notices follow the local runtime's rules: a killed worker or node
+is noticed ``sim.detect_s`` after the kill (a closed connection), a hung worker after ``cluster.heartbeat_timeout_s``
+of silence (then fenced); after the first notice the coordinator waits ``sim.failure_window_s`` for the rest of the
+failure. A worker that is dead or hung blocks whatever waits for it, so the wait lasts until its failure is noticed.
+
+What each wait costs:
+- a step: the plan's programs executed instruction by instruction with the one cost model
+  (``runtime.sim_timing``), up to every worker's ReduceGrads; then the commit (``sim.control_s``) and the slowest
+  optimizer step. **One iteration is simulated per plan and reused for every step of it: the iterations of one plan
+  are identical** (same programs, same costs), so the clock of step k of a plan is its start plus k periods.
+- a configuration: ``sim.configure_s`` (programs, a process group per generation), then the layer copies (the
+  ``SendLayer``/``RecvLayer`` programs on the same abstract machine; a worker's sends share its link, one after
+  another), building every layer a worker did not hold (``sim.build_bytes_per_s``), decoding what it received
+  (``sim.codec_bytes_per_s``), and reading what it restores from storage (``sim.storage_read_bytes_per_s``,
+  shared by all readers).
+- a restart: every worker process starts again (``sim.process_start_s``; on a shared host, ``sim.host_cores`` of
+  them at a time).
+- a save: each protection ``Action`` kind has a cost (``action_cost``); a storage checkpoint encodes each writer's
+  layers (in parallel) and writes them all at ``sim.storage_write_bytes_per_s``. Other kinds register their own
+  with ``register_action``, and sources to restore from with ``register_source``.
+- a REFT snapshot (``TakeSnapshot``) is asynchronous, as on the runtime (below).
+- an abort: ``sim.abort_s``, or longer while a survivor finishes the snapshot it is copying.
+
+REFT's snapshots, as the runtime takes them (``runtime.local_backend``, the worker's ``Snapshotter``):
+- ``save`` returns at once (``SaveReport(pending=True)``). Each writer writes the records ``snapshot_layout``'s
+  ``records_to_write`` gives it (their bytes from the layout's geometry over the layers' parameters), starting
+  after ``sim.snapshot_launch_s`` (the launch, on the training thread, delays the next iteration that long) and
+  copying at ``sim.snapshot_bytes_per_s`` beside training. On a shared host (the measured cpu profile) the writers
+  copying at once share ``sim.host_cores`` cores; a copy does not slow the computation it overlaps (on this
+  machine it does somewhat: a known underestimate).
+- A writer waits for its copy before it reports ready (the runtime's worker does), so the next step's ready time
+  is the later of its gradients and its copy; ``StepReport.snapshot_s`` is the launch plus the longest such wait.
+  It reports its records then (``completed_saves``), or when it acknowledges an abort (survivors finish their copy
+  first) or a configuration.
+- Each node's memory holds the records reported on it, two slots per record name as on the runtime: a reported
+  record replaces every slot of its name but the snapshot it must keep (``TakeSnapshot.keep``). (The runtime
+  tears the overwritten slot when the copy starts, not when it is reported; no one can tell the difference, since
+  the protection forgets every snapshot but the kept one when it asks for a new one.) A writer that dies before it
+  reports loses its part (its copy dies with it); a killed node loses its memory, every record on it. ``verify``
+  narrows a ``MemorySource`` to the records still in memory.
+- A restore from memory (``MemorySource``) follows ``snapshot_layout.load_plan``, the runtime's own: ``_memory_read``
+  says what each part costs.
+
+A simulated step has no loss (``StepReport.loss`` is NaN): nothing is computed but time.
+
+Phase faults are simulated where the worker would stop: at its first instruction of the phase (forward, backward,
+reduce) in the timed iteration, at the commit (optimizer), at the first layer a writer saves (checkpoint), at the
+first layer a worker receives (transfer). A join with ``wait`` (a step-clocked join) moves the clock to when the
+node's workers have registered without firing the timers in between (the injector is firing one): those fire at
+once after it.
+
+``sim.horizon_s`` ends the job when the clock would pass it (``HorizonReached``).
+
+Which constants apply: a measured (cpu) profile simulates the local runtime on this machine, so every constant
+measured on it applies, among them the CPU's cost of building, encoding and decoding layer state and the runtime's
+per-instruction cost. A GPU type's workers build layers on the device and copy them as tensors (NCCL), at costs
+its profile already holds (the link), so building and encoding cost nothing there beyond the bandwidths, and a
+checkpoint's cost is the storage's (``sim.storage_*``, which a paper-scale study sets for its storage). Process
+start, configuration, detection and the coordinator's round trips are the local runtime's measured figures in
+both cases.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+from ftlab.runtime import events as ev
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.backend import (
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+)
+from ftlab.runtime.config import SimConfig
+from ftlab.runtime.contract import (
+    Action, MemoryRecord, MemorySource, SaveCheckpoint, Source, StorageSource, TakeSnapshot,
+)
+from ftlab.runtime.costs import CostModel
+from ftlab.runtime.model_spec import FP32
+from ftlab.runtime.plan import Plan
+from ftlab.runtime.program_check import timeline
+from ftlab.runtime.sim_timing import IterationTimer, IterationTiming
+from ftlab.runtime.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
+
+_NEVER = math.inf
+
+
+class HorizonReached(Exception):
+    """The simulated clock reached ``sim.horizon_s``: the job ends there."""
+
+
+@dataclass(frozen=True)
+class SimSave:
+    """What carrying out a protection's action costs: seconds the coordinator waits, bytes saved, where."""
+
+    seconds: float
+    nbytes: int
+    location: str
+
+
+ActionCost = Callable[[Action, int, Mapping[int, tuple[int, ...]], "SimBackend"], SimSave]
+SourceCost = Callable[[Source, Mapping[int, tuple[int, ...]], "SimBackend"], float]
+_ACTIONS: dict[type[Action], ActionCost] = {}
+_SOURCES: dict[type[Source], SourceCost] = {}
+
+
+def register_action(kind: type[Action], cost: ActionCost) -> None:
+    """Teach the simulator what a protection's action costs: ``cost(action, step, writers, backend)``, where
+    ``writers`` maps each saving worker to its layers and ``backend.costs`` / ``backend.sim`` hold the figures."""
+    _ACTIONS[kind] = cost
+
+
+def register_source(kind: type[Source], cost: SourceCost) -> None:
+    """Teach the simulator what restoring from a kind of saved state costs: ``cost(source, readers, backend)``
+    seconds, ``readers`` mapping each worker to the layers it restores."""
+    _SOURCES[kind] = cost
+
+
+def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], b: SimBackend) -> SimSave:
+    assert isinstance(action, SaveCheckpoint)
+    per_writer = [b.state_bytes(layers) for layers in writers.values()]
+    encode = max(per_writer, default=0) / b.codec_bytes_per_s
+    seconds = b.sim.control_s + encode + sum(per_writer) / b.sim.storage_write_bytes_per_s
+    return SimSave(seconds, int(sum(per_writer)), f"{action.directory}/step-{step:06d}")
+
+
+def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
+    per_reader = [b.state_bytes(layers) for layers in readers.values()]
+    return sum(per_reader) / b.sim.storage_read_bytes_per_s + max(per_reader, default=0) / b.codec_bytes_per_s
+
+
+def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
+    """Restoring from REFT's snapshot in memory, on the plan being configured, as ``snapshot_layout.load_plan`` has
+    the runtime's workers do it. Assumptions, kept simple:
+    - a record on the reader's own node is read at ``sim.snapshot_bytes_per_s`` (a copy out of host memory with its
+      checksum, the rate a snapshot is written at);
+    - a record only another node holds is read there by that node's serving worker, at the same rate, and sent
+      over the network (the cost model's p2p latency and bandwidth); a sender reads and sends its records one
+      after another, and a receiver receives its own one after another;
+    - a shard no live node holds is rebuilt from the parities of the other members (fetched as above) and the other
+      shards: XOR at ``sim.codec_bytes_per_s`` over the shard's bytes (free on a GPU type, as decoding is there);
+    - on a shared host, the workers loading at once share ``sim.host_cores`` cores for their memory reads.
+    The restore takes as long as the busiest worker, reader or sender; building the layers from the loaded state is
+    charged by ``configure`` as for any restore."""
+    assert isinstance(source, MemorySource)
+    loads = b.memory_loads(source)
+    rate = b.copy_bytes_per_s(len(readers))
+    busy: dict[int, float] = {}
+
+    def fetched(fetch: Fetch) -> float:
+        if fetch.sender is None:
+            return fetch.record.nbytes / rate
+        sent = b.costs.p2p_s(fetch.record.nbytes)
+        busy[fetch.sender] = busy.get(fetch.sender, 0.0) + fetch.record.nbytes / rate + sent
+        return sent
+
+    for worker in sorted(readers):
+        seconds = 0.0
+        for group in loads[worker].groups:
+            seconds += sum(fetched(f) for f in group.shards.values())
+            for fetches in group.decode.values():
+                seconds += sum(fetched(f) for f in fetches)
+                shard = sum(f.record.nbytes for f in fetches)  # q parities of one sub-chunk each
+                seconds += shard * (group.group.members - 1) / b.codec_bytes_per_s  # a parity and m - 2 shards each
+        busy[worker] = busy.get(worker, 0.0) + seconds
+    return max(busy.values(), default=0.0)
+
+
+register_action(SaveCheckpoint, _storage_checkpoint)
+register_source(StorageSource, _storage_read)
+register_source(MemorySource, _memory_read)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one writer writes of each snapshot of a plan: its records, sized, and their names in memory."""
+
+    records: tuple[MemoryRecord, ...]
+    names: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass
+class _Copy:
+    """One writer's part of a snapshot in flight."""
+
+    step: int
+    worker: int
+    part: _Part
+    keep: int
+    """The snapshot whose slots the copy must not overwrite."""
+    begins: float
+    ends: float
+
+
+@dataclass
+class _Snapshot:
+    """A snapshot whose writers have not all reported."""
+
+    action: TakeSnapshot
+    waiting: set[int]
+    nbytes: int = 0
+    copy_s: float = 0.0
+
+
+class SimBackend(Backend, FaultTarget):
+    def __init__(
+        self,
+        nodes: int,
+        workers_per_node: int,
+        costs: CostModel,
+        sim: SimConfig,
+        heartbeat_timeout_s: float,
+        bus: ev.EventBus,
+        shared_host: bool,
+    ) -> None:
+        self.workers_per_node = workers_per_node
+        self.costs = costs
+        self.sim = sim
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.bus = bus
+        self.shared_host = shared_host
+        """Every worker on one host of ``sim.host_cores`` cores (the local runtime on this machine)."""
+        self.horizon = _NEVER if sim.horizon_s is None else sim.horizon_s
+        self.codec_bytes_per_s = sim.codec_bytes_per_s if shared_host else _NEVER
+        """Encoding or decoding layer state: the local runtime's CPU cost (a GPU's tensors move as they are)."""
+        self.build_bytes_per_s = sim.build_bytes_per_s if shared_host else _NEVER
+        self.now = 0.0
+        self.timer = IterationTimer(
+            costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None,
+            instruction_s=sim.instruction_s if shared_host else 0.0,
+        )  # fmt: skip
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._sequence = itertools.count()
+        self._cancelled: set[int] = set()
+        self._step_timers: list[int] = []
+        self._nodes: set[int] = set(range(nodes))
+        """Nodes whose agent is alive."""
+        self._registered_at: dict[int, float] = dict.fromkeys(range(nodes), 0.0)
+        """When each node's workers register (later than now for a node still starting)."""
+        self._alive: set[int] = {w for n in range(nodes) for w in self.workers_of(n)}
+        self._held: dict[int, set[int]] = {w: set() for w in self._alive}
+        self._dead_unnoticed: dict[int, float] = {}
+        """Dead workers nobody has noticed yet, and when the coordinator will."""
+        self._nodes_unnoticed: dict[int, float] = {}
+        self._hung: dict[int, float] = {}
+        """Hung workers (alive to everyone) and when their silence is noticed."""
+        self._pending_joins: set[int] = set()
+        self._armed: dict[int, tuple[int, str]] = {}
+        self._timings: dict[int, IterationTiming] = {}
+        self._needs: dict[int, frozenset[int]] = {}
+        """Every worker of each configured plan, by generation."""
+        self._layers_dropped = True
+        self._step_started = 0.0
+        self._membership: Membership | None = None
+        self._snapshots: dict[int, _Snapshot] = {}
+        """Snapshots in flight, by step."""
+        self._copies: list[_Copy] = []
+        """Writers' copies not reported yet, in the order they were launched."""
+        self._memory: dict[int, dict[str, dict[int, MemoryRecord]]] = {}
+        """Each node's memory: its records' slots by name, each slot by the step it holds."""
+        self._launch_s = 0.0
+        """The launch of a snapshot taken since the last step began: it delays the next one."""
+        self._launched: float | None = None
+        """The launch the running step began after (None: no snapshot since the step before)."""
+        self._configuring: Plan | None = None
+        self._layout: tuple[TakeSnapshot, dict[int, _Part]] | None = None
+        """The writers' parts of the running plan's snapshots (the same for every snapshot of it)."""
+
+    # -- clock and timers ------------------------------------------------------------------------------------
+    def clock(self) -> float:
+        return self.now
+
+    def call_at(self, at: float, action: Callable[[], None]) -> int:
+        """Run ``action`` when the simulated clock reaches ``at`` (the fault injector's timer)."""
+        ident = next(self._sequence)
+        heapq.heappush(self._timers, (at, ident, action))
+        return ident
+
+    def _next_timer(self) -> float:
+        while self._timers and self._timers[0][1] in self._cancelled:
+            self._cancelled.discard(heapq.heappop(self._timers)[1])
+        return self._timers[0][0] if self._timers else _NEVER
+
+    def _fire_next(self) -> None:
+        at, _, action = heapq.heappop(self._timers)
+        self.now = max(self.now, at)
+        action()
+
+    def _advance(self, until: float) -> None:
+        """Move the clock to ``until``, firing timers on the way; failures are noticed by the next wait."""
+        while self._next_timer() <= until:
+            self._fire_next()
+        self.now = max(self.now, until)
+
+    def _wait(self, until: float, needs: set[int]) -> Failure | None:
+        """Move the clock to ``until`` unless a failure is noticed first (then: that failure, the clock at its
+        notice plus the failure window). A dead or hung worker of ``needs`` holds the wait until it is noticed."""
+        while True:
+            blocked = any(w in needs for w in self._hung) or any(w in needs for w in self._dead_unnoticed)
+            end = _NEVER if blocked else until
+            notice = min([*self._dead_unnoticed.values(), *self._hung.values()], default=_NEVER)
+            timer = self._next_timer()
+            if min(notice, timer, end) == _NEVER and self.horizon == _NEVER:
+                raise RuntimeError("the simulation waits for something that never happens")
+            if min(notice, timer, end) > self.horizon:
+                self.now = max(self.now, self.horizon)
+                raise HorizonReached(f"the simulated clock reached sim.horizon_s={self.horizon:g}")
+            if notice <= timer and notice <= end:
+                self.now = max(self.now, notice)
+                return self._gather()
+            if timer <= end:
+                self._fire_next()
+                continue
+            self.now = max(self.now, end)
+            return None
+
+    def _gather(self) -> Failure:
+        """The failure noticed now, with every other sign that arrives within the failure window."""
+        end = self.now + self.sim.failure_window_s
+        self._advance(end)
+        failure = Failure()
+        for worker, noticed in sorted(self._hung.items()):
+            if noticed <= end:
+                self._publish(ev.HangDetected, at=noticed, worker=worker, timeout_s=self.heartbeat_timeout_s)
+                del self._hung[worker]
+                self._lose(worker, noticed)  # fenced: a hung worker must never come back
+        for node, noticed in list(self._nodes_unnoticed.items()):
+            if noticed <= end:
+                failure.nodes[node] = self._nodes_unnoticed.pop(node)
+        for worker, noticed in list(self._dead_unnoticed.items()):
+            if noticed <= end:
+                failure.workers[worker] = self._dead_unnoticed.pop(worker)
+        return failure
+
+    # -- membership ------------------------------------------------------------------------------------------
+    def membership(self) -> Membership:
+        if self._membership is None:
+            nodes = sorted(self._nodes)
+            workers = {n: tuple(w for w in self.workers_of(n) if w in self._alive) for n in nodes}
+            self._membership = Membership(
+                workers_of_node={n: ws for n, ws in workers.items() if ws},
+                slots_of_node={n: tuple(self.workers_of(n)) for n in nodes},
+            )
+        return self._membership
+
+    def _changed(self) -> None:
+        self._membership = None
+
+    # -- the protocol ----------------------------------------------------------------------------------------
+    def restart_workers(self) -> Failure | None:
+        starting = [self._registered_at[n] for n in self._nodes]
+        failure = self._wait(max(starting, default=self.now), needs=set())
+        if failure:
+            return failure
+        workers = [w for n in sorted(self._nodes) for w in self.workers_of(n)]
+        self._alive = set(workers)
+        self._held = {w: set() for w in workers}
+        self._hung.clear()  # every worker process is ended, hung ones too
+        self._pending_joins.clear()  # every live node restarts: the next plan includes them all
+        self._snapshots.clear()  # copies in flight die with their workers: those snapshots stay incomplete
+        self._copies.clear()
+        self._launch_s = 0.0
+        self._changed()
+        at_once = len(workers) if self.shared_host else self.workers_per_node
+        failure = self._wait(self.now + self._start_s(at_once), needs=set())
+        for node in failure.nodes if failure else ():
+            self._publish(ev.NodeLostWhileStarting, node=node)
+        return failure
+
+    def configure(
+        self, plan: Plan, programs: Mapping[int, ins.Program], transfers: Mapping[int, ins.Program], restore: Source | None
+    ) -> ConfigureReport | Failure:
+        timing = self.timer.time(plan, programs)
+        self._configuring = plan
+        started = self.now + self._copying(set(plan.workers))  # a worker finishes its snapshot first
+        arrival, received = self._transfer_times(transfers)
+        ranges = plan.layer_ranges()
+        restored: dict[int, tuple[int, ...]] = {}
+        slowest = 0.0
+        for worker, (start, stop) in ranges.items():
+            held = self._held.get(worker, set())
+            if all(layer in held for layer in range(start, stop)):
+                continue  # holds its stage already: nothing to build, receive or restore
+            new = set(range(start, stop)) - held
+            missing = new - set(received.get(worker, ()))
+            if missing and restore is None and plan.step != 0:
+                raise WorkerCrashed(
+                    f"worker {worker} crashed:\nRuntimeError: layer {min(missing)} is missing at step {plan.step} and "
+                    f"nothing provides it"
+                )
+            if missing and restore is not None:
+                restored[worker] = tuple(sorted(missing))
+            decoded = self.state_bytes(received.get(worker, ())) / self.codec_bytes_per_s
+            built = self.state_bytes(new) / self.build_bytes_per_s
+            slowest = max(slowest, arrival.get(worker, 0.0) + decoded + built)
+        reading = self._restore_s(restore, restored) if restored else 0.0
+        restored_from = self._restored_from(restore, restored)
+        self._configuring = None
+        seconds = self.sim.configure_s + slowest + reading
+        self._arm_transfers(plan, transfers, started + self.sim.configure_s)
+        failure = self._wait(started + seconds, needs=set(plan.workers))
+        if failure:
+            return failure
+        for worker, (start, stop) in ranges.items():
+            self._held.setdefault(worker, set()).update(range(start, stop))
+        self._pending_joins -= {self.node_of(w) for w in plan.workers}
+        self._timings[plan.generation] = timing
+        self._needs[plan.generation] = frozenset(ranges)
+        self._layers_dropped = False
+        return ConfigureReport(
+            received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
+            restored_bytes=int(sum(self.state_bytes(layers) for layers in restored.values())),
+            restore_s=reading, restored_from=restored_from,
+        )  # fmt: skip
+
+    def verify(self, source: Source) -> Source | str | Failure:
+        """Simulated saved state is never corrupt, but memory is lost with its node and slots are overwritten: a
+        memory source keeps the records still in memory."""
+        if not isinstance(source, MemorySource):
+            return source
+        intact = tuple(
+            r for r in source.records
+            if r.node in self._nodes and source.step in self._memory.get(r.node, {}).get(r.name, {})
+        )  # fmt: skip
+        lost = lost_shards(source.plan, intact)
+        if lost:
+            return f"the records left in memory cannot rebuild {'; '.join(lost)}"
+        return replace(source, records=intact)
+
+    def begin_step(self, plan: Plan, step: int) -> None:
+        timing = self._timings[plan.generation]
+        self._launched, self._launch_s = (self._launch_s if self._launch_s else None), 0.0
+        self._step_started = self.now + (self._launched or 0.0)
+        if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
+            for worker, (start, stop) in plan.layer_ranges().items():
+                if worker in self._held:
+                    self._held[worker].intersection_update(range(start, stop))
+            self._layers_dropped = True
+        for worker, (armed_step, phase) in list(self._armed.items()):
+            at = timing.phase_at(worker, phase) if armed_step == step and worker in timing.reduce_end else None
+            if at is not None:
+                self._step_timers.append(self.call_at(self._step_started + at, self._at_phase(worker, step, phase)))
+
+    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
+        timing = self._timings[plan.generation]
+        needs = self._needs[plan.generation]
+        waits = {  # a writer reports ready once its gradients are reduced and its copy is done
+            c.worker: max(0.0, c.ends - self._step_started - timing.reduce_end.get(c.worker, timing.ready_s))
+            for c in self._copies if c.worker in needs
+        }  # fmt: skip
+        ready = max([self._step_started + timing.ready_s, *(c.ends for c in self._copies if c.worker in needs)])
+        failure = self._wait(ready, needs=needs)
+        self._cancel_step_timers()
+        if failure:
+            return failure
+        snapshot_s = None
+        if self._launched is not None or waits:
+            snapshot_s = (self._launched or 0.0) + max(waits.values(), default=0.0)
+        return StepReport(loss=math.nan, compute_s=timing.compute_s, snapshot_s=snapshot_s)
+
+    def commit(self, plan: Plan, step: int) -> None:
+        for worker, (armed_step, phase) in list(self._armed.items()):
+            if armed_step == step and phase == "optimizer" and worker in self._needs[plan.generation]:
+                self._at_phase(worker, step, phase)()
+        self._advance(self.now + self.sim.control_s + self._timings[plan.generation].optimizer_s)
+
+    def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
+        self._cancel_step_timers()
+        until = self.now + max(self.sim.abort_s, self._copying(self._alive))  # survivors finish their copies first
+        while (more := self._wait(until, needs=set())) is not None:
+            failure.merge(more)  # a failure during the abort: fold it in
+        return {w: tuple(sorted(self._held[w])) for w in self._needs.get(plan.generation, plan.workers) if w in self._alive}
+
+    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+        if isinstance(action, TakeSnapshot):
+            return self._snapshot(step, action)
+        cost = _ACTIONS.get(type(action))
+        if cost is None:
+            raise NotImplementedError(
+                f"the simulator has no cost for {type(action).__name__}: register one with "
+                f"runtime.sim_backend.register_action"
+            )
+        saved = cost(action, step, writers, self)
+        started = self.now
+        for worker, (armed_step, phase) in list(self._armed.items()):
+            if armed_step == step and phase == "checkpoint" and writers.get(worker):
+                first = self.state_bytes(writers[worker][:1]) / self.codec_bytes_per_s
+                self._step_timers.append(self.call_at(started + first, self._at_phase(worker, step, phase)))
+        failure = self._wait(started + saved.seconds, needs=set(writers))
+        self._cancel_step_timers()
+        if failure:
+            return failure
+        return SaveReport(saved.nbytes, saved.location)
+
+    def completed_saves(self) -> list[SaveProgress]:
+        done: list[_Copy] = []
+        copying: list[_Copy] = []
+        for copy in self._copies:  # a hung writer reports nothing (its copy is dropped when it is fenced)
+            (done if copy.ends <= self.now and copy.worker not in self._hung else copying).append(copy)
+        self._copies = copying
+        progress = []
+        for copy in sorted(done, key=lambda c: (c.ends, c.worker)):
+            records = copy.part.records
+            for record, name in zip(records, copy.part.names):  # two slots: the kept snapshot's and this one's
+                memory = self._memory.setdefault(record.node, {})
+                kept = memory.get(name, {}).get(copy.keep)
+                memory[name] = {copy.step: record} if kept is None else {copy.keep: kept, copy.step: record}
+            snapshot = self._snapshots[copy.step]
+            snapshot.waiting.discard(copy.worker)
+            snapshot.nbytes += copy.part.nbytes
+            snapshot.copy_s = max(snapshot.copy_s, copy.ends - copy.begins)
+            if not snapshot.waiting:
+                del self._snapshots[copy.step]
+            progress.append(SaveProgress(copy.step, snapshot.action, copy.worker, records, not snapshot.waiting,
+                                         snapshot.nbytes, snapshot.copy_s))  # fmt: skip
+        return progress
+
+    def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
+        """Launch every writer's copy of a snapshot; they run beside the next iterations."""
+        writing = {w: part for w, part in self._parts(action).items() if w in self._alive}
+        rate = self.copy_bytes_per_s(len(writing))
+        snapshot = self._snapshots[step] = _Snapshot(action, set(writing))
+        launched = self.now + self.sim.snapshot_launch_s
+        busy = {c.worker: c.ends for c in self._copies}  # launched in order: the last one of each ends last
+        for worker, part in writing.items():
+            begins = max(launched, busy.get(worker, launched))
+            copy = _Copy(step, worker, part, action.keep, begins, begins + part.nbytes / rate)
+            self._copies.append(copy)
+            if self._armed.get(worker) == (step, "snapshot"):  # after one record's bytes, before its commit
+                self.call_at(begins + part.records[0].nbytes / rate, self._in_copy(copy))
+        self._launch_s += self.sim.snapshot_launch_s
+        return SaveReport(0, "memory", pending=True)
+
+    def _parts(self, action: TakeSnapshot) -> dict[int, _Part]:
+        """Each writer's records of a snapshot (``snapshot_layout.records_to_write``), sized by the layout's
+        geometry; computed once per plan and mode."""
+        if self._layout is not None:
+            last, parts = self._layout
+            same = (last.mode, last.workers_per_node) == (action.mode, action.workers_per_node)
+            if last.plan is action.plan and same:
+                return parts
+        parts = {}
+        for worker, mine in records_to_write(action.plan, action.mode, action.workers_per_node).items():
+            if mine:
+                sized = tuple(replace(r, nbytes=record_bytes(r, self.numel(r.layers))) for r in mine)
+                parts[worker] = _Part(sized, tuple(r.name for r in sized), sum(r.nbytes for r in sized))
+        self._layout = (action, parts)
+        return parts
+
+    def joined(self) -> list[int]:
+        ready = {n for n in self._pending_joins if n in self._nodes and self._registered_at[n] <= self.now}
+        self._pending_joins -= ready
+        return sorted(ready)
+
+    # -- faults (the injector's side) ------------------------------------------------------------------------
+    def workers_of(self, node: int) -> list[int]:
+        return list(range(node * self.workers_per_node, (node + 1) * self.workers_per_node))
+
+    def node_of(self, worker: int) -> int:
+        return worker // self.workers_per_node
+
+    def alive_nodes(self) -> list[int]:
+        return sorted(self._nodes)
+
+    def alive_workers(self) -> list[int]:
+        return sorted(self._alive)
+
+    def kill_node(self, node: int) -> None:
+        if node not in self._nodes:
+            return
+        self._nodes.discard(node)
+        self._memory.pop(node, None)  # its host memory, and every record in it
+        self._nodes_unnoticed[node] = self.now + self.sim.detect_s
+        self._changed()
+        for worker in self.workers_of(node):
+            self._hung.pop(worker, None)
+            if worker in self._alive:
+                self._lose(worker, self.now + self.sim.detect_s)
+
+    def kill_worker(self, worker: int) -> None:
+        if worker in self._alive:
+            self._hung.pop(worker, None)
+            self._lose(worker, self.now + self.sim.detect_s)
+
+    def hang_worker(self, worker: int) -> None:
+        if worker in self._alive and worker not in self._hung:
+            self._hung[worker] = self.now + self.heartbeat_timeout_s
+
+    def start_node(self, node: int, wait: bool) -> None:
+        self._nodes.add(node)
+        self._registered_at[node] = self.now + self.sim.node_start_s + self._start_s(self.workers_per_node)
+        self._pending_joins.add(node)
+        self._changed()
+        if wait:
+            self.now = max(self.now, self._registered_at[node])
+            self._register(node)
+        else:
+            self.call_at(self._registered_at[node], lambda: self._register(node))
+
+    def _register(self, node: int) -> None:
+        """The node's workers are up."""
+        if node in self._nodes:
+            for worker in self.workers_of(node):
+                self._alive.add(worker)
+                self._held[worker] = set()
+            self._changed()
+
+    def arm(self, worker: int, step: int, phase: str) -> None:
+        self._armed[worker] = (step, phase)
+
+    # -- costs -------------------------------------------------------------------------------------------------
+    def state_bytes(self, layers: object) -> float:
+        """Weights, gradient and optimizer state of ``layers`` (an iterable of layer indices)."""
+        return sum(self.costs.state_bytes(layer, layer + 1) for layer in layers)  # type: ignore[attr-defined]
+
+    def numel(self, layers: tuple[int, ...]) -> int:
+        """Parameters of ``layers`` (a snapshot's geometry is in float32 elements)."""
+        return int(sum(self.costs.profile.layers[layer].param_bytes for layer in layers)) // FP32
+
+    def copy_bytes_per_s(self, at_once: int) -> float:
+        """One worker's copy into or out of its node's memory while ``at_once`` workers copy."""
+        if self.shared_host and self.sim.host_cores > 0:
+            return self.sim.snapshot_bytes_per_s * min(1.0, self.sim.host_cores / max(1, at_once))
+        return self.sim.snapshot_bytes_per_s
+
+    def memory_loads(self, source: MemorySource) -> dict[int, WorkerLoad]:
+        """The runtime's load plan for restoring ``source`` on the plan being configured: live workers outside it
+        serve their nodes' records."""
+        assert self._configuring is not None, "a memory restore is costed while a plan is configured"
+        plan = self._configuring
+        return load_plan(source, plan, [w for w in sorted(self._alive) if w not in plan.workers])
+
+    def _restored_from(self, source: Source | None, restored: Mapping[int, tuple[int, ...]]) -> str:
+        """memory | parity (some worker decoded a shard) | storage | "" (nothing restored), as the runtime says."""
+        if source is None or not restored:
+            return ""
+        if isinstance(source, MemorySource):
+            loads = self.memory_loads(source)
+            if any(g.decode for w in restored for g in loads[w].groups):
+                return "parity"
+        return source.kind
+
+    def _copying(self, workers: set[int]) -> float:
+        """How long until the copies in flight of ``workers`` are done."""
+        return max([0.0, *(c.ends - self.now for c in self._copies if c.worker in workers)])
+
+    def _start_s(self, at_once: int) -> float:
+        """Starting ``at_once`` worker processes together on one host."""
+        cores = self.sim.host_cores if self.shared_host and self.sim.host_cores > 0 else at_once
+        return self.sim.process_start_s * max(1.0, at_once / cores)
+
+    def _restore_s(self, source: Source | None, readers: dict[int, tuple[int, ...]]) -> float:
+        assert source is not None
+        cost = _SOURCES.get(type(source))
+        if cost is None:
+            raise NotImplementedError(
+                f"the simulator has no cost for restoring from {type(source).__name__}: register one with "
+                f"runtime.sim_backend.register_source"
+            )
+        return cost(source, readers, self)
+
+    def _transfer_times(self, transfers: Mapping[int, ins.Program]) -> tuple[dict[int, float], dict[int, list[int]]]:
+        """When each worker has received its layers, and which layers it receives. A worker's sends go out one after
+        another on its link, so the k-th arrives after the first k layers' bytes."""
+        if not transfers:
+            return {}, {}
+        sent: dict[tuple[int, int, int], float] = {}
+        for worker, program in transfers.items():
+            busy = 0.0
+            for instruction in program:
+                if isinstance(instruction, ins.SendLayer):
+                    busy += self.costs.transfer_s(instruction.layer)
+                    sent[(worker, instruction.layer, instruction.peer)] = busy
+
+        def duration(worker: int, instruction: ins.Instruction) -> float:
+            if isinstance(instruction, ins.SendLayer):
+                return sent[(worker, instruction.layer, instruction.peer)]
+            return 0.0
+
+        arrival: dict[int, float] = {}
+        received: dict[int, list[int]] = {}
+        for event in timeline(transfers, duration):
+            if isinstance(event.instruction, ins.RecvLayer):
+                arrival[event.worker] = max(arrival.get(event.worker, 0.0), event.end)
+                received.setdefault(event.worker, []).append(event.instruction.layer)
+        return arrival, received
+
+    # -- phase faults ----------------------------------------------------------------------------------------
+    def _at_phase(self, worker: int, step: int, phase: str) -> Callable[[], None]:
+        def stop_there() -> None:
+            if worker in self._alive and self._armed.get(worker) == (step, phase):
+                del self._armed[worker]
+                self._publish(ev.WorkerAtPhase, worker=worker, step=step, phase=phase)
+
+        return stop_there
+
+    def _arm_transfers(self, plan: Plan, transfers: Mapping[int, ins.Program], begins: float) -> None:
+        for worker, (armed_step, phase) in list(self._armed.items()):
+            if armed_step == plan.step and phase == "transfer" and any(
+                isinstance(i, ins.RecvLayer) for i in transfers.get(worker, ())
+            ):
+                self._step_timers.append(self.call_at(begins, self._at_phase(worker, plan.step, phase)))
+
+    def _in_copy(self, copy: _Copy) -> Callable[[], None]:
+        """The snapshot phase fault: the writer stops in the middle of its copy (if it is still copying)."""
+        stop_there = self._at_phase(copy.worker, copy.step, "snapshot")
+
+        def if_copying() -> None:
+            if any(c is copy for c in self._copies):
+                stop_there()
+
+        return if_copying
+
+    def _cancel_step_timers(self) -> None:
+        self._cancelled.update(self._step_timers)
+        self._step_timers.clear()
+
+    # -- bookkeeping -----------------------------------------------------------------------------------------
+    def _lose(self, worker: int, noticed: float) -> None:
+        self._alive.discard(worker)
+        self._held.pop(worker, None)
+        self._copies = [c for c in self._copies if c.worker != worker]  # its copy dies with it, unreported
+        copying = {c.step for c in self._copies}
+        self._snapshots = {s: snap for s, snap in self._snapshots.items() if s in copying}  # the rest stay incomplete
+        self._dead_unnoticed[worker] = noticed
+        self._changed()
+
+    def _publish(self, kind: type[ev.Event], at: float | None = None, **fields: object) -> None:
+        self.bus.publish(kind(at=self.now if at is None else at, **fields))

@@ -1,0 +1,306 @@
+"""How long one iteration of a plan takes: its programs executed instruction by instruction, costed by the one cost
+model (``runtime.costs.CostModel.durations`` on ``runtime.program_check``'s abstract machine).
+
+The simulator runs a plan's iteration once and reuses the result for every step of the plan, since the iterations
+of one plan are identical (same programs, same costs). To make that one run cheap at a thousand workers, it is split
+in two phases, which together give exactly what the abstract machine gives for the whole plan:
+
+1. **Components.** Workers that exchange point-to-point messages (activations, gradients) form a component, usually
+   one pipeline (several when a ReCycle peer serves another pipeline's micro-batches). Up to its ``ReduceGrads`` a
+   component depends on no other, so it is executed alone, its ``ReduceGrads`` treated as arrival only. Each
+   component is reduced to a canonical form (workers ordered by their layers, workers and micro-batches renumbered
+   in order of appearance), and components of the same form (the pipelines of one Oobleck template with the same
+   micro-batch count, every pipeline of a grid) are executed and checked once; the results are kept for later
+   plans.
+2. **Reduction.** Every program ends with ``ReduceGrads`` and ``OptimizerStep`` (the checker insists), so what
+   remains is the collective: a worker leaves ``ReduceGrads`` when every worker sharing one of its layers has
+   arrived, after the cost of its all-reduces; the iteration is ready for the commit when the last one has.
+
+Each distinct component is also held to the program checker's training semantics (``check_programs`` on the
+component as a plan of its own), and the components' micro-batches must partition the global batch: together this
+is the checker's verdict on the whole plan.
+
+The default scheduler's programs (``scheduler.OneFOneB``) are a pure function of a pipeline's shape (its stages'
+layers, its micro-batch count), up to renumbering, so a pipeline of a shape already executed is not even read:
+the simulator builds and runs one pipeline of each shape. Other programs are read in full.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.costs import CostModel
+from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.program_check import ProgramError, check_programs, timeline
+from ftlab.runtime.scheduler import OneFOneB
+
+PHASES = ("forward", "backward", "reduce")
+_COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
+
+
+@dataclass(frozen=True)
+class ComponentTiming:
+    """One component executed alone, from the iteration's start; indexed by canonical worker."""
+
+    reduce_at: tuple[float, ...]
+    """When each worker reaches its ReduceGrads."""
+    phase_at: tuple[dict[str, float], ...]
+    """When each worker starts each phase (``instructions.phase_of``)."""
+    compute_s: tuple[float, ...]
+    """Each worker's forward and backward time."""
+
+
+@dataclass(frozen=True)
+class IterationTiming:
+    ready_s: float
+    """From the iteration's start until every worker has reduced its gradients (the commit point)."""
+    optimizer_s: float
+    """The slowest worker's optimizer step, after the commit."""
+    compute_s: float
+    """The busiest worker's forward and backward time."""
+    total_compute_s: float
+    """Every worker's forward and backward time, added up."""
+    reduce_end: dict[int, float]
+    """When each worker leaves ReduceGrads."""
+    _phases: dict[int, tuple[ComponentTiming, int]]
+
+    def phase_at(self, worker: int, phase: str) -> float | None:
+        """When ``worker`` starts ``phase`` (forward, backward, reduce), or None if its program has none."""
+        timing, index = self._phases[worker]
+        return timing.phase_at[index].get(phase)
+
+
+_Key = tuple[tuple[int, int, tuple[tuple, ...]], ...]
+
+
+class IterationTimer:
+    """Times plans' iterations from their programs; components of the same canonical form are run once.
+
+    ``instruction_s``: the runtime's own cost per forward or backward instruction, beyond the profiled layers'.
+    ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
+    layer profiled alone on one core). When more workers compute at once than there are cores, each computes
+    slower: compute (forward, backward, optimizer) is scaled by the mean number of workers computing at once over
+    the cores, found as a fixed point (the scale lengthens the iteration, which lowers the mean). ``None``: each
+    worker has a device of its own.
+    """
+
+    def __init__(
+        self, costs: CostModel, check: bool = True, cores: int | None = None, instruction_s: float = 0.0
+    ) -> None:
+        self.costs = costs
+        self.check = check
+        self.cores = cores
+        self.instruction_s = instruction_s
+        """Added to every forward and backward instruction: the runtime's own cost beyond the layers'."""
+        self._components: dict[tuple[_Key, float], ComponentTiming] = {}
+        self._shapes: dict[tuple[tuple, float], ComponentTiming] = {}
+
+    @property
+    def components(self) -> int:
+        """Distinct components executed so far."""
+        return len(self._components)
+
+    def time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
+        timing = self._time(plan, programs, 1.0)
+        if not self.cores:
+            return timing
+        scale = 1.0
+        for _ in range(8):
+            busy = timing.total_compute_s / timing.ready_s if timing.ready_s > 0 else 0.0
+            wanted = max(1.0, busy / self.cores)
+            if abs(wanted - scale) <= 1e-3 * scale:
+                break
+            scale = round(wanted, 4)
+            timing = self._time(plan, programs, scale)
+        return timing
+
+    def _time(self, plan: Plan, programs: Mapping[int, ins.Program], scale: float) -> IterationTiming:
+        ranges = plan.layer_ranges()
+        missing = sorted(set(ranges) - set(programs))
+        if missing:
+            raise ProgramError(f"programs and plan disagree: no program for workers {missing}")
+        pipelines_from: dict[int, list[Pipeline]] = defaultdict(list)
+        for pipeline in plan.pipelines:
+            pipelines_from[pipeline.stages[0].worker].append(pipeline)
+        covered: dict[int, int] = {}
+        arrival: dict[int, float] = {}
+        compute = total = 0.0
+        phases: dict[int, tuple[ComponentTiming, int]] = {}
+        for order, shape in self._split(plan, programs):
+            timing = self._shapes.get((shape, scale)) if shape is not None else None
+            if timing is None:
+                key, microbatches = _canonical(order, programs, ranges)
+                timing = self._components.get((key, scale))
+                if timing is None:
+                    pipelines = [p for w in order for p in pipelines_from.get(w, ())]
+                    timing = self._run(key, order, pipelines, microbatches, plan, scale)
+                    self._components[(key, scale)] = timing
+                if shape is not None:
+                    self._shapes[(shape, scale)] = timing
+                for mb in microbatches:
+                    if mb in covered:
+                        raise ProgramError(
+                            f"micro-batch {mb} runs on workers {covered[mb]} and {order[0]}, which exchange nothing: "
+                            "every micro-batch must run once, in one pipeline"
+                        )
+                    covered[mb] = order[0]
+            for index, worker in enumerate(order):
+                arrival[worker] = timing.reduce_at[index]
+                phases[worker] = (timing, index)
+                compute = max(compute, timing.compute_s[index])
+                total += timing.compute_s[index]
+        if self.check:
+            # A pipeline of a known shape runs its own micro-batches (which were not read): those of the plan.
+            ran = sorted(covered) if not isinstance(programs, OneFOneB) else sorted(
+                mb for p in plan.pipelines for mb in p.microbatches
+            )
+            if ran != list(range(plan.num_microbatches)):
+                raise ProgramError(
+                    f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
+                )
+        return self._reduce(plan, ranges, arrival, compute, total, phases, scale)
+
+    def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[list[int], tuple | None]]:
+        """The plan's components, each with its workers in canonical order and, for the default scheduler's
+        programs, its shape: the stages' layers and the micro-batch count, which determine the programs up to
+        renumbering (``scheduler.stage_program``), so a pipeline of a known shape is not read at all."""
+        if isinstance(programs, OneFOneB) and programs.disjoint and programs.plan == plan:
+            return [
+                ([s.worker for s in p.stages], (tuple((s.start, s.stop) for s in p.stages), len(p.microbatches)))
+                for p in plan.pipelines
+            ]
+        ranges = plan.layer_ranges()
+        return [
+            (sorted(members, key=lambda w: (*ranges.get(w, (-1, -1)), w)), None) for members in _components(programs)
+        ]
+
+    def _run(
+        self, key: _Key, order: list[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan,
+        scale: float,
+    ) -> ComponentTiming:  # fmt: skip
+        """Execute (and check) one component in its canonical form."""
+        programs = {index: [_instruction(entry) for entry in program] for index, (_, _, program) in enumerate(key)}
+        local = _local_plan(order, pipelines, microbatches, plan)
+        if self.check:
+            check_programs(local, programs)
+        durations = self.costs.durations(local)
+
+        def until_reduce(worker: int, instruction: ins.Instruction) -> float:
+            if isinstance(instruction, (ins.ReduceGrads, ins.OptimizerStep)):
+                return 0.0
+            if isinstance(instruction, _COMPUTE):
+                return scale * (durations(worker, instruction) + self.instruction_s)
+            return durations(worker, instruction)
+
+        reduce_at = [0.0] * len(order)
+        phase_at: list[dict[str, float]] = [{} for _ in order]
+        compute = [0.0] * len(order)
+        for event in timeline(programs, until_reduce):
+            phase = ins.phase_of(event.instruction)
+            if phase:
+                phase_at[event.worker].setdefault(phase, event.start)
+            if isinstance(event.instruction, ins.ReduceGrads):
+                reduce_at[event.worker] = event.start
+            elif isinstance(event.instruction, _COMPUTE):
+                compute[event.worker] += event.end - event.start
+        return ComponentTiming(tuple(reduce_at), tuple(phase_at), tuple(compute))
+
+    def _reduce(
+        self, plan: Plan, ranges: dict[int, tuple[int, int]], arrival: dict[int, float], compute: float,
+        total: float, phases: dict[int, tuple[ComponentTiming, int]], scale: float,
+    ) -> IterationTiming:  # fmt: skip
+        """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
+        last_of_range: dict[tuple[int, int], float] = {}
+        for worker, held in ranges.items():
+            last_of_range[held] = max(last_of_range.get(held, 0.0), arrival[worker])
+        latest = [0.0] * plan.num_layers
+        for (start, stop), at in last_of_range.items():
+            for layer in range(start, stop):
+                latest[layer] = max(latest[layer], at)
+        begins = {held: max(latest[held[0] : held[1]]) for held in last_of_range}
+        reduce_s = self.costs.reduce_s(plan)  # what durations(plan) gives ReduceGrads
+        reduce_end = {worker: begins[held] + reduce_s.get(worker, 0.0) for worker, held in ranges.items()}
+        optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
+        return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, phases)
+
+
+def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
+    """Workers connected by point-to-point instructions, each group in ascending order."""
+    parent = {w: w for w in programs}
+
+    def find(w: int) -> int:
+        while parent[w] != w:
+            parent[w] = parent[parent[w]]
+            w = parent[w]
+        return w
+
+    for worker, program in programs.items():
+        peers = {i.peer for i in program if isinstance(i, (ins.PeerInstruction, ins.LayerInstruction))}
+        for peer in peers:
+            if peer not in parent:
+                raise ProgramError(f"worker {worker} talks to worker {peer}, which has no program")
+            a, b = find(worker), find(peer)
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for worker in sorted(programs):
+        groups[find(worker)].append(worker)
+    return list(groups.values())
+
+
+def _canonical(
+    order: list[int], programs: Mapping[int, ins.Program], ranges: Mapping[int, tuple[int, int]]
+) -> tuple[_Key, list[int]]:
+    """The component with workers numbered by ``order`` and micro-batches by first appearance; and the
+    micro-batches in that order."""
+    worker_index = {w: i for i, w in enumerate(order)}
+    mb_index: dict[int, int] = {}
+    key = []
+    for worker in order:
+        entries = []
+        for instruction in programs[worker]:
+            fields = instruction.__dict__
+            if "microbatch" in fields:
+                mb = mb_index.setdefault(fields["microbatch"], len(mb_index))
+                peer = fields.get("peer")
+                entries.append((type(instruction), mb) if peer is None else (type(instruction), mb, worker_index[peer]))
+            elif "layer" in fields:
+                entries.append((type(instruction), fields["layer"], worker_index[fields["peer"]]))
+            else:
+                entries.append((type(instruction),))
+        start, stop = ranges.get(worker, (-1, -1))
+        key.append((start, stop, tuple(entries)))
+    return tuple(key), list(mb_index)
+
+
+def _instruction(entry: tuple) -> ins.Instruction:
+    kind, *fields = entry
+    return kind(*fields)
+
+
+def _local_plan(order: list[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan) -> Plan:
+    """The component as a plan of its own: workers and micro-batches renumbered as in its canonical form."""
+    worker_index = {w: i for i, w in enumerate(order)}
+    mb_index = {mb: i for i, mb in enumerate(microbatches)}
+    for p in pipelines:
+        for mb in p.microbatches:
+            mb_index.setdefault(mb, len(mb_index))
+    try:
+        local = tuple(
+            Pipeline(
+                tuple(Stage(worker_index[s.worker], s.start, s.stop) for s in p.stages),
+                tuple(mb_index[mb] for mb in p.microbatches),
+            )
+            for p in pipelines
+        )
+    except KeyError as missing:
+        raise ProgramError(
+            f"worker {missing} is in a pipeline with workers {order} but exchanges nothing with them"
+        ) from None
+    return Plan(plan.generation, plan.num_layers, len(mb_index) * plan.micro_batch, plan.micro_batch, local)
+
+
+__all__ = ["IterationTimer", "IterationTiming", "PHASES", "PlanError"]

@@ -1,0 +1,339 @@
+"""The simulator: the real coordinator, policies and programs on a simulated cluster.
+
+- The same config gives the same simulated run, event for event; another fault seed another one.
+- For a failure sequence, the simulated recovery decisions (plans, transfers, restarts) equal the ones the real
+  runtime took for it.
+- A plan's simulated iteration equals the program checker's timeline of all its programs (the component split is
+  exact); programs the checker rejects are rejected by the simulator.
+- Faults fire in simulated time: trace replay at the trace's times, a hang found after the heartbeat timeout, a
+  phase fault inside its step.
+- A simulated job is an MLflow run like a real one (tag backend=sim), and bad input is refused with a message.
+- REFT's snapshots run beside training and a restart restores from memory, from a peer or from parity, as on the
+  runtime; a node's memory is lost with it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from ftlab.experiments import job as job_module
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import JobResult, components, compose_config, everyone, job_factory
+from ftlab.experiments.simulate import simulate, simulate_job
+from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig, build_schedule
+from ftlab.policies.none.policy import NoRecovery
+from ftlab.runtime import events as ev
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
+from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.profiler import analytic_profile
+from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.sim_backend import SimBackend
+from ftlab.runtime.sim_timing import IterationTimer
+from ftlab.runtime.snapshot_layout import groups_of
+
+STEPS = 10
+
+
+def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
+    """Real and simulated jobs plan from the same fixed profile (a measured one differs run to run here)."""
+    return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
+
+
+@pytest.fixture(autouse=True)
+def fixed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job here plans (and is simulated) with it: no test waits for this machine to be measured."""
+    monkeypatch.setattr(job_module, "job_profile", analytic)
+
+
+def sim_cfg(job_overrides: list[str], *overrides: str) -> JobConfig:
+    return OmegaConf.to_object(compose_config([*job_overrides, "mode=simulate", *overrides]))
+
+
+OOBLECK = ["policy=oobleck", "cluster.nodes=6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}"]
+RESTART = ["policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
+REFT = ["policy=checkpoint_restart", "protection=reft", "protection.interval=1", f"protection.flush_every={STEPS}",
+        f"train.steps={STEPS}"]  # fmt: skip
+
+
+def kills(*events: str) -> list[str]:
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def logged(result: JobResult) -> list[tuple]:
+    return [(type(e).__name__, e.at, tuple(sorted(e.fields().items(), key=str))) for e in result.events]
+
+
+# -- determinism -----------------------------------------------------------------------------------------------
+def test_the_same_config_simulates_the_same_run_and_another_seed_another(job_overrides: list[str]) -> None:
+    faults = ["faults=exponential", "faults.mtbf_steps=null", "faults.mtbf_s=2", "faults.max_failures=3", "faults.seed=1"]
+    base = [*OOBLECK, "train.steps=100000", "sim.horizon_s=30", "cluster.nodes=8", "policy.fault_threshold=2", *faults]
+    first = simulate(sim_cfg(job_overrides, *base)).result
+    again = simulate(sim_cfg(job_overrides, *base)).result
+    other = simulate(sim_cfg(job_overrides, *base[:-1], "faults.seed=2")).result
+    assert [(s.step, s.at, s.iter_s) for s in first.steps] == [(s.step, s.at, s.iter_s) for s in again.steps]
+    assert logged(first) == logged(again) and first.plans == again.plans
+    assert len([e for e in first.events if isinstance(e, ev.FaultInjected)]) == 3
+    assert logged(first) != logged(other)
+
+
+# -- the same decisions as the real runtime --------------------------------------------------------------------
+SCENARIOS = {
+    "oobleck": [*OOBLECK, *kills("{kind: node, node: 2, at_step: 3, phase: backward}", "{kind: node, node: 4, at_step: 6}")],
+    "checkpoint_restart": [*RESTART, *kills("{kind: node, node: 1, at_step: 5, phase: reduce}")],
+    "reft": [*REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}")],
+}
+
+
+def decisions(result: JobResult) -> list[tuple]:
+    return [
+        (e.outcome, e.committed_step, e.resume_step, e.generation, e.transfers, e.restore)
+        for e in result.events if isinstance(e, ev.Decided)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_simulated_recovery_decisions_equal_the_real_runtimes(
+    scenario: str, run, job_overrides: list[str]  # noqa: ANN001
+) -> None:
+    real = run(*SCENARIOS[scenario])
+    simulated = simulate(sim_cfg(job_overrides, *SCENARIOS[scenario])).result
+    assert len(real.plans) > 1 and simulated.plans == real.plans
+    assert decisions(simulated) == decisions(real)
+    assert [s.step for s in simulated.steps] == [s.step for s in real.steps]
+    assert [(f.kind, f.lost_steps) for f in simulated.faults] == [(f.kind, f.lost_steps) for f in real.faults]
+
+
+# -- programs ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["oobleck-7", "heterogeneous-3+2"])
+def test_the_component_split_times_a_plan_as_the_whole_timeline_does(job_overrides: list[str], layout: str) -> None:
+    shape = {
+        "oobleck-7": ["policy=oobleck", "cluster.nodes=7", "cluster.device_memory_gb=0.04"],
+        "heterogeneous-3+2": ["cluster.nodes=5", "policy._target_=tests.support.HeterogeneousLayout"],
+    }[layout]
+    cfg = OmegaConf.to_object(compose_config([*job_overrides, *shape, "cluster.device=A100-40GB"]))
+    job = job_factory(cfg, None)(everyone(cfg))
+    policy, protection = components(cfg)
+    made = policy.plan(job, protection)
+    assert len({(len(p.stages), len(p.microbatches)) for p in made.plan.pipelines}) > 1, "want unequal pipelines"
+    whole = timeline(made.programs, job.costs.durations(made.plan), made.plan)
+    ready = max(e.end for e in whole if isinstance(e.instruction, ins.ReduceGrads))
+    by_shape = IterationTimer(job.costs).time(made.plan, made.programs)  # one pipeline of each shape is read
+    read_in_full = IterationTimer(job.costs).time(made.plan, dict(made.programs))
+    assert by_shape.ready_s == pytest.approx(ready, rel=1e-12)
+    assert read_in_full.ready_s == pytest.approx(ready, rel=1e-12)
+
+
+class DropsAMicroBatch(NoRecovery):
+    """A policy whose programs leave out the last micro-batch's backward on the last stage."""
+
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        made = super().plan(job, protection)
+        programs = {w: list(p) for w, p in made.programs.items()}
+        last = made.plan.pipelines[0].stages[-1].worker
+        programs[last] = [i for i in programs[last] if not (isinstance(i, ins.BackwardPass) and i.microbatch == 0)]
+        return Decision(made.plan, programs, reason="broken")
+
+
+def test_programs_the_checker_rejects_are_rejected(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, f"policy._target_={__name__}.DropsAMicroBatch")
+    with pytest.raises(ProgramError):
+        simulate(cfg)
+
+
+# -- faults in simulated time ------------------------------------------------------------------------------------
+def injected(result: JobResult) -> list[ev.FaultInjected]:
+    return [e for e in result.events if isinstance(e, ev.FaultInjected)]
+
+
+def test_a_trace_replays_at_its_own_times(job_overrides: list[str]) -> None:
+    faults = ["faults=trace", "faults.trace=p3", "faults.trace_s_per_step=null", "faults.time_compression=120", "faults.max_failures=4"]
+    cfg = sim_cfg(job_overrides, *RESTART, "cluster.nodes=8", "train.steps=100000", "sim.horizon_s=400", *faults)
+    simulated = simulate(cfg)
+    result = simulated.result
+    schedule = build_schedule(cfg.faults, ClusterShape(8, 1))
+    started = next(e.at for e in result.events if isinstance(e, ev.PlanConfigured))
+    fired = [(e.fault_kind, e.fault["node"], e.at) for e in injected(result)]
+    expected = [(f.kind, f.node, pytest.approx(started + f.at_time_s)) for f in schedule if f.at_time_s < 400]
+    assert fired == expected[: len(fired)] and len(fired) >= 4
+    assert simulated.horizon_reached and result.steps[-1].at <= 400 + started
+
+
+def test_a_hang_is_found_after_the_heartbeat_timeout(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, *RESTART, "cluster.heartbeat_timeout_s=7", *kills("{kind: hang, node: 2, worker: 0, at_step: 4}"))
+    result = simulate(cfg).result
+    (fault,) = result.faults
+    assert fault.detect_s == pytest.approx(7.0)
+    assert any(isinstance(e, ev.HangDetected) and e.worker == 2 for e in result.events)
+    assert sorted({s.step for s in result.steps}) == list(range(STEPS))
+
+
+def test_a_phase_fault_strikes_inside_its_step(job_overrides: list[str]) -> None:
+    at = {}
+    for phase in ("forward", "backward", "reduce"):
+        cfg = sim_cfg(job_overrides, *OOBLECK, *kills(f"{{kind: node, node: 2, at_step: 4, phase: {phase}}}"))
+        result = simulate(cfg).result
+        begins = [s for s in result.steps if s.step == 3][0].at  # step 4 begins as step 3 commits
+        (fault,) = injected(result)
+        assert begins <= fault.at < begins + result.steps[0].iter_s, phase
+        at[phase] = fault.at
+    assert at["forward"] < at["backward"] < at["reduce"]
+
+
+# -- the record ------------------------------------------------------------------------------------------------
+def test_a_simulated_job_is_an_mlflow_run_like_a_real_one(job_overrides: list[str], tmp_path: Path) -> None:
+    result = simulate_job(compose_config([*job_overrides, "mode=simulate", *OOBLECK, *kills("{kind: node, node: 2, at_step: 4}")]))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    record = client.get_run(result.run_id)
+    assert record.info.status == "FINISHED" and record.data.tags["backend"] == "sim"
+    for name in ("perf/iter_s", "perf/samples_per_s", "cluster/alive_nodes", "ft/recover_s", "summary/goodput_ratio"):
+        assert name in record.data.metrics, name
+    assert "train/loss" not in record.data.metrics and not math.isnan(result.summary["summary/samples_per_s"])
+    steps = [m.step for m in client.get_metric_history(result.run_id, "perf/iter_s")]
+    assert steps[0] == 0 and steps[-1] == STEPS - 1 and len(steps) < STEPS  # equal steps logged as first and last
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.yaml", "events.jsonl", "plans", "timeline.png"} <= artifacts
+    assert len(client.list_artifacts(result.run_id, "plans")) == len(result.plans) == 2
+
+
+BAD_INPUTS = [
+    (["cluster.device=B200"], ConfigError, "cluster.device='B200' has no profile"),
+    (["protection=reft", "protection.mode=aor", "train.zero=1"], ConfigError, "use protection.mode=arc, aec or arc\\+aec"),
+    (["cluster.nodes=40", "train.global_batch=80", "faults=trace", "faults.trace=p3"], FaultConfigError,
+     "faults.trace_copies=2"),
+    (["sim.horizon_s=-1"], ConfigError, "sim.horizon_s=-1"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "advice"), BAD_INPUTS, ids=[" ".join(o) for o, _, _ in BAD_INPUTS])
+def test_bad_input_is_refused_with_a_message(
+    job_overrides: list[str], tmp_path: Path, overrides: list[str], error: type, advice: str
+) -> None:
+    with pytest.raises(error, match=advice.replace("(", r"\(")):
+        simulate_job(compose_config([*job_overrides, "mode=simulate", *overrides]))
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (record,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert record.info.status == "FAILED" and record.data.tags["backend"] == "sim"
+
+
+def test_a_larger_cluster_replays_copies_of_a_trace() -> None:
+    one = build_schedule(FaultsConfig(schedule="trace", trace="p3"), ClusterShape(32, 8))
+    four = build_schedule(FaultsConfig(schedule="trace", trace="p3", trace_copies=4), ClusterShape(125, 8))
+    removes = sum(e.kind == "node" for e in one)
+    assert 3 * removes < sum(e.kind == "node" for e in four) <= 4 * removes
+    instants = {e.at_time_s for e in one if e.kind == "node"}
+    assert len({e.at_time_s for e in four if e.kind == "node"}) >= 3 * len(instants), "the copies interleave"
+
+
+# -- REFT ----------------------------------------------------------------------------------------------------------
+def restored(result: JobResult) -> list[tuple[int, str]]:
+    return [(e.step, e.source) for e in result.events if isinstance(e, ev.StateRestored)]
+
+
+def test_reft_snapshots_beside_training_and_a_restart_restores_from_memory(job_overrides: list[str]) -> None:
+    cfg = sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))
+    result = simulate(cfg).result
+    assert restored(result) == [(5, "memory")]  # the step the failure found committed: no step is lost
+    (fault,) = result.faults
+    assert fault.lost_steps == 0 and sorted({s.step for s in result.steps}) == list(range(STEPS))
+    # A snapshot after every commit: on the critical path, its launch (the copies of a tiny model end in time).
+    taken = [s.snapshot_s for s in result.steps if s.step not in (0, 5)]
+    assert taken == [pytest.approx(cfg.sim.snapshot_launch_s)] * len(taken)
+    again = simulate(sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))).result
+    assert logged(again) == logged(result) and again.plans == result.plans
+
+
+def test_a_copy_slower_than_an_iteration_holds_the_next_step(job_overrides: list[str]) -> None:
+    fast = simulate(sim_cfg(job_overrides, *REFT)).result
+    slow = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e6")).result
+    assert slow.steps[0].snapshot_s is None and slow.steps[0].iter_s == fast.steps[0].iter_s
+    assert slow.steps[2].snapshot_s > 10 * fast.steps[2].snapshot_s
+    held = slow.steps[2].snapshot_s - fast.steps[2].snapshot_s
+    assert slow.steps[2].iter_s == pytest.approx(fast.steps[2].iter_s + held)
+
+
+def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
+    """Three replicas per stage, AEC: node 1 dies copying its records; its shard is rebuilt from the others'."""
+    aec = [*REFT, "protection.mode=aec", "cluster.nodes=6", "train.stages=2"]
+    result = simulate(sim_cfg(job_overrides, *aec, *kills("{kind: node, node: 1, at_step: 4, phase: snapshot}"))).result
+    (fault,) = injected(result)
+    assert fault.at > [s for s in result.steps if s.step == 3][0].at  # inside the copy of the snapshot of step 4
+    assert restored(result) == [(4, "parity")] and result.faults[0].lost_steps == 0
+
+
+def test_a_nodes_memory_is_lost_with_it(job_overrides: list[str]) -> None:
+    """Both holders of a stage's state die: no snapshot in memory can be rebuilt, the flush to storage is used."""
+    flushes = [*REFT[:-2], "protection.flush_every=3", f"train.steps={STEPS}"]
+    both = kills("{kind: node, node: 1, at_step: 5}", "{kind: node, node: 3, at_step: 5}")
+    result = simulate(sim_cfg(job_overrides, *flushes, *both)).result
+    (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert "lost" in decided.restore_reason and restored(result) == [(3, "storage")]
+    assert result.faults[0].lost_steps == 2
+
+
+def test_a_killed_nodes_records_are_gone_from_memory(job_overrides: list[str]) -> None:
+    """The backend's own memory, which ``verify`` reads: a source is narrowed to what survives, or refused."""
+    cfg = sim_cfg(job_overrides, *REFT, "cluster.device=A100-40GB")
+    job = job_factory(cfg, None)(everyone(cfg))
+    policy, protection = components(cfg)
+    plan = policy.plan(job, protection).plan
+    c = cfg.cluster
+    backend = SimBackend(c.nodes, c.workers_per_node, job.costs, cfg.sim, 1.0, ev.EventBus(), shared_host=False)
+    assert backend.save(1, TakeSnapshot(plan, "arc", c.workers_per_node, -1), {}, plan.num_layers).pending
+    assert backend.completed_saves() == []  # still copying
+    backend.now = 10.0
+    done = backend.completed_saves()
+    assert len(done) == len(plan.workers) and done[-1].complete and not any(p.complete for p in done[:-1])
+    source = MemorySource(1, plan=plan, workers_per_node=c.workers_per_node, records=tuple(r for p in done for r in p.records))
+    assert backend.verify(source) == source
+    backend.kill_node(1)
+    narrowed = backend.verify(source)
+    assert isinstance(narrowed, MemorySource) and 1 not in {r.node for r in narrowed.records}
+    (partner,) = [w for g in groups_of(plan) if 1 in g.holders for w in g.holders if w != 1]
+    backend.kill_node(backend.node_of(partner))  # the other holder of node 1's layers: their state is gone
+    assert "cannot rebuild" in backend.verify(source)
+
+
+def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> None:
+    base = [*OOBLECK, "protection=reft", "cluster.device=A100-40GB", *SCENARIOS["oobleck"][-2:]]
+    result = simulate(sim_cfg(job_overrides, *base)).result
+    assert sorted({s.step for s in result.steps}) == list(range(STEPS)) and len(result.faults) == 2
+    assert all(s.snapshot_s is not None for s in result.steps[1:3])
+
+
+# -- activation checkpointing in the cost and memory model --------------------------------------------------------
+def test_activation_checkpointing_trades_activation_memory_for_a_forward() -> None:
+    from dataclasses import replace
+
+    from ftlab.runtime.costs import CostModel, stage_footprint
+    from ftlab.runtime.model_spec import load_model_config
+
+    profile = analytic_profile(load_model_config("llama2-6.7b"), "A100-80GB", 1, 4096)
+    plain, checkpointed = CostModel(profile), CostModel(replace(profile, activation_checkpointing=True))
+    start, stop, in_flight = 1, 9, 8
+    assert checkpointed.backward_s(start, stop) == pytest.approx(plain.backward_s(start, stop) + plain.forward_s(start, stop))
+    assert checkpointed.forward_s(start, stop) == plain.forward_s(start, stop)
+    # Eight blocks, eight micro-batches in flight: 8 x 8 blocks' activations, or 8 inputs and one stage's worth.
+    saved, state = plain.activation_bytes(start, stop), plain.state_bytes(start, stop)
+    boundary = profile.layers[start - 1].output_bytes
+    assert plain.stage_memory(start, stop, in_flight) == state + in_flight * saved
+    assert checkpointed.stage_memory(start, stop, in_flight) == state + in_flight * boundary + saved
+    assert checkpointed.stage_memory(start, stop, in_flight) - state < (plain.stage_memory(start, stop, in_flight) - state) / 4
+    for model in (plain, checkpointed):
+        flag = model.profile.activation_checkpointing
+        assert stage_footprint(profile.layers, start, stop, in_flight, flag) == model.stage_memory(start, stop, in_flight)
+
+
+def test_activation_checkpointing_lets_a_paper_scale_plan_fit(job_overrides: list[str]) -> None:
+    """llama2-6.7b, micro-batches of 2 x 4,096 tokens, on one node of 8 A100s: the stages do not fit without it."""
+    base = [*job_overrides, "model=llama2-6.7b", "cluster=a100-16x8", "cluster.nodes=1", "train.stages=8",
+            "train.global_batch=16", "train.micro_batch=2", "mode=simulate"]  # fmt: skip
+    with pytest.raises(ConfigError, match="train.activation_checkpointing=true"):
+        simulate(OmegaConf.to_object(compose_config(base)))
+    result = simulate(OmegaConf.to_object(compose_config([*base, "train.steps=3", "train.activation_checkpointing=true"])))
+    assert len(result.result.steps) == 3
