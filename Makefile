@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test ui-test sweep fault-ci soak bench clean
+.PHONY: setup run test ui-test gpu-test sweep fault-ci soak bench clean
 
 # Pinned dependencies from requirements.lock, then the project itself (editable, so conf/ edits apply at once).
 $(STAMP): pyproject.toml requirements.lock
@@ -24,6 +24,10 @@ test: setup
 # a small sweep, the MLflow server on its store, the runs table and the compare view. Screenshots: ui-artifacts/.
 ui-test: setup
 	$(PYTHON) -m pytest -m ui tests/test_ui.py
+
+# The NCCL path on a machine with CUDA (each worker on its own GPU); the tests skip themselves without one.
+gpu-test: setup
+	$(PYTHON) -m pytest -m gpu tests/test_gpu.py
 
 # A small sweep of policies x failure rates (Oobleck and checkpoint-restart, both with storage checkpoints, on the
 # quick-start cluster; exponential node faults every 8 or 16 steps on average). It leaves the comparison figure in

@@ -41,6 +41,8 @@ from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.data import load_tokens, tokenize_corpus
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.launchers import launch_problems, make_launcher
+from ftlab.runtime.placement import choose_backend
 from ftlab.runtime.model_spec import layer_specs
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.profiler import analytic_profile, measure_profile
@@ -146,6 +148,9 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(f"cluster.threads_per_worker={c.threads_per_worker}: use a count, or 0 for this job's share")
     if c.backend not in BACKENDS:
         raise ConfigError(f"cluster.backend={c.backend!r}: use auto, gloo or nccl")
+    launch = launch_problems(c)
+    if launch:
+        raise ConfigError("; ".join(launch))
     if c.device_memory_gb <= 0:
         raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
     if c.heartbeat_s <= 0:
@@ -267,15 +272,30 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
     return policy, protection, decision
 
 
-def resolve_backend(requested: str) -> str:
-    """gloo or nccl; the only check that needs torch, so it comes last."""
+def resolve_backend(cfg: JobConfig) -> tuple[str, str]:
+    """(backend, why) where the nodes are this machine's processes (the only check that needs torch, so it comes
+    last); with agents on other hosts, the requested backend, decided by ``backend_for`` once the agents have
+    reported their GPUs."""
+    c = cfg.cluster
+    if c.launcher != "local":
+        return c.backend, "decided when the agents report their GPUs"
     import torch
 
-    if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("cluster.backend=nccl needs CUDA, which this machine lacks: use cluster.backend=gloo")
-    return requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return backend_for(cfg, c.backend, {n: gpus for n in range(c.nodes)}, shared_machine=True)
+
+
+def backend_for(cfg: JobConfig, requested: str, gpus_of_node: dict[int, int], shared_machine: bool) -> tuple[str, str]:
+    try:
+        backend, why = choose_backend(requested, gpus_of_node, cfg.cluster.workers_per_node, shared_machine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if backend == "nccl" and (cfg.train.zero or cfg.protection.name == "reft"):
+        raise ConfigError(
+            f"train.zero={cfg.train.zero} and protection={cfg.protection.name} run on gloo only so far (their "
+            f"buffers and snapshot copies are CPU tensors): use cluster.backend=gloo"
+        )
+    return backend, why
 
 
 @dataclass
@@ -288,7 +308,9 @@ class Preflight:
     beyond: list[FaultEvent] = field(default_factory=list)
     """Generated or replayed faults at steps the job never runs: warned of, not fired."""
     backend: str = ""
-    """gloo or nccl (real processes only)."""
+    """gloo or nccl (real processes only); with agents on other hosts, as requested (auto too) until they report
+    their GPUs."""
+    backend_why: str = ""
     tokens: Path | None = None
     """The tokenised corpus (real processes only)."""
 
@@ -317,7 +339,7 @@ def preflight(cfg: JobConfig) -> Preflight:
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
     checked.tokens = tokens
-    checked.backend = resolve_backend(cfg.cluster.backend)
+    checked.backend, checked.backend_why = resolve_backend(cfg)
     return checked
 
 
@@ -507,12 +529,21 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
         "aor": False,
         **checked.protection.runtime_options(),
     }
-    cluster = LocalCluster(c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c))
+    cluster = LocalCluster(
+        c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c), c.coordinator_addr, make_launcher(c),
+        c.coordinator_port, c.store_port,
+    )  # fmt: skip
     setup["memory_root"] = str(cluster.memory_root)
     injector: Injector | None = None
     stopped: JobStopped | None = None
     try:
         cluster.start(c.start_timeout_s)
+        why = checked.backend_why
+        if c.launcher != "local":
+            setup["backend"], why = backend_for(cfg, checked.backend, cluster.gpus_of_node(), cluster.launcher.same_machine)
+        log.info("communication backend: %s (%s)", setup["backend"], why)
+        tracker.set_tag("comm_backend", setup["backend"])
+        tracker.set_tag("comm_backend.why", why)
         backend = LocalBackend(cluster, seen.bus, setup, c.heartbeat_timeout_s)
         injector = Injector(checked.faults, backend, seen.bus)
         coordinator = Coordinator(

@@ -10,6 +10,11 @@ and they outlive a worker's crash but not the node. The agent creates it, answer
 of a step pass their checksums, read without torch) and removes it whenever it ends: shut down, its coordinator
 gone, or terminated. A node killed outright cannot clean up: the coordinator removes its memory, as the loss of the
 machine would.
+
+Started by hand or by a launcher on another host (``ftlab-agent``, ``runtime.launchers``), the agent takes the
+coordinator's address on its command line and the job's secret from ``--secret-file`` (``-``: standard input) or
+``FTLAB_SECRET``, never from its arguments; it hands the secret to its workers through their environment. It leads a
+process group of its own there (its workers are in it), so that a node is lost by signalling one group.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
+from ftlab.runtime.placement import visible_gpus
 
 _PR_SET_PDEATHSIG = 1
 
@@ -43,9 +49,10 @@ def terminate_with_parent() -> None:
 
 
 class Agent:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, secret: str) -> None:
         self.args = args
-        self.conn = msg.connect(args.coordinator_port)
+        self.secret = secret
+        self.conn = msg.connect(args.coordinator_addr, args.coordinator_port, secret)
         self._send_lock = threading.Lock()
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.memory = shm.node_dir(args.memory_root, args.node)
@@ -65,14 +72,18 @@ class Agent:
             earlier.wait()
         command = [
             sys.executable, "-m", "ftlab.runtime.worker",
+            "--coordinator-addr", self.args.coordinator_addr,
             "--coordinator-port", str(self.args.coordinator_port),
+            "--host-addr", self.args.host_addr,
+            "--device-index", str(self.args.device_offset + self.args.workers.index(worker)),
             "--node", str(self.args.node),
             "--worker", str(worker),
             "--heartbeat-s", str(self.args.heartbeat_s),
             "--threads", str(self.args.threads),
             "--incarnation", str(incarnation),
         ]  # fmt: skip
-        proc = subprocess.Popen(command, preexec_fn=die_with_parent)
+        env = {**os.environ, msg.SECRET_ENV: self.secret}
+        proc = subprocess.Popen(command, env=env, preexec_fn=die_with_parent)
         self.workers[worker] = proc
         threading.Thread(target=self._watch, args=(worker, proc), daemon=True, name=f"watch-{worker}").start()
 
@@ -92,7 +103,7 @@ class Agent:
             time.sleep(self.args.heartbeat_s)
 
     def serve(self) -> None:
-        self.send(msg.Hello("agent", self.args.node, os.getpid()))
+        self.send(msg.Hello("agent", self.args.node, os.getpid(), host=self.args.host_addr, gpus=visible_gpus()))
         for worker in self.args.workers:
             self.spawn(worker, incarnation=0)
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
@@ -116,15 +127,43 @@ class Agent:
                 return
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="ftlab node agent (started by the coordinator)")
+def host_address(coordinator_addr: str, coordinator_port: int) -> str:
+    """The address of this host that the coordinator's host routes to (``--host-addr auto``): the source address
+    of a UDP socket connected towards the coordinator (connecting a UDP socket sends nothing)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((coordinator_addr, coordinator_port))
+        return probe.getsockname()[0]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="ftlab node agent: started by the coordinator, or on another host (ftlab-agent). The job's "
+        f"secret comes from --secret-file or ${msg.SECRET_ENV}, never from the command line."
+    )
+    parser.add_argument("--coordinator-addr", default="127.0.0.1")
     parser.add_argument("--coordinator-port", type=int, required=True)
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--workers", type=int, nargs="*", default=[])
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--memory-root", type=Path, required=True)
-    args = parser.parse_args()
+    parser.add_argument("--host-addr", default="127.0.0.1",
+                        help="the address this node's workers are reachable on; auto: the one routed to the coordinator")  # fmt: skip
+    parser.add_argument("--device-offset", type=int, default=0, help="the GPU index of this node's first worker")
+    parser.add_argument("--secret-file", default=None, help="a file holding the job's secret; -: standard input")
+    args = parser.parse_args(argv)
+    if args.host_addr == "auto":
+        args.host_addr = host_address(args.coordinator_addr, args.coordinator_port)
+    return args
+
+
+def main(argv: list[str] | None = None, own_group: bool = False) -> None:
+    args = parse_args(argv)
+    secret = msg.job_secret(args.secret_file)
+    if own_group and os.getpgrp() != os.getpid():
+        os.setpgid(0, 0)  # the node is this group: the agent and the workers it starts
     memory = shm.node_dir(args.memory_root, args.node)
 
     def terminated(signum: int, frame: object) -> None:
@@ -133,9 +172,14 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, terminated)
     try:
-        Agent(args).serve()
+        Agent(args, secret).serve()
     finally:
         shm.remove(memory)
+
+
+def cli() -> None:
+    """``ftlab-agent``: an agent on a host of its own, leading its own process group."""
+    main(own_group=True)
 
 
 if __name__ == "__main__":

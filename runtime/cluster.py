@@ -1,4 +1,10 @@
-"""The coordinator's view of a cluster of local processes: control server, rendezvous store, agents, membership.
+"""The coordinator's view of a cluster of processes: control server, rendezvous store, agents, membership.
+
+The control server and the rendezvous store listen on ``coordinator_addr`` only (loopback by default: a job on one
+machine is reachable from no other), and the control server admits only peers that prove the job's secret
+(``messages.ControlServer``). Agents start through a launcher (``runtime.launchers``: children of the coordinator,
+ssh, SLURM); each reports the address its workers are reachable on. An agent's death is its closed control
+connection, wherever it runs; where the launcher also knows the process (a local child), its exit counts too.
 
 Everything that arrives from agents and workers (messages, closed connections) becomes a ``ClusterEvent`` on one queue,
 which the local backend consumes from a single thread: membership changes and step results are handled in the order they
@@ -7,24 +13,28 @@ happened, with no locks in the training logic.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch.distributed as dist
 
 from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
-from ftlab.runtime.agent import terminate_with_parent
+from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, LocalLauncher
+from ftlab.runtime.placement import device_index
+
+log = logging.getLogger(__name__)
 
 
 class ClusterError(RuntimeError):
@@ -60,34 +70,54 @@ class Member:
     alive: bool = True
     aborts: Connection | None = None
     """A worker's second connection, on which Aborts are repeated (see ``abort``)."""
+    host: str = ""
+    gpus: int = 0
+    closed: bool = False
+    """Its control connection has closed: the process is gone (or cut off, which is the same to the job)."""
 
 
 class LocalCluster:
-    def __init__(self, nodes: int, workers_per_node: int, heartbeat_s: float, threads_per_worker: int) -> None:
+    def __init__(
+        self, nodes: int, workers_per_node: int, heartbeat_s: float, threads_per_worker: int,
+        coordinator_addr: str = "127.0.0.1", launcher: Launcher | None = None, coordinator_port: int = 0,
+        store_port: int = 0,
+    ) -> None:  # fmt: skip
         self.workers_per_node = workers_per_node
         self.heartbeat_s = heartbeat_s
         self.threads_per_worker = threads_per_worker
         self.node_ids = list(range(nodes))
-        self.secret = secrets.token_hex(16)
+        self.coordinator_addr = coordinator_addr
+        self.launcher = launcher or LocalLauncher()
+        self.secret = msg.new_secret()
+        """Every control connection proves it; it leaves this process only through environments and 0600 files."""
         self.events: queue.Queue[ClusterEvent] = queue.Queue()
         self.agents: dict[int, Member] = {}
         self.workers: dict[int, Member] = {}
-        # By pid: workers whose second connection has not arrived yet, with their Hello.
-        self._connecting: dict[int, tuple[Member, msg.Hello]] = {}
+        # By (worker, pid): workers one of whose two connections has not registered yet.
+        self._connecting: dict[tuple[int, int], dict[str, tuple[Connection, msg.Hello]]] = {}
         self.worker_pids: dict[int, list[int]] = {}
         """Every process each worker id has had, in order: a restarted worker has several."""
         self.incarnation: dict[int, int] = {}
         """Worker id -> the start of it that may register now (0 until it is respawned)."""
-        self._agent_procs: dict[int, subprocess.Popen[bytes]] = {}
-        self._listener = Listener(("127.0.0.1", 0), authkey=self.secret.encode())
-        self.port = self._listener.address[1]
-        # The rendezvous store lives in the coordinator, which outlives every generation of workers.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.memory_root = shm.job_root(f"{os.getpid()}-{self.secret[:8]}")
-        """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
+        self._agent_procs: dict[int, AgentHandle] = {}
+        self._accept_lock = threading.Lock()
+        self._starting: set[int] = set()
         self._closing = False
         self.started = False
-        threading.Thread(target=self._accept, daemon=True, name="control-accept").start()
+        self._server = msg.ControlServer(coordinator_addr, coordinator_port, self.secret, self._register)
+        self.port = self._server.address[1]
+        # The rendezvous store lives in the coordinator, which outlives every generation of workers. TCPStore
+        # would listen on every interface: it is handed a socket bound to the coordinator's address instead.
+        self._store_socket = socket.create_server((coordinator_addr, store_port), backlog=128)
+        self.store = dist.TCPStore(
+            coordinator_addr, self._store_socket.getsockname()[1], is_master=True, wait_for_workers=False,
+            master_listen_fd=self._store_socket.fileno(),
+        )  # fmt: skip
+        self._store_socket.detach()  # the store's server owns the descriptor now
+        log.info("control server on %s:%d, rendezvous store on %s:%d", coordinator_addr, self.port, coordinator_addr,
+                 self.store.port)  # fmt: skip
+        self.memory_root = shm.job_root(f"{os.getpid()}-{secrets.token_hex(4)}")
+        """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
 
     def workers_of(self, node: int) -> list[int]:
         return [node * self.workers_per_node + i for i in range(self.workers_per_node)]
@@ -96,18 +126,16 @@ class LocalCluster:
         return worker // self.workers_per_node
 
     # -- starting ----------------------------------------------------------------------------------------------
+    def agent_spec(self, node: int) -> AgentSpec:
+        return AgentSpec(
+            self.coordinator_addr, self.port, node, tuple(self.workers_of(node)), self.heartbeat_s,
+            self.threads_per_worker, str(self.memory_root), self.launcher.host_addr(node),
+            device_index(node, 0, self.workers_per_node, self.launcher.same_machine),
+        )  # fmt: skip
+
     def start_node(self, node: int) -> None:
-        env = {**os.environ, msg.SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"}
-        command = [
-            sys.executable, "-m", "ftlab.runtime.agent",
-            "--coordinator-port", str(self.port),
-            "--node", str(node),
-            "--heartbeat-s", str(self.heartbeat_s),
-            "--threads", str(self.threads_per_worker),
-            "--workers", *map(str, self.workers_of(node)),
-            "--memory-root", str(self.memory_root),
-        ]  # fmt: skip
-        self._agent_procs[node] = subprocess.Popen(command, env=env, preexec_fn=terminate_with_parent)
+        self._starting.add(node)  # until its agent registers, an earlier agent's closed connection is not its death
+        self._agent_procs[node] = self.launcher.start(self.agent_spec(node), self.secret)
         if node not in self.node_ids:
             self.node_ids.append(node)
 
@@ -125,52 +153,68 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         watched = {self.node_of(w) for w in expected} | set(watch)
         while not expected <= {w for w, m in self.workers.items() if m.alive}:
-            for node, proc in self._agent_procs.items():
-                if proc.poll() is not None and node in watched:
-                    raise NodeLost(node, proc.returncode)
+            for node in watched:
+                if self._agent_ended(node):
+                    raise NodeLost(node, self._agent_procs[node].poll() if node in self._agent_procs else None)
             if time.monotonic() > deadline:
                 missing = sorted(expected - set(self.workers))
                 raise ClusterError(f"workers {missing} did not register within {timeout_s:.0f} s")
             time.sleep(0.05)
 
     # -- control connections -----------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                conn = msg.no_delay(self._listener.accept())
-                hello = conn.recv()
-            except (OSError, EOFError):
-                continue  # a peer that failed authentication or vanished while connecting
-            if not isinstance(hello, msg.Hello):
-                conn.close()
-                continue
-            if hello.role != "agent" and hello.incarnation != self.incarnation.get(hello.worker, 0):
-                conn.close()  # a process of an earlier start, which its agent ends: it must not replace this one
-                continue
-            if hello.role == "worker":
-                # A worker counts once its second connection is there too: an Abort must reach it at any time.
-                self._connecting[hello.pid] = Member(hello.role, hello.worker, hello.node, hello.pid, conn), hello
-                continue
-            if hello.role == "aborts":
-                if hello.pid not in self._connecting:
-                    conn.close()
-                    continue
-                member, hello = self._connecting.pop(hello.pid)
-                member.aborts = conn
-                self.worker_pids.setdefault(member.ident, []).append(member.pid)
-            else:
-                member = Member(hello.role, hello.node, hello.node, hello.pid, conn)
-            (self.workers if member.role == "worker" else self.agents)[member.ident] = member
-            if self.started:
-                # How the backend learns of joins and restarts.
-                self.events.put(ClusterEvent(member.role, member.ident, hello, member.pid))
+    def _agent_ended(self, node: int) -> bool:
+        """The node's agent is gone: its launcher saw it end, or its control connection closed."""
+        handle = self._agent_procs.get(node)
+        member = self.agents.get(node)
+        closed = member is not None and member.closed and node not in self._starting
+        return (handle is not None and handle.poll() is not None) or closed
+
+    def _register(self, conn: Connection) -> None:
+        """An authenticated connection (on its own thread): its Hello says who it is."""
+        try:
+            hello = conn.recv()
+        except (OSError, EOFError):
+            conn.close()  # a peer that vanished while connecting
+            return
+        if self._closing or not isinstance(hello, msg.Hello):
+            conn.close()
+            return
+        with self._accept_lock:  # registrations change the tables one at a time
+            member = self._admit(conn, hello)
+        if member is not None:
             threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{member.role}{member.ident}").start()
+
+    def _admit(self, conn: Connection, hello: msg.Hello) -> Member | None:
+        if hello.role != "agent" and hello.incarnation != self.incarnation.get(hello.worker, 0):
+            conn.close()  # a process of an earlier start, which its agent ends: it must not replace this one
+            return None
+        if hello.role in ("worker", "aborts"):
+            # A worker counts once both its connections are there: an Abort must reach it at any time. Each
+            # connection registers on its own thread, so either Hello may come first. (Keyed by worker and pid:
+            # pids repeat across hosts.)
+            parts = self._connecting.setdefault((hello.worker, hello.pid), {})
+            parts[hello.role] = (conn, hello)
+            if len(parts) < 2:
+                return None
+            del self._connecting[(hello.worker, hello.pid)]
+            (conn, hello), (aborts, _) = parts["worker"], parts["aborts"]
+            member = Member("worker", hello.worker, hello.node, hello.pid, conn, aborts=aborts, host=hello.host)
+            self.worker_pids.setdefault(member.ident, []).append(member.pid)
+        else:
+            member = Member(hello.role, hello.node, hello.node, hello.pid, conn, host=hello.host, gpus=hello.gpus)
+            self._starting.discard(hello.node)
+        (self.workers if member.role == "worker" else self.agents)[member.ident] = member
+        if self.started:
+            # How the backend learns of joins and restarts.
+            self.events.put(ClusterEvent(member.role, member.ident, hello, member.pid))
+        return member
 
     def _read(self, member: Member) -> None:
         while True:
             try:
                 message = member.conn.recv()
             except (EOFError, OSError):
+                member.closed = True
                 self.events.put(ClusterEvent(member.role, member.ident, None, member.pid))
                 return
             member.last_seen = time.monotonic()
@@ -210,12 +254,16 @@ class LocalCluster:
     def alive_workers(self) -> list[int]:
         return sorted(w for w, m in self.workers.items() if m.alive)
 
+    def gpus_of_node(self) -> dict[int, int]:
+        """The GPUs each live node's agent reported it sees."""
+        return {n: m.gpus for n, m in self.agents.items() if m.alive}
+
     def alive_nodes(self) -> list[int]:
         return sorted(n for n, m in self.agents.items() if m.alive)
 
     def exited_agents(self) -> list[int]:
-        """Nodes counted alive whose agent process has ended (its closed connection may not have been read yet)."""
-        return sorted(n for n, proc in self._agent_procs.items() if proc.poll() is not None and n in self.alive_nodes())
+        """Nodes counted alive whose agent has ended (its closed connection may not have been handled yet)."""
+        return sorted(n for n in self.alive_nodes() if self._agent_ended(n))
 
     def mark_dead(self, role: str, ident: int) -> None:
         table = self.workers if role == "worker" else self.agents
@@ -228,17 +276,27 @@ class LocalCluster:
 
     def kill_worker(self, worker: int, sig: int = signal.SIGKILL) -> None:
         member = self.workers.get(worker)
-        if member is not None:
-            _signal(member.pid, sig)
+        if member is not None and not member.closed:
+            self.launcher.signal(member.node, member.pid, sig)
 
     def kill_node(self, node: int) -> None:
         """A lost machine: the agent and every worker of the node die at once, and its memory is gone."""
         agent = self.agents.get(node)
+        workers = [m.pid for w in self.workers_of(node) if (m := self.workers.get(w)) is not None and not m.closed]
         if agent is not None:
-            _signal(agent.pid, signal.SIGKILL)
-        for worker in self.workers_of(node):
-            self.kill_worker(worker)
+            self.launcher.kill_node(node, agent.pid, workers)
+        else:
+            for pid in workers:
+                self.launcher.signal(node, pid, signal.SIGKILL)
         self.lose_memory(node)
+
+    def wait_gone(self, member: Member, timeout_s: float = 10.0) -> None:
+        """Wait until a killed worker is gone: its connection closed, and (on this machine) its process ended."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if member.closed and not (self.launcher.same_machine and _exists(member.pid)):
+                return
+            time.sleep(0.01)
 
     def lose_memory(self, node: int) -> None:
         """The host memory of a node that died: its agent cannot free it, so the coordinator does."""
@@ -252,16 +310,23 @@ class LocalCluster:
         for node in self.alive_nodes():
             self.send_agent(node, msg.Shutdown())
         deadline = time.monotonic() + grace_s
-        for proc in self._agent_procs.values():
+        for node, handle in self._agent_procs.items():
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                handle.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()  # reap it: no zombie outlives the job
+                handle.kill()
+            agent = self.agents.get(node)
+            # What the launcher started may not be the agent (ssh, a detached start): its connection tells.
+            while agent is not None and not agent.closed and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if agent is not None and not agent.closed:
+                self.launcher.kill_node(node, agent.pid, [])
         for member in self.workers.values():
-            _signal(member.pid, signal.SIGKILL)  # stragglers of a failed run; a no-op for those that exited
+            if not member.closed:  # stragglers of a failed run
+                self.launcher.signal(member.node, member.pid, signal.SIGKILL)
         shm.remove(self.memory_root)  # agents free their own; this catches those that were killed
-        self._listener.close()
+        self._server.close()
+        self.launcher.close()
 
 
 def _send(member: Member | None, message: object) -> bool:
@@ -274,8 +339,9 @@ def _send(member: Member | None, message: object) -> bool:
         return False
 
 
-def _signal(pid: int, sig: int) -> None:
+def _exists(pid: int) -> bool:
     try:
-        os.kill(pid, sig)
+        os.kill(pid, 0)
     except ProcessLookupError:
-        pass
+        return False
+    return True

@@ -55,14 +55,24 @@ def _close_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
             probe.wait(_INTERRUPT_TIMEOUT)
 
 
-def _new_group(store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+def _new_group(
+    store: dist.Store, prefix: str, rank: int, size: int, backend: str, timeout_s: float, host_addr: str | None = None
+) -> dist.ProcessGroup:
+    """A group of its own on ``store``. With gloo, ``host_addr`` is the address this worker's connections bind to
+    and advertise to its peers (through the store), so peers on other hosts connect to it; None: gloo's default
+    (the address the host name resolves to, else loopback)."""
     prefixed = dist.PrefixStore(prefix, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    if host_addr is None:
+        return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host_addr)]
+    return dist.ProcessGroupGloo(prefixed, rank, size, options)
 
 
 @dataclass
@@ -93,17 +103,25 @@ class GenerationComm:
         backend: str = "gloo",
         timeout_s: float = 120.0,
         helpers: Iterable[int] = (),
+        host_addr: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
-        workers, in order) to send what only their node holds, e.g. snapshot records after a restart."""
+        workers, in order) to send what only their node holds, e.g. snapshot records after a restart.
+        ``host_addr``: the address of this worker's node, which its peers connect to (``_new_group``).
+        ``device``: where buffers and received tensors are placed (the worker's own GPU with NCCL)."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
-        self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = device
         workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
-        self.world = _new_group(store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s)
+        self.world = _new_group(
+            store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s, host_addr
+        )
         # (group, this worker's rank in it, its size) for every group, which ``interrupt`` closes.
         self._groups = [(self.world, self._rank[worker], len(workers))]
         # One group per distinct replica set; every member builds the groups in the same order.
@@ -113,7 +131,9 @@ class GenerationComm:
         for holders, layers in plan.reduction_groups():
             if worker in holders:
                 key = "-".join(map(str, holders))
-                group = _new_group(store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s)
+                group = _new_group(
+                    store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s, host_addr
+                )
                 self.reduce_groups.append((layers, group))
                 self._groups.append((group, holders.index(worker), len(holders)))
                 self._member[layers] = holders.index(worker), len(holders)
@@ -145,14 +165,18 @@ class GenerationComm:
         self.aborted.set()
         for group, rank, size in self._groups:
             if self.device.type == "cuda":
-                group.abort()  # NCCL aborts its communicators itself (gloo's abort() leaves waits blocked)
+                # NCCL aborts its communicators itself (ncclCommAbort: every wait on them fails); gloo's abort()
+                # leaves waits blocked, hence the closed connections below.
+                abort = getattr(group, "abort", None) or group._get_backend(self.device).abort
+                with contextlib.suppress(RuntimeError):  # aborted already
+                    abort()
             else:
                 _close_connections(group, rank, size)
 
     # -- point to point --------------------------------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Asynchronous: the tensor is kept alive until ``flush_sends``."""
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().to(self.device).contiguous()
         with self._failures():
             work = self.world.send([tensor], self._rank[peer], tag)
         self._pending_sends.append((work, tensor))
@@ -174,7 +198,7 @@ class GenerationComm:
 
     def recv_bytes(self, peer: int, tag: int) -> bytes:
         size = int(self.recv((1,), torch.int64, peer, tag).item())
-        return self.recv((size,), torch.uint8, peer, tag + 1).numpy().tobytes()
+        return self.recv((size,), torch.uint8, peer, tag + 1).cpu().numpy().tobytes()
 
     def flush_sends(self) -> None:
         for work, _ in self._pending_sends:

@@ -7,7 +7,7 @@ assembles them into the job's schema for Hydra.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -32,6 +32,25 @@ class ClusterConfig:
     parallel_jobs: int = 1
     """Jobs sharing this machine at once; set by a parallel sweep (the joblib launcher's n_jobs)."""
     start_timeout_s: float = 300.0
+    coordinator_addr: str = "127.0.0.1"
+    """Where the control server and the rendezvous store listen: loopback (the default) is reachable from this
+    machine only; give this machine's address on the network the hosts share to run agents elsewhere."""
+    coordinator_port: int = 0
+    """The control server's port (0: any free one; fix it where a firewall must let it through)."""
+    store_port: int = 0
+    """The rendezvous store's port (0: any free one)."""
+    launcher: str = "local"
+    """local: agents are children of the coordinator; ssh: ``ssh <host> ftlab-agent`` on each of ``hosts``;
+    slurm: one SLURM job per node through submitit (README, "Running on a cluster")."""
+    hosts: list[str] = field(default_factory=list)
+    """ssh: one host per node (``[user@]host``; its address is what workers connect to). local: optional, the
+    loopback address each node's workers use (e.g. 127.0.0.2, to test as another host would be)."""
+    agent_command: str = "ftlab-agent"
+    """ssh: the agent's command on the hosts (e.g. ``/opt/venv/bin/ftlab-agent``)."""
+    slurm_partition: str | None = None
+    slurm_timeout_min: int = 60
+    slurm_folder: str = ".ftlab/slurm"
+    """submitit's folder (logs, pickled calls, the job's secret in a 0600 file): on a filesystem the nodes share."""
 
 
 @dataclass

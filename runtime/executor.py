@@ -125,7 +125,8 @@ class Executor:
     def _execute(self, instruction: ins.Instruction, b: _Buffers, receives: _Receives, step: int) -> float:
         """Run one instruction; returns its contribution to the reported loss."""
         if isinstance(instruction, ins.LoadMicroBatch):
-            tokens, labels = (torch.from_numpy(a) for a in self.batches.microbatch(step, instruction.microbatch))
+            device = self.comm.device  # the worker's own GPU with NCCL
+            tokens, labels = (torch.from_numpy(a).to(device) for a in self.batches.microbatch(step, instruction.microbatch))
             if self.first:
                 b.inputs[instruction.microbatch] = tokens
             if self.last:

@@ -19,4 +19,5 @@ def encode(state: dict[str, Any]) -> bytes:
 
 
 def decode(data: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), weights_only=True)
+    """On the CPU whatever device wrote it: ``load_state_dict`` copies it onto the receiving layer's device."""
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

@@ -17,7 +17,6 @@ join its generation as helpers, so that the records only their node holds can st
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 import signal
 import time
@@ -215,7 +214,7 @@ class LocalBackend(Backend, FaultTarget):
             self.cluster.mark_dead("worker", worker)
         self._snapshots.clear()  # copies in flight die with their workers: those snapshots stay incomplete
         for member in list(self.cluster.workers.values()):
-            _wait_gone(member.pid)
+            self.cluster.wait_gone(member)
         failure = self._drain_events()
         expected: set[int] = set()
         for node in self.cluster.alive_nodes():
@@ -377,13 +376,3 @@ class _Snapshot:
     waiting: set[int]
     nbytes: int = 0
     copy_s: float = 0.0
-
-
-def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.01)

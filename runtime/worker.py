@@ -66,8 +66,19 @@ class Channel:
 
 
 class Worker:
-    def __init__(self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float) -> None:
+    def __init__(
+        self, channel: Channel, aborts: Connection, node: int, worker: int, heartbeat_s: float,
+        coordinator_addr: str = "127.0.0.1", host_addr: str = "127.0.0.1", device_index: int = 0,
+    ) -> None:  # fmt: skip
         self.channel = channel
+        self.device_index = device_index
+        self.device = torch.device("cpu")
+        """Where this worker's layers, optimizer state, buffers and received tensors live: ``cuda:<device_index>``
+        with NCCL (chosen at the first Configure, which says the backend), the CPU with gloo."""
+        self.coordinator_addr = coordinator_addr
+        """Where the coordinator's rendezvous store listens."""
+        self.host_addr = host_addr
+        """This node's address: the worker's connections to its peers bind to it, and peers connect to it."""
         self.aborts = aborts
         self.node = node
         self.worker = worker
@@ -158,8 +169,9 @@ class Worker:
         plan = Plan.from_dict(message.plan)
         model: ModelConfig = self.setup["model"]
         if self.store is None:
+            self._place(self.setup["backend"])
             self.store = dist.TCPStore(
-                "127.0.0.1",
+                self.coordinator_addr,
                 message.store_port,
                 is_master=False,
                 timeout=datetime.timedelta(seconds=self.setup["comm_timeout_s"]),
@@ -167,7 +179,8 @@ class Worker:
         if self.comm is not None:
             self.comm.retire()
         comm = GenerationComm(
-            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers
+            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers,
+            self.host_addr, self.device,
         )
         with self._comm_lock:
             self.comm = comm
@@ -209,6 +222,20 @@ class Worker:
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
 
+    def _place(self, backend: str) -> None:
+        """NCCL: compute on this worker's own GPU, made the current device so that NCCL's communicators and every
+        implicit CUDA allocation use it too."""
+        if backend != "nccl":
+            return
+        count = torch.cuda.device_count()
+        if self.device_index >= count:
+            raise RuntimeError(
+                f"worker {self.worker} should run on cuda:{self.device_index}, but its host has {count} GPU(s): a node "
+                f"that joined beyond the GPUs counted at the start has none of its own; use cluster.backend=gloo"
+            )
+        torch.cuda.set_device(self.device_index)
+        self.device = torch.device("cuda", self.device_index)
+
     def _shard_optimizers(self, plan: Plan, comm: GenerationComm) -> None:
         """Gradient buckets for the plan, and with train.zero=1 the ZeRO-1 groups, which take over the layers'
         optimizer state (loaded whole, from scratch, storage or memory)."""
@@ -238,7 +265,7 @@ class Worker:
         self.channel.send(msg.Configured(plan.generation, self.step))
 
     def _add_layer(self, index: int) -> None:
-        self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"])
+        self.layers[index] = build_layer(self.setup["model"], index, self.setup["seed"], self.device)
         self.optimizers[index] = layer_optimizer(self.layers[index], self.setup["optim"])
 
     def _transfer(self, program: tuple[Instruction, ...]) -> int:
@@ -447,7 +474,10 @@ class Worker:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="ftlab worker (started by a node agent)")
+    parser.add_argument("--coordinator-addr", default="127.0.0.1")
     parser.add_argument("--coordinator-port", type=int, required=True)
+    parser.add_argument("--host-addr", default="127.0.0.1")
+    parser.add_argument("--device-index", type=int, default=0, help="this worker's GPU, where it runs on one")
     parser.add_argument("--node", type=int, required=True)
     parser.add_argument("--worker", type=int, required=True)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
@@ -455,12 +485,17 @@ def main() -> None:
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    channel = Channel(msg.connect(args.coordinator_port))
-    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation))
-    aborts = msg.connect(args.coordinator_port)
-    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation))
+    # The secret comes from the environment the agent gave this process (never its command line); it is not kept.
+    secret = os.environ.pop(msg.SECRET_ENV)
+    channel = Channel(msg.connect(args.coordinator_addr, args.coordinator_port, secret))
+    channel.send(msg.Hello("worker", args.node, os.getpid(), args.worker, args.incarnation, host=args.host_addr))
+    aborts = msg.connect(args.coordinator_addr, args.coordinator_port, secret)
+    aborts.send(msg.Hello("aborts", args.node, os.getpid(), args.worker, args.incarnation, host=args.host_addr))
+    del secret
+    worker = Worker(channel, aborts, args.node, args.worker, args.heartbeat_s, args.coordinator_addr, args.host_addr,
+                    args.device_index)  # fmt: skip
     try:
-        Worker(channel, aborts, args.node, args.worker, args.heartbeat_s).serve()
+        worker.serve()
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise

@@ -35,10 +35,16 @@ CONTRACT = [
     "ftlab.runtime.sim_backend",
     "ftlab.runtime.snapshot_layout",
     "ftlab.runtime.shm",
+    # Not contract, but loaded before torch all the same: preflight checks launch settings with the first two, and
+    # a node agent (on any host) comes up without torch.
+    "ftlab.runtime.launchers",
+    "ftlab.runtime.placement",
+    "ftlab.runtime.agent",
 ]
 PROCESS_CODE = {
     "agent", "cluster", "comm", "executor", "local_backend", "model", "model_families", "layer_state", "worker",
     "messages", "optim", "profiler", "tracking", "progress", "timeline", "data", "snapshot", "shm", "zero",
+    "launchers", "placement",
 }  # fmt: skip
 
 
