@@ -62,21 +62,56 @@ def chosen(outcome: object) -> str:
     return str(outcome.details["chosen"])
 
 
+AMPLE = ("cluster.device_memory_gb=40",)
+"""Devices large enough that the 4 x 2 grid is the fastest first plan: every stage has three peers to reroute to."""
+
+
 def test_the_first_plan_is_the_fastest_candidates_and_every_candidate_is_costed() -> None:
-    cluster = Cluster()
+    cluster = Cluster(*AMPLE)
     first = cluster.first
-    assert first.predicted_iter_s is not None
+    assert first.predicted_iter_s is not None and first.details["chosen"] == "reroute"
+    assert [p.workers for p in first.plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert set(first.details["candidates"]) == {"reroute", "reconfigure"}
     assert "restart" in first.details["excluded"]  # protection=none keeps no state to restart from
 
 
 def test_a_single_worker_with_ample_peers_is_rerouted() -> None:
-    cluster = Cluster()
+    cluster = Cluster(*AMPLE)
     outcome = cluster.kill_workers(cluster.first.plan, 1)
     assert chosen(outcome) == "reroute"
     assert isinstance(outcome, Decision) and not outcome.restart and not outcome.transfers
     predictions = outcome.details["candidates"]
-    assert predictions["reroute"]["cost_s"] <= predictions["reconfigure"]["cost_s"]
+    assert predictions["reroute"]["cost_s"] < predictions["reconfigure"]["cost_s"]
+    assert outcome.predicted_iter_s == pytest.approx(predictions["reroute"]["iter_s"], abs=1e-6)
+
+
+def test_a_failure_that_would_overload_the_only_peer_reconfigures() -> None:
+    # 2 GB devices: Oobleck's two 4-stage pipelines are the fastest first plan, so each stage has one peer, which
+    # would run both pipelines' micro-batches; copying the lost stage's layers costs less over the steps ahead.
+    cluster = Cluster()
+    assert cluster.first.details["chosen"] == "reconfigure" and len(cluster.first.plan.pipelines) == 2
+    outcome = cluster.kill_workers(cluster.first.plan, 1)
+    assert chosen(outcome) == "reconfigure"
+    assert isinstance(outcome, Decision) and outcome.transfers and not outcome.restart
+    predictions = outcome.details["candidates"]
+    assert predictions["reroute"]["iter_s"] > predictions["reconfigure"]["iter_s"]
+
+
+def test_few_steps_until_the_next_change_favour_the_recovery_without_a_pause() -> None:
+    cluster = Cluster("policy.mtbf_steps=1")  # a join (or the next failure) is expected in a step
+    outcome = cluster.kill_workers(cluster.first.plan, 1)
+    assert chosen(outcome) == "reroute"
+    assert outcome.details["candidates"]["reroute"]["horizon_steps"] == 1  # type: ignore[union-attr]
+
+
+def test_a_stage_without_any_replica_left_restarts_from_saved_state() -> None:
+    cluster = Cluster(*AMPLE, "protection=storage")
+    outcome = cluster.kill_workers(cluster.first.plan, 1, 3, 5, 7)
+    chosen(outcome)
+    assert isinstance(outcome, Decision) and outcome.restart
+    predictions = outcome.details["candidates"]
+    assert {p["outcome"] for p in predictions.values()} == {"restart"}  # rerouting and copying are impossible
+    assert outcome.predicted_pause_s is not None and outcome.predicted_pause_s > cluster.cfg.sim.process_start_s
 
 
 def test_the_same_failure_on_the_same_profile_is_decided_the_same_way() -> None:
@@ -85,5 +120,59 @@ def test_the_same_failure_on_the_same_profile_is_decided_the_same_way() -> None:
         cluster = Cluster()
         outcome = cluster.kill_workers(cluster.first.plan, 1)
         assert isinstance(outcome, Decision)
-        answers.append((outcome.plan, outcome.details["candidates"], outcome.predicted_pause_s))
+        answers.append((outcome.plan, outcome.transfers, outcome.details["candidates"], outcome.predicted_pause_s))
     assert answers[0] == answers[1]
+
+
+def test_candidates_plan_from_the_plan_adaptive_ran_not_their_own() -> None:
+    cluster = Cluster(*AMPLE)
+    rerouted = cluster.kill_workers(cluster.first.plan, 1)
+    assert chosen(rerouted) == "reroute"
+    # Oobleck's own pipelines of generation 1 were never run: it plans from the rerouted plan's holdings.
+    outcome = cluster.kill_workers(rerouted.plan, 3)
+    assert isinstance(outcome, Decision)
+    reconfigure = cluster.policy.candidates["reconfigure"].on_change(  # type: ignore[attr-defined]
+        Change(rerouted.plan, 4, 99, failed_workers=(3,),
+               holdings={w: tuple(range(a, b)) for w, (a, b) in rerouted.plan.layer_ranges().items() if w not in {1, 3}}),
+        cluster.job(), cluster.protection,
+    )  # fmt: skip
+    assert isinstance(reconfigure, Decision) and "another policy's" in reconfigure.reason
+    held = {w: range(a, b) for w, (a, b) in rerouted.plan.layer_ranges().items()}
+    assert all(t.layer in held[t.source] for t in reconfigure.transfers), "copies come from actual holders"
+
+
+def test_reroute_refuses_a_running_plan_that_is_not_a_grid_and_adaptive_decides_without_it() -> None:
+    cluster = Cluster()
+    heterogeneous = cluster.kill_workers(cluster.first.plan, 1)
+    assert chosen(heterogeneous) == "reconfigure"
+    assert isinstance(heterogeneous, Decision)
+    assert len({tuple((s.start, s.stop) for s in p.stages) for p in heterogeneous.plan.pipelines}) > 1
+    outcome = cluster.kill_workers(heterogeneous.plan, 6)
+    assert chosen(outcome) == "reconfigure"
+    assert isinstance(outcome, Decision) and "reroute" in outcome.details["refused"]
+
+
+def test_a_join_is_decided_again() -> None:
+    cluster = Cluster(*AMPLE, "policy.mtbf_steps=1000")  # long enough to repay taking the role back
+    rerouted = cluster.kill_nodes(cluster.first.plan, 1)
+    assert isinstance(rerouted, Decision)
+    cluster.slots[1] = (1,)
+    cluster.dead.discard(1)
+    outcome = cluster.change(rerouted.plan, joined_nodes=(1,))
+    assert chosen(outcome) == "reroute"  # the failed role taken back: the fault-free grid again
+    assert isinstance(outcome, Decision) and "keep" in outcome.details["candidates"]
+    assert [p.workers for p in outcome.plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("policy.candidates=[migrate]",), "unknown"),
+        (("policy.mtbf_steps=0",), "mtbf_steps"),
+        (("policy.candidates=[restart]",), "restarts from saved state"),
+        (("train.zero=1", "protection=storage"), "train.zero=1"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_worker_starts(overrides: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Cluster(*overrides)
