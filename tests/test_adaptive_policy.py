@@ -176,3 +176,30 @@ def test_a_join_is_decided_again() -> None:
 def test_bad_settings_are_refused_before_any_worker_starts(overrides: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Cluster(*overrides)
+
+
+def test_its_predictions_are_what_the_simulator_charges(job_overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The simulator carries out the same decisions on the same cost model and constants, so it is the one place
+    # where a prediction must come out exact: reroute, a reconfiguration with layer copies, a restart from storage.
+    from ftlab.experiments import job as job_module
+    from ftlab.experiments.simulate import simulate
+    from ftlab.runtime import events as ev
+    from ftlab.runtime.profiler import analytic_profile
+
+    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
+        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    kills = "[{kind: process, node: 1, worker: 0, at_step: 2}, {kind: node, node: 3, at_step: 4}, " \
+            "{kind: node, node: 5, at_step: 6}, {kind: node, node: 4, at_step: 8}]"  # fmt: skip
+    overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-6",
+                 "cluster.device_memory_gb=0.04", "train.stages=2", "train.steps=10", "protection=storage",
+                 "protection.every=2", "faults=explicit", f"faults.events={kills}"]  # fmt: skip
+    result = simulate(OmegaConf.to_object(compose_config(overrides))).result
+    decided = [e for e in result.events if isinstance(e, ev.Decided)]
+    recovered = [e for e in result.events if isinstance(e, ev.Recovered)]
+    assert len(decided) == len(recovered) == 4
+    assert [e.outcome for e in decided] == ["replan", "reconfigure", "replan", "restart"]
+    for decision, measured in zip(decided, recovered):
+        assert decision.predicted_pause_s is not None and decision.predicted_iter_s is not None
+        iters = [s.iter_s for s in result.steps if s.generation == decision.generation]
+        assert decision.predicted_iter_s == pytest.approx(iters[-1], rel=1e-6)
+        assert decision.predicted_pause_s + decision.predicted_iter_s == pytest.approx(measured.recover_s, rel=0.02)

@@ -223,8 +223,7 @@ class Adaptive(Policy):
         build = m.build_bytes_per_s if job.shared_host else float("inf")
         seconds = m.detect_s + m.failure_window_s + m.abort_s if change.is_failure else 0.0
         if decision.restart:
-            workers = len(decision.plan.workers)
-            at_once = workers if job.shared_host else job.workers_per_node
+            at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
             cores = m.host_cores if job.shared_host and m.host_cores > 0 else at_once
             seconds += m.process_start_s * max(1.0, at_once / cores)
         arrival, received = _arrivals(decision.transfers, costs.transfer_s)
