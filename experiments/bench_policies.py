@@ -9,8 +9,9 @@ schedule (explicit, step-clocked, the same kills for every policy):
 
 - a single worker process killed (worker 1, stage 1),
 - a node killed (node 2, stage 0),
-- a whole-stage loss: the processes of every other stage-1 worker killed in one step (with worker 1 already gone,
-  no replica of stage 1 is left in the grid),
+- a whole-stage loss: the processes of every other stage-1 worker killed, one a step (with worker 1 already gone,
+  the last kill leaves no replica of stage 1 in the grid; killed in one step, all but the first would find the
+  iteration already aborted),
 - a join: a new node (``local-N``'s node N) joins.
 
 Each single policy (``checkpoint_restart``, ``oobleck``, ``recycle``) runs with its best protection and
@@ -58,12 +59,12 @@ def job(nodes: int, steps: int) -> list[str]:
 def schedule(nodes: int, steps: int, phase: str) -> list[str]:
     """The mixed schedule, spread over the job: a worker, a node, the rest of stage 1, then a new node (node ids are
     never reused)."""
-    at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.5, 0.7)]
+    at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.45, 0.75)]
 
     def process(n: int, step: int) -> str:
         return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
 
-    stage_one = [process(n, at[2]) for n in range(3, nodes, 2)]
+    stage_one = [process(n, at[2] + i) for i, n in enumerate(range(3, nodes, 2))]
     events = [process(1, at[0]), f"{{kind: node, node: 2, at_step: {at[1]}, phase: {phase}}}", *stage_one,
               f"{{kind: join, node: {nodes}, at_step: {at[3]}}}"]  # fmt: skip
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
