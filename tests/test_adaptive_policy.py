@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import compose_config, first_decision, job_factory
 from ftlab.runtime.backend import Membership
-from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, MemorySource, Stop
+from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Stop
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import check_programs
 
@@ -25,7 +25,8 @@ class Cluster:
 
     def __init__(self, *overrides: str) -> None:
         dict_cfg = compose_config(["experiment=plain", "policy=adaptive", "cluster=local-8", "train.stages=2",
-                                   "cluster.device=A100-40GB", "model=gpt2-small", "train.steps=1000", *overrides])  # fmt: skip
+                                   "cluster.device=A100-40GB", "model=gpt2-small", "train.steps=1000",
+                                   *overrides])  # fmt: skip
         self.cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         self.make_job = job_factory(self.cfg, None)
         wpn = self.cfg.cluster.workers_per_node
@@ -131,11 +132,11 @@ def test_candidates_plan_from_the_plan_adaptive_ran_not_their_own() -> None:
     # Oobleck's own pipelines of generation 1 were never run: it plans from the rerouted plan's holdings.
     outcome = cluster.kill_workers(rerouted.plan, 3)
     assert isinstance(outcome, Decision)
+    holdings = {w: tuple(range(a, b)) for w, (a, b) in rerouted.plan.layer_ranges().items() if w not in {1, 3}}
+    change = Change(rerouted.plan, 4, 99, failed_workers=(3,), holdings=holdings)
     reconfigure = cluster.policy.candidates["reconfigure"].on_change(  # type: ignore[attr-defined]
-        Change(rerouted.plan, 4, 99, failed_workers=(3,),
-               holdings={w: tuple(range(a, b)) for w, (a, b) in rerouted.plan.layer_ranges().items() if w not in {1, 3}}),
-        cluster.job(), cluster.protection,
-    )  # fmt: skip
+        change, cluster.job(), cluster.protection
+    )
     assert isinstance(reconfigure, Decision) and "another policy's" in reconfigure.reason
     held = {w: range(a, b) for w, (a, b) in rerouted.plan.layer_ranges().items()}
     assert all(t.layer in held[t.source] for t in reconfigure.transfers), "copies come from actual holders"
@@ -178,7 +179,9 @@ def test_bad_settings_are_refused_before_any_worker_starts(overrides: tuple[str,
         Cluster(*overrides)
 
 
-def test_its_predictions_are_what_the_simulator_charges(job_overrides: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_its_predictions_are_what_the_simulator_charges(
+    job_overrides: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The simulator carries out the same decisions on the same cost model and constants, so it is the one place
     # where a prediction must come out exact: reroute, a reconfiguration with layer copies, a restart from storage.
     from ftlab.experiments import job as job_module

@@ -103,7 +103,9 @@ def choices(result: JobResult) -> list[tuple[str, str]]:
     return [(e.details["chosen"], e.outcome) for e in decided]
 
 
-def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(run, fault_free: JobResult) -> None:  # noqa: ANN001
+def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
+    run, fault_free: JobResult  # noqa: ANN001
+) -> None:
     result = run(*adaptive("local-6"), *explicit(process(1, 2, "backward"), node(3, 5, "forward")))
     assert_on_fault_free_trajectory(result, fault_free)
     assert choices(result) == [("reroute", "replan"), ("reconfigure", "reconfigure")]

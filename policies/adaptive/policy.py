@@ -63,7 +63,7 @@ from ftlab.runtime.contract import (
     Change, ConfigError, Decision, Job, Keep, LayerTransfer, MemorySource, Outcome, Policy, Protection, Source,
     StorageSource, Stop,
 )  # fmt: skip
-from ftlab.runtime.plan import Plan, PlanError
+from ftlab.runtime.plan import PlanError
 from ftlab.runtime.sim_timing import IterationTimer
 
 
@@ -141,11 +141,13 @@ class Adaptive(Policy):
             try:
                 decision = candidate.plan(job, protection)
             except PlanError as exc:
-                if self.explicit or len(self.candidates) == 1:
+                if self.explicit:
                     raise
                 self._exclude(name, str(exc))
                 continue
             options.append((name, decision, self._iteration_s(decision, job)))
+        if not options:
+            raise PlanError(f"policy=adaptive: no candidate can plan this job: {self.excluded}")
         name, chosen, iter_s = min(options, key=lambda o: (o[2], list(self.candidates).index(o[0])))
         self._iter_s[chosen.plan.generation] = iter_s
         details = {
@@ -159,9 +161,12 @@ class Adaptive(Policy):
 
     # -- changes ---------------------------------------------------------------------------------------------------
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
-        answers: dict[str, Outcome] = {
-            name: candidate.on_change(change, job, protection) for name, candidate in self.candidates.items()
-        }
+        answers: dict[str, Outcome] = {}
+        for name, candidate in self.candidates.items():
+            try:
+                answers[name] = candidate.on_change(change, job, protection)
+            except PlanError as exc:  # e.g. no batch split fits its pipelines: this candidate cannot answer
+                answers[name] = Stop(str(exc))
         predictions: list[tuple[Prediction, Decision | Keep]] = []
         for name, answer in answers.items():
             if isinstance(answer, Decision):
@@ -169,11 +174,14 @@ class Adaptive(Policy):
         if not change.is_failure and change.plan.generation in self._iter_s:
             keep = Keep(f"{change.describe()}: keep the running plan")
             predictions.append((self._keep(change, job), keep))
-        refused = {n: f"{type(a).__name__.lower()}: {a.reason}" for n, a in answers.items() if not isinstance(a, Decision)}
+        refused = {
+            n: f"{type(a).__name__.lower()}: {a.reason}" for n, a in answers.items() if not isinstance(a, Decision)
+        }
         if not predictions:
             stops = [a for a in answers.values() if isinstance(a, Stop)]
             if stops and (change.is_failure or len(stops) == len(answers)):
-                return Stop("policy=adaptive: no candidate can recover: " + "; ".join(f"{n}: {r}" for n, r in refused.items()))
+                why = "; ".join(f"{n}: {r}" for n, r in refused.items())
+                return Stop(f"policy=adaptive: no candidate can recover: {why}")
             return Keep("; ".join(f"{n}: {r}" for n, r in refused.items()))
         order = ["keep", *self.candidates]
         best, answer = min(predictions, key=lambda pa: (pa[0].cost_s, order.index(pa[0].candidate)))
@@ -210,8 +218,9 @@ class Adaptive(Policy):
         m = _machinery(job)
         if self._timer is None:
             shared = job.shared_host and m.host_cores > 0
-            self._timer = IterationTimer(job.costs, check=False, cores=m.host_cores if shared else None,  # type: ignore[arg-type]
-                                         instruction_s=m.instruction_s if job.shared_host else 0.0)  # fmt: skip
+            cores = m.host_cores if shared else None
+            instruction_s = m.instruction_s if job.shared_host else 0.0
+            self._timer = IterationTimer(job.costs, check=False, cores=cores, instruction_s=instruction_s)  # type: ignore[arg-type]
         timing = self._timer.time(decision.plan, decision.programs)
         return timing.ready_s + m.control_s + timing.optimizer_s
 

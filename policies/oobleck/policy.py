@@ -169,7 +169,9 @@ class Oobleck(Policy):
         return self._decision(plan, pipelines, reason, restart=True, restore=source)
 
 
-def _held_slots(holdings: Mapping[int, tuple[int, ...]], workers_of_node: Mapping[int, tuple[int, ...]]) -> dict[Slot, range]:
+def _held_slots(
+    holdings: Mapping[int, tuple[int, ...]], workers_of_node: Mapping[int, tuple[int, ...]]
+) -> dict[Slot, range]:
     """The layers each GPU of ``workers_of_node`` holds, as Oobleck's slots (node, local GPU); a worker whose layers
     are not one contiguous run (none here: every plan gives a worker one stage) counts as holding nothing."""
     held: dict[Slot, range] = {}
