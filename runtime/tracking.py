@@ -269,11 +269,10 @@ class RunRecorder:
             case ev.Decided():
                 # The measured ft/recover_s runs from the signal to the first step committed after the recovery.
                 self._predicted = {}
-                if event.predicted_pause_s is not None and event.predicted_iter_s is not None:
-                    self._predicted = {
-                        "ft/predicted_recover_s": event.predicted_pause_s + event.predicted_iter_s,
-                        "ft/predicted_iter_s": event.predicted_iter_s,
-                    }
+                if event.predicted_iter_s is not None:
+                    self._predicted["ft/predicted_iter_s"] = event.predicted_iter_s
+                    if event.predicted_pause_s is not None:
+                        self._predicted["ft/predicted_recover_s"] = event.predicted_pause_s + event.predicted_iter_s
             case ev.PlanConfigured():
                 self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():

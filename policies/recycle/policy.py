@@ -168,7 +168,8 @@ class ReCycle(Policy):
             "decoupled": sum(isinstance(i, ins.BackwardWeight) for p in result.programs.values() for i in p),
         }
         return Decision(
-            plan, self._finish(result.programs), transfers=transfers + result.transfers, reason=reason, details=details
+            plan, self._finish(result.programs), transfers=transfers + result.transfers, reason=reason, details=details,
+            predicted_iter_s=predicted,
         )
 
     def _schedule(self, layout: Plan, dead: Collection[int], job: Job) -> ReCyclePlan:
@@ -238,8 +239,10 @@ class ReCycle(Policy):
     def _fault_free(self, layout: Plan, job: Job, reason: str, **kwargs: Any) -> Decision:
         self._layouts[layout.generation] = self._proposed[layout.generation] = layout
         programs = one_f_one_b(layout)
-        details = {"predicted_iter_s": self._predict(layout, programs, job)}
-        return Decision(layout, self._finish(programs), reason=reason, details=details, **kwargs)
+        predicted = self._predict(layout, programs, job)
+        details = {"predicted_iter_s": predicted}
+        return Decision(layout, self._finish(programs), reason=reason, details=details, predicted_iter_s=predicted,
+                        **kwargs)  # fmt: skip
 
     def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
         """The programs with the optimizer step this policy's settings ask for."""
