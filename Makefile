@@ -51,6 +51,7 @@ bench: setup
 	$(PYTHON) -m ftlab.experiments.bench_runtime
 	$(PYTHON) -m ftlab.experiments.bench_planner
 	$(PYTHON) -m ftlab.experiments.bench_recovery
+	$(PYTHON) -m ftlab.experiments.bench_policies
 	$(PYTHON) -m ftlab.experiments.bench_staggered
 	$(PYTHON) -m ftlab.experiments.bench_snapshots
 	$(PYTHON) -m ftlab.experiments.bench_simulator

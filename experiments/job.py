@@ -110,7 +110,7 @@ def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Member
 
     def make(membership: Membership) -> Job:
         return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
-                   profile, start, rate)  # fmt: skip
+                   profile, start, rate, machinery=cfg.sim, shared_host=cfg.cluster.device not in DEVICES)  # fmt: skip
 
     return make
 

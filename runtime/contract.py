@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
-from ftlab.runtime.config import TrainConfig
+from ftlab.runtime.config import SimConfig, TrainConfig
 from ftlab.runtime.costs import CostModel, ModelProfile
 from ftlab.runtime.instructions import Program
 from ftlab.runtime.model_spec import LayerSpec, ModelConfig
@@ -79,6 +79,11 @@ class Job:
     failure_rate: FailureRate | None = None
     """How often the cluster is expected to fail (None: the fault schedule does not say, e.g. an explicit list or no
     faults). Protections that tune their interval to it and policies that weigh a recovery's future cost read it."""
+    machinery: SimConfig | None = None
+    """The measured constants of the machinery around training (process start, configuration, build, codec and
+    storage bandwidths: ``conf/sim``), for policies that predict what a recovery pauses training for."""
+    shared_host: bool = False
+    """Every worker shares one host of ``machinery.host_cores`` cores (the local runtime with a measured profile)."""
 
     @property
     def workers(self) -> list[int]:
@@ -222,6 +227,11 @@ class Decision:
     """Why, in words, for the event log."""
     details: Mapping[str, Any] = field(default_factory=dict)
     """The policy's particulars (template sizes, reroutes, ...), for the event log."""
+    predicted_pause_s: float | None = None
+    """For a policy that predicts: from the failure's signal until training runs again on ``plan`` (detection,
+    abort, restart, layer copies, restore), on the one cost model; logged beside the measured recovery."""
+    predicted_iter_s: float | None = None
+    """For a policy that predicts: one iteration of ``plan``, logged beside the measured ``perf/iter_s``."""
 
     @property
     def kind(self) -> str:

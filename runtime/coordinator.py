@@ -208,7 +208,8 @@ class Coordinator:
             self._publish(
                 ev.Decided, outcome=outcome.kind, resume_step=outcome.plan.step, generation=outcome.plan.generation,
                 transfers=len(outcome.transfers), restore=f"{restore.kind} of step {restore.step}" if restore else None,
-                restore_reason=restore.reason if restore else "", details=dict(outcome.details), **fields,
+                restore_reason=restore.reason if restore else "", details=dict(outcome.details),
+                predicted_pause_s=outcome.predicted_pause_s, predicted_iter_s=outcome.predicted_iter_s, **fields,
             )  # fmt: skip
         else:
             self._publish(ev.Decided, outcome=type(outcome).__name__.lower(), **fields)

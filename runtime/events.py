@@ -165,6 +165,9 @@ class Decided(Event):
     restore_reason: str = ""
     """Why the protection offered that state (e.g. why its memory snapshot was not enough)."""
     details: dict[str, Any] = field(default_factory=dict)
+    predicted_pause_s: float | None = None
+    """The policy's prediction of the pause (``Decision.predicted_pause_s``), when it predicts."""
+    predicted_iter_s: float | None = None
 
 
 @dataclass(frozen=True)

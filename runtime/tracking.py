@@ -224,6 +224,8 @@ class RunRecorder:
         self._last: dict[str, float] | None = None
         self._held: tuple[dict[str, float], int] | None = None
         """The newest step, not logged because it equals the last logged one."""
+        self._predicted: dict[str, float] = {}
+        """The newest decision's predictions, logged beside the measured recovery they predict."""
 
     def _log_step(self, metrics: dict[str, float], step: int) -> None:
         if not self.repeats and self._last is not None and _same(metrics, self._last):
@@ -264,6 +266,13 @@ class RunRecorder:
                 self.tracker.log_metrics({"ft/restore_s": event.seconds, "ft/restore_bytes": event.nbytes},
                                          event.generation)  # fmt: skip
                 self.tracker.set_tag("restore_source", event.source)
+            case ev.Decided():
+                # The measured ft/recover_s runs from the signal to the first step committed after the recovery.
+                self._predicted = {}
+                if event.predicted_iter_s is not None:
+                    self._predicted["ft/predicted_iter_s"] = event.predicted_iter_s
+                    if event.predicted_pause_s is not None:
+                        self._predicted["ft/predicted_recover_s"] = event.predicted_pause_s + event.predicted_iter_s
             case ev.PlanConfigured():
                 self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():
@@ -273,6 +282,7 @@ class RunRecorder:
                     "ft/recover_s": event.recover_s,
                     "ft/lost_steps": event.lost_steps,
                     "ft/transfer_bytes": event.transfer_bytes,
+                    **self._predicted,
                 }
                 self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, event.fault)
         if event.logged:

@@ -12,6 +12,9 @@ Choices the paper leaves open:
   whole now counts as lost. A failure during a reconfiguration therefore plans again from the layout whose layers
   every survivor still holds (workers keep stale layers until the next step runs).
 - A node whose worker process died counts as a lost node: in-place recovery restarts no process.
+- Under ``policy=adaptive`` the running plan may be another policy's (``Change.plan`` is not one this policy
+  proposed): then every whole live node is re-instantiated from the templates (Section 4.2) and each layer a GPU
+  lacks is copied from a survivor that holds it (``Change.holdings``); a layer with no live holder means a restart.
 - When recovery in place is impossible (a layer lost every replica, or fewer than (f + 1) n0 nodes are left), the
   policy restarts every worker on the templates re-instantiated over the live nodes from the protection's newest
   saved state, if the protection has one and the nodes still hold f + 1 pipelines; otherwise it stops (the
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 from ftlab.policies.oobleck.batch import BatchError, BatchSplit, distribute_batch
 from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
-from ftlab.policies.oobleck.reconfigure import Impossible, on_failure, on_join
+from ftlab.policies.oobleck.reconfigure import Impossible, Reconfigured, Slot, on_failure, on_join, reinstantiate
 from ftlab.policies.oobleck.templates import TemplateSet, generate_templates
 from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
 from ftlab.runtime.contract import Change, Decision, Job, Outcome, Policy, Protection, Source, Stop
@@ -54,6 +57,8 @@ class Oobleck(Policy):
         self.templates: TemplateSet | None = None
         self._pipelines: dict[int, tuple[PipelineInstance, ...]] = {}
         """The pipelines of every plan this policy proposed, by generation."""
+        self._proposed: dict[int, Plan] = {}
+        """The plan this policy proposed for every generation: tells its own running plan from another policy's."""
 
     # -- the first plan ----------------------------------------------------------------------------------------
     def layout(self, job: Job, tensor_parallel: bool = False) -> Layout:
@@ -118,21 +123,28 @@ class Oobleck(Policy):
 
     def _decision(self, plan: Plan, pipelines: tuple[PipelineInstance, ...], reason: str, **kwargs: object) -> Decision:
         self._pipelines[plan.generation] = pipelines
+        self._proposed[plan.generation] = plan
         details = {"pipelines": _sizes(pipelines)}
         return Decision(plan, one_f_one_b(plan), reason=reason, details=details, **kwargs)  # type: ignore[arg-type]
 
     # -- changes -----------------------------------------------------------------------------------------------
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         assert self.templates is not None, "on_change before plan"
-        confirmed = self._pipelines[change.plan.generation]
         whole = {n for n, ws in job.workers_of_node.items() if len(ws) == len(job.slots_of_node[n])}
-        held = {n for p in confirmed for n in p.nodes}
         microbatches = job.train.global_batch // job.train.micro_batch
-        lost = held - whole
-        if lost:
-            result = on_failure(confirmed, lost, self.templates, microbatches)
+        result: Reconfigured | Impossible
+        if self._proposed.get(change.plan.generation) != change.plan:
+            held = _held_slots(change.holdings, {n: job.workers_of_node[n] for n in whole})
+            why = "the running plan is another policy's"
+            result = reinstantiate(sorted(whole), held, self.templates, microbatches, why)
         else:
-            result = on_join(confirmed, sorted(whole - held), self.templates, microbatches)
+            confirmed = self._pipelines[change.plan.generation]
+            lost = {n for p in confirmed for n in p.nodes} - whole
+            if lost:
+                result = on_failure(confirmed, lost, self.templates, microbatches)
+            else:
+                result = on_join(confirmed, sorted(whole - {n for p in confirmed for n in p.nodes}), self.templates,
+                                 microbatches)  # fmt: skip
         generation = change.generation
         if isinstance(result, Impossible):
             return self._restart(change, job, protection, generation, f"cannot recover in place: {result.reason}")
@@ -155,6 +167,20 @@ class Oobleck(Policy):
             return Stop(f"Oobleck {why}, and the {len(nodes)} live nodes cannot restart either: {exc}")
         reason = f"{change.describe()}: {why}; restart on {len(nodes)} nodes from {source.kind} of step {source.step}"
         return self._decision(plan, pipelines, reason, restart=True, restore=source)
+
+
+def _held_slots(
+    holdings: Mapping[int, tuple[int, ...]], workers_of_node: Mapping[int, tuple[int, ...]]
+) -> dict[Slot, range]:
+    """The layers each GPU of ``workers_of_node`` holds, as Oobleck's slots (node, local GPU); a worker whose layers
+    are not one contiguous run (none here: every plan gives a worker one stage) counts as holding nothing."""
+    held: dict[Slot, range] = {}
+    for node, workers in workers_of_node.items():
+        for gpu, worker in enumerate(workers):
+            layers = holdings.get(worker, ())
+            if layers and list(layers) == list(range(layers[0], layers[-1] + 1)):
+                held[(node, gpu)] = range(layers[0], layers[-1] + 1)
+    return held
 
 
 def _sizes(pipelines: tuple[PipelineInstance, ...]) -> list[int]:

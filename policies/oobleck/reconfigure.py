@@ -116,6 +116,17 @@ def _copies(new: Sequence[PipelineInstance], held: dict[Slot, range], layer_byte
     return tuple(copies)
 
 
+def reinstantiate(
+    nodes: Sequence[int], held: dict[Slot, range], templates: TemplateSet, max_pipelines: int | None, why: str
+) -> Reconfigured | Impossible:
+    """Every one of ``nodes`` re-instantiated from the templates, the layers each GPU lacks copied from the GPUs that
+    hold them (``held``, from any layout: another policy's plan under ``policy=adaptive``)."""
+    gone = _lost_layers(held, len(templates.layer_bytes))
+    if gone:
+        return Impossible(f"{why}, and layers {gone} have no live replica: restart from saved state")
+    return _reinstantiate_all(nodes, held, templates, max_pipelines, why)
+
+
 def _reinstantiate_all(
     nodes: Sequence[int], held: dict[Slot, range], templates: TemplateSet, max_pipelines: int | None, why: str
 ) -> Reconfigured | Impossible:

@@ -24,6 +24,10 @@ Choices the paper leaves open:
 - A node that joins takes back dead slots (pipeline by pipeline, stage by stage): each of its workers receives that
   stage's layers with their optimizer state from the peers that hold them, and when no dead slot is left the plan
   is the fault-free grid with 1F1B programs again. A node that finds no dead slot waits (``Keep``).
+- Under ``policy=adaptive`` the running plan may be another policy's (``Change.plan`` is not one this policy
+  proposed): a PP x DP grid (a restart's) becomes the layout, its dead workers the dead slots; any other plan (an
+  Oobleck reconfiguration's heterogeneous pipelines) has no data-parallel peers per stage to reroute to, and the
+  answer is ``Stop`` (adaptive then takes another candidate's answer).
 - The memory limit of the schedule (micro-batches a worker holds at once) is what the device memory allows, at most
   twice the number of stages (``policy.memory_limit`` overrides it).
 """
@@ -71,6 +75,8 @@ class ReCycle(Policy):
         """The layout of every plan this policy proposed, by generation."""
         self._schedules: dict[PatternKey, ReCyclePlan] = {}
         """Rerouted schedules by failure pattern."""
+        self._proposed: dict[int, Plan] = {}
+        """The plan this policy proposed for every generation: tells its own running plan from another policy's."""
 
     def check(self, protection: Protection) -> None:
         s = self.settings
@@ -90,7 +96,12 @@ class ReCycle(Policy):
 
     # -- changes ---------------------------------------------------------------------------------------------------
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
-        confirmed = self._layouts[change.plan.generation]
+        confirmed = self._layout_of(change.plan)
+        if confirmed is None:
+            return Stop(
+                f"ReCycle reroutes between the data-parallel peers of a PP x DP grid, and the running plan "
+                f"(generation {change.plan.generation}, another policy's) splits its pipelines' layers differently"
+            )
         layout = dataclasses.replace(confirmed, generation=change.generation, step=change.step)
         alive = set(job.workers)
         if change.is_failure:
@@ -99,6 +110,18 @@ class ReCycle(Policy):
                 return self._restart(change, job, protection, lost)
             return self._reroute(layout, alive, job, change.describe())
         return self._join(layout, alive, change, job)
+
+    def _layout_of(self, running: Plan) -> Plan | None:
+        """The layout ``running`` was planned from: this policy's own, or ``running`` itself if another policy
+        proposed it and it is a grid (None if it is not)."""
+        if self._proposed.get(running.generation) == running:
+            return self._layouts[running.generation]
+        try:
+            grid_shape(running)
+        except ReCycleError:
+            return None
+        self._layouts[running.generation] = self._proposed[running.generation] = running
+        return running
 
     def _reroute(
         self, layout: Plan, alive: Collection[int], job: Job, why: str, transfers: tuple[LayerTransfer, ...] = ()
@@ -119,6 +142,7 @@ class ReCycle(Policy):
         stamp = {"generation": layout.generation, "step": layout.step}
         plan = dataclasses.replace(result.plan, **stamp)
         self._layouts[plan.generation] = dataclasses.replace(result.layout, **stamp)
+        self._proposed[plan.generation] = plan
         fault_free = self._predict(layout, one_f_one_b(layout), job)
         predicted = self._predict(plan, result.programs, job)
         rerouted = _rerouted(layout, plan, dead)
@@ -144,7 +168,8 @@ class ReCycle(Policy):
             "decoupled": sum(isinstance(i, ins.BackwardWeight) for p in result.programs.values() for i in p),
         }
         return Decision(
-            plan, self._finish(result.programs), transfers=transfers + result.transfers, reason=reason, details=details
+            plan, self._finish(result.programs), transfers=transfers + result.transfers, reason=reason, details=details,
+            predicted_iter_s=predicted,
         )
 
     def _schedule(self, layout: Plan, dead: Collection[int], job: Job) -> ReCyclePlan:
@@ -191,7 +216,8 @@ class ReCycle(Policy):
         return self._reroute(filled, set(alive) | set(taken), job, why, tuple(transfers))
 
     def _restart(self, change: Change, job: Job, protection: Protection, lost: list[int]) -> Outcome:
-        layout = self._layouts[change.plan.generation]
+        layout = self._layout_of(change.plan)
+        assert layout is not None
         bounds = grid_shape(layout)
         stages = ", ".join(f"stage {s} (layers {bounds[s][0]}..{bounds[s][1] - 1})" for s in lost)
         why = f"{change.describe()}: every worker of {stages} failed, so no data-parallel peer is left to reroute to"
@@ -211,10 +237,12 @@ class ReCycle(Policy):
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _fault_free(self, layout: Plan, job: Job, reason: str, **kwargs: Any) -> Decision:
-        self._layouts[layout.generation] = layout
+        self._layouts[layout.generation] = self._proposed[layout.generation] = layout
         programs = one_f_one_b(layout)
-        details = {"predicted_iter_s": self._predict(layout, programs, job)}
-        return Decision(layout, self._finish(programs), reason=reason, details=details, **kwargs)
+        predicted = self._predict(layout, programs, job)
+        details = {"predicted_iter_s": predicted}
+        return Decision(layout, self._finish(programs), reason=reason, details=details, predicted_iter_s=predicted,
+                        **kwargs)  # fmt: skip
 
     def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
         """The programs with the optimizer step this policy's settings ask for."""

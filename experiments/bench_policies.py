@@ -1,0 +1,183 @@
+"""Every recovery policy and ``policy=adaptive`` side by side, on one job under one mixed fault schedule.
+
+    .venv/bin/python -m ftlab.experiments.bench_policies            # the full comparison (local-8, 30 steps)
+    .venv/bin/python -m ftlab.experiments.bench_policies --smoke    # local-6, 12 steps: that it runs and prints
+
+The job: gpt2-tiny, ``train.stages=2``, each device granted 40 MB (so every policy's pipelines have two stages and
+the schedule's victims sit in known stages of the 2 x N grid: even workers hold stage 0, odd ones stage 1). The
+schedule (explicit, step-clocked, the same kills for every policy):
+
+- a single worker process killed (worker 1, stage 1),
+- a node killed (node 2, stage 0),
+- a whole-stage loss: the processes of every other stage-1 worker killed, one a step (with worker 1 already gone,
+  the last kill leaves no replica of stage 1 in the grid; killed in one step, all but the first would find the
+  iteration already aborted),
+- a join: a new node (``local-N``'s node N) joins.
+
+Each single policy (``checkpoint_restart``, ``oobleck``, ``recycle``) runs with its best protection and
+``policy=adaptive`` with the same: ``protection=reft`` (in-memory snapshots every step, flushed to storage every
+``--flush-every`` steps; a restart from memory loses no committed step where a snapshot survives, and costs less
+than a restart from storage), overridable with ``--protection``. A job a policy cannot finish is reported with its
+reason, not hidden.
+
+Printed per policy: goodput (useful samples per second, ``summary/samples_per_s``: every step committed once, over
+the training time after warm-up, so detection, pauses, lost steps and slower plans all count), its ratio to the same
+run's fault-free iterations, the total pause (``ft/recover_s`` summed over the faults), the lost steps, and for a
+policy that predicts (adaptive) the prediction error: per recovery, |predicted - measured| / measured of the pause
+(predicted ``ft/predicted_recover_s`` against ``ft/recover_s``) and of the iteration time (``predicted_iter_s``
+against the median ``iter_s`` of the plan it chose), the median over recoveries. The last line is one JSON object:
+``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over the best single policy's), with the
+other figures beside them.
+
+This machine is shared and has 2 cores: run the full comparison on a quiet one; ``--smoke`` only shows it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / ".ftlab" / "cache"
+SINGLE = ("checkpoint_restart", "oobleck", "recycle")
+POLICIES = (*SINGLE, "adaptive")
+
+
+def job(nodes: int, steps: int) -> list[str]:
+    return ["experiment=plain", "model=gpt2-tiny", f"cluster=local-{nodes}", "cluster.device_memory_gb=0.04",
+            "train.stages=2", "train.global_batch=16", "train.micro_batch=2", f"train.steps={steps}"]  # fmt: skip
+
+
+def schedule(nodes: int, steps: int, phase: str) -> list[str]:
+    """The mixed schedule, spread over the job: a worker, a node, the rest of stage 1, then a new node (node ids are
+    never reused)."""
+    at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.45, 0.75)]
+
+    def process(n: int, step: int) -> str:
+        return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
+
+    stage_one = [process(n, at[2] + i) for i, n in enumerate(range(3, nodes, 2))]
+    events = [process(1, at[0]), f"{{kind: node, node: 2, at_step: {at[1]}, phase: {phase}}}", *stage_one,
+              f"{{kind: join, node: {nodes}, at_step: {at[3]}}}"]  # fmt: skip
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def run_policy(policy: str, overrides: list[str], scratch: Path) -> dict[str, Any]:
+    """One job in this process; a job that stops or crashes is reported with its reason."""
+    from ftlab.experiments.job import compose_config, run_job
+
+    d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
+    common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
+              f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
+    print(f"  {policy}: {' '.join(overrides)}", flush=True)
+    started = time.monotonic()
+    try:
+        result = run_job(compose_config([*common, *overrides]))
+    except Exception as exc:  # noqa: BLE001 - JobStopped, a crash: findings to report
+        print(f"  {policy}: did not finish: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        if type(exc).__name__ != "JobStopped":
+            traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.monotonic() - started}
+    figures = measure(result)
+    figures["wall_s"] = time.monotonic() - started
+    print(f"  {policy}: {figures['wall_s']:.0f} s, goodput {figures['goodput']:.2f} samples/s", flush=True)
+    return figures
+
+
+def measure(result: Any) -> dict[str, Any]:
+    from ftlab.runtime import events as ev
+
+    s = result.summary
+    pauses = [f.recover_s for f in result.faults if f.recover_s is not None]
+    figures: dict[str, Any] = {
+        "goodput": s["summary/samples_per_s"],
+        "goodput_ratio": s["summary/goodput_ratio"],
+        "pause_s": sum(pauses),
+        "lost_steps": sum(f.lost_steps or 0 for f in result.faults),
+        "faults": len(result.faults),
+        "decisions": [],
+    }
+    iter_of: dict[int, list[float]] = {}
+    for step in result.steps:
+        iter_of.setdefault(step.generation, []).append(step.iter_s)
+    recovered = [e for e in result.events if isinstance(e, ev.Recovered)]
+    pause_errors, iter_errors = [], []
+    for decided in (e for e in result.events if isinstance(e, ev.Decided)):
+        row: dict[str, Any] = {"outcome": decided.outcome, "chosen": decided.details.get("chosen"),
+                               "committed_step": decided.committed_step}  # fmt: skip
+        if decided.predicted_iter_s is not None and decided.generation in iter_of:
+            measured = statistics.median(iter_of[decided.generation])
+            row |= {"predicted_iter_s": decided.predicted_iter_s, "iter_s": measured}
+            iter_errors.append(abs(decided.predicted_iter_s - measured) / measured)
+        after = [r for r in recovered if r.at >= decided.at and r.recover_s]
+        if decided.predicted_pause_s is not None and decided.predicted_iter_s is not None and after:
+            predicted = decided.predicted_pause_s + decided.predicted_iter_s
+            row |= {"predicted_recover_s": predicted, "recover_s": after[0].recover_s}
+            pause_errors.append(abs(predicted - after[0].recover_s) / after[0].recover_s)
+        figures["decisions"].append(row)
+    if pause_errors or iter_errors:
+        figures["pause_error"] = statistics.median(pause_errors) if pause_errors else None
+        figures["iter_error"] = statistics.median(iter_errors) if iter_errors else None
+    return figures
+
+
+def table(report: dict[str, dict[str, Any]]) -> str:
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    lines = [f"{'policy':<20}{'goodput':>10}{'ratio':>8}{'pause s':>9}{'lost':>6}{'pause err':>11}{'iter err':>10}"]
+    for policy, r in report.items():
+        if "error" in r:
+            lines.append(f"{policy:<20}  did not finish: {r['error'].splitlines()[0][:80]}")
+            continue
+        lines.append(
+            f"{policy:<20}{r['goodput']:>10.2f}{r['goodput_ratio']:>8.3f}{r['pause_s']:>9.2f}{r['lost_steps']:>6}"
+            f"{pct(r.get('pause_error')):>11}{pct(r.get('iter_error')):>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="local-6, 12 steps: that it runs and prints")
+    parser.add_argument("--nodes", type=int, default=8, help="cluster=local-N (even: a 2 x N/2 grid)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--phase", default="reduce", help="the phase of its step each kill fires in")
+    parser.add_argument("--protection", default="reft", help="every policy's protection (reft or storage)")
+    parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument("--keep", action="store_true", help="keep the jobs' MLflow stores and checkpoints")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.nodes, args.steps = 6, 12
+    protection = [f"protection={args.protection}",
+                  f"protection.{'flush_every' if args.protection == 'reft' else 'every'}={args.flush_every}"]  # fmt: skip
+    overrides = [*job(args.nodes, args.steps), *schedule(args.nodes, args.steps, args.phase), *protection]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-policies-"))
+    try:
+        report = {policy: run_policy(policy, overrides, scratch) for policy in args.policies}
+    finally:
+        if args.keep:
+            print(f"job stores kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(table(report))
+    goodput = {p: r["goodput"] for p, r in report.items() if "goodput" in r}
+    singles = [goodput[p] for p in SINGLE if p in goodput]
+    ratio = goodput["adaptive"] / max(singles) if "adaptive" in goodput and singles else None
+    print(f"adaptive vs best single policy: {'-' if ratio is None else f'{ratio:.3f}'}")
+    print(json.dumps({"goodput": goodput, "adaptive_vs_best_single": ratio, "policies": report}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""The settings of ``policy=adaptive``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CANDIDATES = ("reroute", "reconfigure", "restart")
+"""The recoveries adaptive chooses among, in the order that breaks ties: reroute (ReCycle), reconfigure (Oobleck),
+restart (checkpoint-restart from whatever the protection holds: memory with protection=reft, storage with storage)."""
+
+
+@dataclass
+class AdaptiveConfig:
+    _target_: str = "ftlab.policies.adaptive.policy.Adaptive"
+    name: str = "adaptive"
+    candidates: list[str] = field(default_factory=list)
+    """Which of reroute, reconfigure, restart to choose among; empty: every one that applies to the job (restart
+    needs a protection that keeps state; reroute and reconfigure move layers, which ZeRO-1 forbids)."""
+    mtbf_steps: float = 100.0
+    """Steps expected until the next membership change when the fault schedule gives no rate (an explicit list)."""
+    fault_threshold: int = 1
+    """The reconfigure candidate's (Oobleck's) f: simultaneous node failures its pipelines survive in place."""
+    solver: str = "list"
+    """The reroute candidate's (ReCycle's) scheduler: list or milp (``policy=recycle``'s ``solver``)."""
+
+
+SCHEMAS = {"policy": AdaptiveConfig}

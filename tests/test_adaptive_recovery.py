@@ -1,0 +1,124 @@
+"""``policy=adaptive`` on real processes: it reroutes, reconfigures or restarts as its predictions say, and every
+choice keeps the job on the fault-free trajectory (per-step losses rel 1e-5, final parameters atol 2e-5).
+
+Plans and predictions come from the analytic cost model (an A100's) and the measured constants of ``conf/sim``, so
+the choices are the same on every run; each device is granted 40 MB, so pipelines have two stages, as
+``train.stages=2`` asks, for every candidate (the scenarios name workers by stage). The choices, with gpt2-tiny:
+
+- six nodes: worker 1 (stage 1) crashes, and its two data-parallel peers absorb its micro-batches for less than the
+  layer copies of a reconfiguration cost: reroute. Then node 3 (stage 1 again) is lost and the last peer of stage 1
+  would do three pipelines' work: reconfigure, from the rerouted plan (Oobleck re-instantiates the four whole
+  nodes as two pipelines, copying the layers from the survivors);
+- four nodes with REFT's snapshots: worker 1 crashes (reroute: a restart would pause for process starts), then worker
+  3, the last replica of stage 1, crashes too: no peer and no replica is left, so every candidate restarts, from the
+  in-memory snapshot in the nodes' memory, which outlives the processes. (Had node 3 been lost instead, the snapshot
+  would have gone with it: after the reroute worker 3 was stage 1's only holder, so its shards had no copy.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftlab.experiments import job as job_module
+from ftlab.experiments.config import JobConfig
+from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.runtime import checkpoint
+from ftlab.runtime import events as ev
+from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.layer_state import decode
+from ftlab.runtime.profiler import analytic_profile
+
+STEPS = 8
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-5
+
+
+def adaptive(cluster: str, protection: str = "storage") -> list[str]:
+    saves = ["protection=storage", f"protection.every={STEPS}"] if protection == "storage" else [
+        "protection=reft", f"protection.flush_every={STEPS}"]  # fmt: skip
+    return ["experiment=plain", "policy=adaptive", f"cluster={cluster}", "train.stages=2", f"train.steps={STEPS}",
+            "cluster.device_memory_gb=0.04", *saves]  # fmt: skip
+
+
+def explicit(*events: str) -> list[str]:
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def node(n: int, step: int, phase: str) -> str:
+    return f"{{kind: node, node: {n}, at_step: {step}, phase: {phase}}}"
+
+
+def process(n: int, step: int, phase: str) -> str:
+    return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deterministic_plans() -> Iterator[None]:
+    def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
+        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(job_module, "job_profile", analytic)
+        yield
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
+    d = tmp_path_factory.mktemp("fault-free")
+    common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
+              "progress=false"]  # fmt: skip
+    return run_job(compose_config([*common, *adaptive("local-4")]))
+
+
+def losses(result: JobResult) -> list[float]:
+    by_step = {r.step: r.loss for r in result.steps}
+    assert sorted(by_step) == list(range(STEPS))
+    return [by_step[s] for s in range(STEPS)]
+
+
+def final_state(result: JobResult) -> dict[int, dict]:
+    found = checkpoint.latest(result.checkpoint_dir)
+    assert found is not None and found[0] == STEPS
+    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
+
+
+def assert_on_fault_free_trajectory(result: JobResult, fault_free: JobResult) -> None:
+    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
+    reference, state = final_state(fault_free), final_state(result)
+    assert sorted(state) == sorted(reference)
+    for layer, params in reference.items():
+        for name, value in params.items():
+            torch.testing.assert_close(state[layer][name], value, rtol=0, atol=PARAM_ATOL, msg=f"layer {layer} {name}")
+
+
+def choices(result: JobResult) -> list[tuple[str, str]]:
+    """(candidate, outcome) of every decision after a change, each with its predictions published."""
+    decided = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert all(e.predicted_pause_s is not None and e.predicted_iter_s is not None for e in decided)
+    assert all(len(e.details["candidates"]) >= 2 for e in decided), "every candidate's prediction is published"
+    return [(e.details["chosen"], e.outcome) for e in decided]
+
+
+def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
+    run, fault_free: JobResult  # noqa: ANN001
+) -> None:
+    result = run(*adaptive("local-6"), *explicit(process(1, 2, "backward"), node(3, 5, "forward")))
+    assert_on_fault_free_trajectory(result, fault_free)
+    assert choices(result) == [("reroute", "replan"), ("reconfigure", "reconfigure")]
+    assert [r.step for r in result.steps] == list(range(STEPS)), "no committed step lost"
+    survivors = {w: pids for w, pids in result.worker_pids.items() if w not in (1, 3)}
+    assert all(len(pids) == 1 for pids in survivors.values()), "no surviving process restarted"
+    assert result.faults[1].transfer_bytes > 0
+
+
+def test_a_lost_stage_restarts_from_the_in_memory_snapshot(run, fault_free: JobResult) -> None:  # noqa: ANN001
+    result = run(*adaptive("local-4", "reft"), *explicit(process(1, 2, "backward"), process(3, 5, "forward")))
+    assert_on_fault_free_trajectory(result, fault_free)
+    (reroute, restart) = choices(result)
+    assert reroute == ("reroute", "replan") and restart[1] == "restart"
+    (restored,) = [e for e in result.events if isinstance(e, ev.StateRestored)]
+    assert restored.source == "memory"
