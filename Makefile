@@ -22,6 +22,10 @@ test: setup
 
 # The MLflow UI in headless Chromium (Debian's chromium and chromium-driver: apt-get install chromium chromium-driver):
 # a small sweep, the MLflow server on its store, the runs table and the compare view. Screenshots: ui-artifacts/.
+# Tests behind the slow marker: more phases, the ssh and SLURM launchers, a soak slice (pyproject.toml says which).
+test-slow: setup
+	$(PYTHON) -m pytest -m slow
+
 ui-test: setup
 	$(PYTHON) -m pytest -m ui tests/test_ui.py
 

@@ -192,6 +192,7 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         proc.wait()
 
 
+@pytest.mark.slow
 def test_agents_started_over_ssh_lose_a_node_and_stay_on_the_fault_free_curve(
     run, fault_free: list[float], sshd: list[str], monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
 ) -> None:
@@ -241,6 +242,7 @@ class LocalSubmititLauncher(SlurmLauncher):
         os.killpg(agent_pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_agents_submitted_through_submitit_lose_a_node_and_stay_on_the_fault_free_curve(
     run, fault_free: list[float], monkeypatch: pytest.MonkeyPatch, tmp_path: Path  # noqa: ANN001
 ) -> None:

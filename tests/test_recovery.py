@@ -62,7 +62,9 @@ def explicit(*events: str) -> list[str]:
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "reduce", "optimizer", "checkpoint"])
+@pytest.mark.parametrize(
+    "phase", ["forward", "checkpoint", *(pytest.param(p, marks=pytest.mark.slow) for p in ("backward", "reduce", "optimizer"))]
+)
 def test_a_node_killed_in_any_phase_is_recovered_on_the_fault_free_curve(
     run, tmp_path: Path, fault_free: list[float], phase: str  # noqa: ANN001
 ) -> None:

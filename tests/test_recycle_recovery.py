@@ -108,7 +108,7 @@ def assert_rerouted_in_place(result: JobResult, failures: int) -> None:
         pytest.param((node(1, 2, "forward"), process(2, 4, "backward"), node(5, 6, "reduce"), process(4, 8, "optimizer")),
                      id="node-forward,worker-backward,node-reduce,worker-optimizer"),
         pytest.param((process(1, 2, "forward"), node(2, 4, "backward"), process(5, 6, "reduce"), node(4, 8, "optimizer")),
-                     id="worker-forward,node-backward,worker-reduce,node-optimizer"),
+                     id="worker-forward,node-backward,worker-reduce,node-optimizer", marks=pytest.mark.slow),
     ],
 )  # fmt: skip
 def test_nodes_and_workers_killed_in_every_phase_are_rerouted(run, fault_free: JobResult, kills: tuple[str, ...]) -> None:  # noqa: ANN001

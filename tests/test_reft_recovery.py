@@ -92,7 +92,7 @@ def restores(events: list[dict]) -> list[dict]:
     return [e for e in events if e["kind"] == "restore"]
 
 
-@pytest.mark.parametrize("phase", ["backward", "optimizer", "snapshot"])
+@pytest.mark.parametrize("phase", ["backward", pytest.param("optimizer", marks=pytest.mark.slow), "snapshot"])
 def test_a_node_killed_in_any_phase_resumes_from_memory_with_no_step_lost(
     run, tmp_path: Path, fault_free: JobResult, phase: str  # noqa: ANN001
 ) -> None:

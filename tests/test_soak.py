@@ -27,5 +27,6 @@ def test_every_drawn_scenario_composes_and_its_faults_fit_the_cluster(index: int
     assert len([e for e in events if e.kind != "join"]) <= 3
 
 
+@pytest.mark.slow
 def test_a_seeded_slice_passes_every_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert soak.main(["--seed", "2026", "--scenarios", "2", "--workdir", str(tmp_path)]) == 0, capsys.readouterr().out
