@@ -21,20 +21,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from ftlab.experiments import job as job_module
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import JobResult, compose_config, run_job
-from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.layer_state import decode
 from ftlab.runtime.profiler import analytic_profile
+from tests.oracle import assert_on_fault_free_trajectory
 
 STEPS = 8
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 2e-5
 
 
 def adaptive(cluster: str, protection: str = "storage") -> list[str]:
@@ -74,25 +70,10 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> J
     return run_job(compose_config([*common, *adaptive("local-4")]))
 
 
-def losses(result: JobResult) -> list[float]:
-    by_step = {r.step: r.loss for r in result.steps}
-    assert sorted(by_step) == list(range(STEPS))
-    return [by_step[s] for s in range(STEPS)]
 
 
-def final_state(result: JobResult) -> dict[int, dict]:
-    found = checkpoint.latest(result.checkpoint_dir)
-    assert found is not None and found[0] == STEPS
-    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
 
 
-def assert_on_fault_free_trajectory(result: JobResult, fault_free: JobResult) -> None:
-    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
-    reference, state = final_state(fault_free), final_state(result)
-    assert sorted(state) == sorted(reference)
-    for layer, params in reference.items():
-        for name, value in params.items():
-            torch.testing.assert_close(state[layer][name], value, rtol=0, atol=PARAM_ATOL, msg=f"layer {layer} {name}")
 
 
 def choices(result: JobResult) -> list[tuple[str, str]]:
@@ -107,7 +88,7 @@ def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
     run, fault_free: JobResult  # noqa: ANN001
 ) -> None:
     result = run(*adaptive("local-6"), *explicit(process(1, 2, "backward"), node(3, 5, "forward")))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert choices(result) == [("reroute", "replan"), ("reconfigure", "reconfigure")]
     assert [r.step for r in result.steps] == list(range(STEPS)), "no committed step lost"
     survivors = {w: pids for w, pids in result.worker_pids.items() if w not in (1, 3)}
@@ -117,7 +98,7 @@ def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
 
 def test_a_lost_stage_restarts_from_the_in_memory_snapshot(run, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*adaptive("local-4", "reft"), *explicit(process(1, 2, "backward"), process(3, 5, "forward")))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     (reroute, restart) = choices(result)
     assert reroute == ("reroute", "replan") and restart[1] == "restart"
     (restored,) = [e for e in result.events if isinstance(e, ev.StateRestored)]

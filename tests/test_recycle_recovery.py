@@ -18,20 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from ftlab.experiments import job as job_module
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import JobResult, compose_config, run_job
-from ftlab.runtime import checkpoint
 from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.layer_state import decode
 from ftlab.runtime.profiler import analytic_profile
+from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 
 STEPS = 10
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 2e-5
 
 
 def recycle(cluster: str = "local-4", every: int | None = STEPS) -> list[str]:
@@ -53,17 +49,8 @@ def process(n: int, step: int, phase: str) -> str:
     return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
 
 
-def losses(result: JobResult) -> list[float]:
-    """The loss of each step as finally committed."""
-    by_step = {r.step: r.loss for r in result.steps}
-    assert sorted(by_step) == list(range(STEPS))
-    return [by_step[s] for s in range(STEPS)]
 
 
-def final_state(result: JobResult) -> dict[int, dict]:
-    found = checkpoint.latest(result.checkpoint_dir)
-    assert found is not None and found[0] == STEPS
-    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,13 +71,6 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> J
     return run_job(compose_config([*common, *recycle()]))
 
 
-def assert_on_fault_free_trajectory(result: JobResult, fault_free: JobResult) -> None:
-    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
-    reference, state = final_state(fault_free), final_state(result)
-    assert sorted(state) == sorted(reference)
-    for layer, params in reference.items():
-        for name, value in params.items():
-            torch.testing.assert_close(state[layer][name], value, rtol=0, atol=PARAM_ATOL, msg=f"layer {layer} {name}")
 
 
 def assert_rerouted_in_place(result: JobResult, failures: int) -> None:
@@ -114,7 +94,7 @@ def assert_rerouted_in_place(result: JobResult, failures: int) -> None:
 def test_nodes_and_workers_killed_in_every_phase_are_rerouted(run, fault_free: JobResult, kills: tuple[str, ...]) -> None:  # noqa: ANN001
     # 2 stages x 4 pipelines; the kills alternate between stage 1 (nodes 1, 5) and stage 0 (nodes 2, 4).
     result = run(*recycle("local-8"), *explicit(*kills))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert_rerouted_in_place(result, failures=4)
     final = result.plans[-1]
     assert set(final.workers) == {0, 3, 6, 7} and len(final.pipelines) > 2, "peers serve several pipelines"
@@ -122,14 +102,14 @@ def test_nodes_and_workers_killed_in_every_phase_are_rerouted(run, fault_free: J
 
 def test_a_node_of_two_workers_takes_a_whole_pipeline(run, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*recycle("local-4x2"), *explicit(node(1, 4, "backward")))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert_rerouted_in_place(result, failures=1)
     assert set(result.plans[-1].workers) == {0, 1, 4, 5, 6, 7}
 
 
 def test_a_joined_node_takes_back_the_failed_role(run, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*recycle(), *explicit(node(1, 2, "backward"), "{kind: join, node: 4, at_step: 5}"))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert [p.workers for p in result.plans[-1].pipelines] == [(0, 4), (2, 3)], "the fault-free grid again"
     assert len(result.plans) == 3 and result.faults[0].lost_steps == 0
     survivors = {w: pids for w, pids in result.worker_pids.items() if w != 1}
@@ -138,7 +118,7 @@ def test_a_joined_node_takes_back_the_failed_role(run, fault_free: JobResult) ->
 
 def test_a_stage_that_lost_every_replica_restarts_from_storage(run, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*recycle(every=3), *explicit(node(1, 2, "forward"), node(3, 5, "backward")))
-    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(committed_losses(fault_free, STEPS), rel=LOSS_RTOL)
     first, second = result.faults
     assert first.lost_steps == 0 and second.lost_steps == 2, "restarted from the checkpoint of step 3"
     assert [p.workers for p in result.plans[-1].pipelines] == [(0, 2)]
@@ -156,5 +136,5 @@ def test_staggered_optimizer_is_exact_and_undone_when_the_iteration_aborts(run, 
     # already stepped. Both steps abort and the survivors' early steps are undone, else the next steps would start
     # from the wrong weights (this test fails with the undo left out).
     result = run(*recycle(), "policy.staggered_optimizer=true", *explicit(node(1, 3, "optimizer"), node(2, 6, "reduce")))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert_rerouted_in_place(result, failures=2)

@@ -20,19 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import JobResult
-from ftlab.runtime import checkpoint, shm
+from ftlab.runtime import shm
 from ftlab.runtime.contract import MemorySource
 from ftlab.runtime.coordinator import JobStopped
-from ftlab.runtime.layer_state import decode
 from ftlab.runtime.local_backend import LocalBackend
+from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 
 STEPS = 8
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 2e-5
 REFT = ["experiment=plain", "policy=checkpoint_restart", "protection=reft", f"protection.flush_every={STEPS}",
         f"train.steps={STEPS}"]  # fmt: skip
 
@@ -62,24 +59,10 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> J
     return run_job(compose_config(overrides))
 
 
-def losses(result: JobResult) -> list[float]:
-    by_step = {r.step: r.loss for r in result.steps}
-    assert sorted(by_step) == list(range(STEPS))
-    return [by_step[s] for s in range(STEPS)]
 
 
-def final_state(result: JobResult) -> dict[int, dict]:
-    found = checkpoint.latest(result.checkpoint_dir)
-    assert found is not None and found[0] == STEPS
-    return {int(p.stem.split("-")[1]): decode(p.read_bytes())["module"] for p in found[1].glob("layer-*.pt")}
 
 
-def assert_on_fault_free_trajectory(result: JobResult, fault_free: JobResult) -> None:
-    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
-    reference = final_state(fault_free)
-    for index, params in final_state(result).items():
-        for name, value in params.items():
-            torch.testing.assert_close(value, reference[index][name], rtol=0, atol=PARAM_ATOL)
 
 
 def events_of(result: JobResult, tmp_path: Path) -> list[dict]:
@@ -99,7 +82,7 @@ def test_a_node_killed_in_any_phase_resumes_from_memory_with_no_step_lost(
     # "step 5 (snapshot)": the copy of the snapshot of 5 committed steps, killed between a record's bytes and its
     # commit record. Node 1 holds one of the two replicas of the second stage; node 3, the other, has its shards.
     result = run(*REFT, *explicit(f"{{kind: node, node: 1, at_step: 5, phase: {phase}}}"))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     (fault,) = result.faults
     assert fault.lost_steps == 0
     events = events_of(result, tmp_path)
@@ -122,7 +105,7 @@ def test_each_mode_rebuilds_a_lost_member_of_its_group(
     zero = ["train.zero=1"] if mode == "aor" else []
     result = run(*REFT, "cluster.nodes=3", "train.stages=1", f"protection.mode={mode}", *zero,
                  *explicit("{kind: node, node: 1, at_step: 4, phase: backward}"))  # fmt: skip
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     (restore,) = restores(events_of(result, tmp_path))
     assert (restore["source"], restore["step"]) == (source, 4)
     assert result.faults[0].lost_steps == 0
@@ -131,7 +114,7 @@ def test_each_mode_rebuilds_a_lost_member_of_its_group(
 def test_two_nodes_of_one_group_lost_fall_back_to_the_flush(run, tmp_path: Path, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*REFT, "protection.flush_every=3",
                  *explicit("{kind: node, node: 0, at_step: 5}", "{kind: node, node: 2, at_step: 5}"))  # fmt: skip
-    assert losses(result) == pytest.approx(losses(fault_free), rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(committed_losses(fault_free, STEPS), rel=LOSS_RTOL)
     events = events_of(result, tmp_path)
     decided = next(e for e in events if e["kind"] == "recovery_decision")
     assert decided["restore"] == "storage of step 3"
@@ -162,7 +145,7 @@ def test_a_corrupted_record_is_caught_by_its_checksum_and_never_loaded(
 
     monkeypatch.setattr(LocalBackend, "verify", corrupt_then_verify)
     result = run(*REFT, *explicit("{kind: process, node: 1, worker: 0, at_step: 4}"))
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     events = events_of(result, tmp_path)
     corrupted = [{k: e[k] for k in ("node", "record", "step")} for e in events if e["kind"] == "record_corrupted"]
     assert corrupted == flipped and len(flipped) == 1
@@ -182,7 +165,7 @@ def test_oobleck_falls_back_to_a_restart_from_memory(
         analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
     result = run(*REFT, "policy=oobleck", "policy.fault_threshold=1", "cluster.device_memory_gb=0.04",
                  *explicit("{kind: process, node: 1, worker: 0, at_step: 4, phase: backward}"))  # fmt: skip
-    assert_on_fault_free_trajectory(result, fault_free)
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
     events = events_of(result, tmp_path)
     decided = next(e for e in events if e["kind"] == "recovery_decision")
     assert decided["outcome"] == "restart" and decided["restore"] == "memory of step 4"

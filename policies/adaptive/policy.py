@@ -19,7 +19,8 @@ costed on the one cost model:
   on a shared host), and for every worker that lacks layers of its stage the layer copies (each source's sends one
   after another at the cost model's p2p bandwidth), decoding what it received, building what is new and reading
   what it restores (storage: at the storage's read bandwidth; memory: decoded from the host's /dev/shm at the codec
-  bandwidth, our choice, as the simulator does not model REFT);
+  bandwidth, a coarser figure than the simulator's, which follows REFT's load plan through peers and parity: the
+  two agree when every record is in its reader's own memory);
 - the steps until the next change come from the fault schedule's rate (``Job.failure_rate.steps_between`` at the
   candidate's iteration time), else ``policy.mtbf_steps``, at most the steps the job has left.
 
