@@ -19,8 +19,8 @@ costed on the one cost model:
   on a shared host), and for every worker that lacks layers of its stage the layer copies (each source's sends one
   after another at the cost model's p2p bandwidth), decoding what it received, building what is new and reading
   what it restores (storage: at the storage's read bandwidth; memory: decoded from the host's /dev/shm at the codec
-  bandwidth, a coarser figure than the simulator's, which follows REFT's load plan through peers and parity: the
-  two agree when every record is in its reader's own memory);
+  bandwidth: a coarser figure than the simulator's, which reads local records at the snapshot copy rate and
+  fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
 - the steps until the next change come from the fault schedule's rate (``Job.failure_rate.steps_between`` at the
   candidate's iteration time), else ``policy.mtbf_steps``, at most the steps the job has left.
 
