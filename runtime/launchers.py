@@ -283,6 +283,28 @@ def _is_loopback(addr: str) -> bool:
         return False  # a host name: taken to be another machine
 
 
+def _bind_problems(c: Any) -> list[str]:
+    """The control server and the store bind ``coordinator_addr`` (at their ports, when fixed): it must be an
+    address of this machine and the ports free, or the job would fail after its run opened."""
+    import socket
+
+    problems = []
+    for name, port in (("coordinator_port", c.coordinator_port), ("store_port", c.store_port)):
+        if not 0 <= port < 65536:
+            continue  # said above
+        try:
+            with socket.create_server((c.coordinator_addr, port)):
+                pass
+        except OSError as exc:  # an unknown name too: create_server re-raises it as OSError
+            reason = str(exc.strerror).split(" (while")[0]
+            if port == 0:
+                return [f"cluster.coordinator_addr={c.coordinator_addr} is not an address of this machine "
+                        f"({reason}): use 127.0.0.1 for local runs, or this machine's address on the network the "
+                        f"hosts share"]  # fmt: skip
+            problems.append(f"cluster.{name}={port} on {c.coordinator_addr}: {reason}; choose a free port, or 0")
+    return problems
+
+
 def launch_problems(c: Any) -> list[str]:
     """What is wrong with a ClusterConfig's launch settings, each with what to change (torch-free: preflight)."""
     problems = []
@@ -291,6 +313,7 @@ def launch_problems(c: Any) -> list[str]:
     for name in ("coordinator_port", "store_port"):
         if not 0 <= getattr(c, name) < 65536:
             problems.append(f"cluster.{name}={getattr(c, name)}: use a TCP port, or 0 for any free one")
+    problems += _bind_problems(c)
     if c.launcher == "local":
         remote = [h for h in c.hosts if not _is_loopback(h)]
         if remote:

@@ -41,6 +41,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("backend", ["cluster.backend=mpi"], ConfigError, "use auto, gloo or nccl"),
     ("nccl on cpu", ["cluster.backend=nccl"], ConfigError, "use cluster.backend=gloo"),
     ("launcher", ["cluster.launcher=pbs"], ConfigError, "use local, ssh or slurm"),
+    ("coordinator address", ["cluster.coordinator_addr=10.255.0.1"], ConfigError, "is not an address of this machine"),
+    ("coordinator host", ["cluster.coordinator_addr=no-such-host.invalid"], ConfigError, "not an address of this machine"),
     ("ssh hosts", ["cluster.launcher=ssh", "cluster.hosts=[a,b]", "cluster.coordinator_addr=10.0.0.1"], ConfigError,
      "one host per node: cluster.hosts has 2 entries for cluster.nodes=4"),
     ("ssh loopback", ["cluster.launcher=ssh", "cluster.hosts=[a,b,c,d]"], ConfigError,
