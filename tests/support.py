@@ -1,7 +1,14 @@
-"""Policies with hand-made layouts, for tests that need a particular plan."""
+"""What many tests share: policies with hand-made layouts, fault schedules written out, plans made deterministic."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from ftlab.experiments import job as job_module
 from ftlab.policies.grid import decision
 from ftlab.policies.none.policy import NoRecovery
 from ftlab.runtime.contract import Decision, Job, Protection
@@ -20,3 +27,32 @@ class HeterogeneousLayout(NoRecovery):
         plan = Plan(0, layers, job.train.global_batch, job.train.micro_batch, (three, two), step=job.start_step)
         plan.validate()
         return decision(plan, "a 3-stage and a 2-stage pipeline")
+
+
+def explicit(*events: str) -> list[str]:
+    """Overrides for an explicit fault schedule of these events."""
+    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
+
+
+def node(n: int, step: int, phase: str) -> str:
+    """Node ``n`` killed in ``phase`` of ``step``."""
+    return f"{{kind: node, node: {n}, at_step: {step}, phase: {phase}}}"
+
+
+def process(n: int, step: int, phase: str) -> str:
+    """The worker process of node ``n`` killed in ``phase`` of ``step``."""
+    return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
+
+
+@contextmanager
+def analytic_profiles() -> Iterator[None]:
+    """Plans from the analytic A100 profile instead of one measured on this (loaded) machine: the same plans on
+    every run, so a test knows which layout it kills."""
+    from ftlab.runtime.profiler import analytic_profile
+
+    def analytic(cfg: Any) -> tuple[Any, dict]:  # noqa: ANN401 - a JobConfig and its ModelProfile
+        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(job_module, "job_profile", analytic)
+        yield

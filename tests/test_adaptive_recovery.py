@@ -22,13 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.experiments import job as job_module
-from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import JobResult, compose_config, run_job
 from ftlab.runtime import events as ev
-from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.profiler import analytic_profile
 from tests.oracle import assert_on_fault_free_trajectory
+from tests.support import analytic_profiles, explicit, node, process
 
 STEPS = 8
 
@@ -40,25 +37,9 @@ def adaptive(cluster: str, protection: str = "storage") -> list[str]:
             "cluster.device_memory_gb=0.04", *saves]  # fmt: skip
 
 
-def explicit(*events: str) -> list[str]:
-    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
-
-
-def node(n: int, step: int, phase: str) -> str:
-    return f"{{kind: node, node: {n}, at_step: {step}, phase: {phase}}}"
-
-
-def process(n: int, step: int, phase: str) -> str:
-    return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
-
-
 @pytest.fixture(scope="module", autouse=True)
 def deterministic_plans() -> Iterator[None]:
-    def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
-        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job_module, "job_profile", analytic)
+    with analytic_profiles():
         yield
 
 
@@ -68,12 +49,6 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> J
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
               "progress=false"]  # fmt: skip
     return run_job(compose_config([*common, *adaptive("local-4")]))
-
-
-
-
-
-
 
 
 def choices(result: JobResult) -> list[tuple[str, str]]:

@@ -17,14 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.experiments import job as job_module
-from ftlab.experiments.config import JobConfig
 from ftlab.runtime import checkpoint
 from ftlab.experiments.job import JobResult, compose_config, run_job
-from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.coordinator import JobStopped
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
+from tests.support import analytic_profiles, explicit
 
 STEPS = 10
 
@@ -36,14 +33,6 @@ def oobleck(nodes: int, f: int) -> list[str]:
     ]  # fmt: skip
 
 
-def explicit(*events: str) -> list[str]:
-    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
-
-
-
-
-
-
 def assert_recovered_in_place(result: JobResult, fault_free: JobResult) -> None:
     """On the fault-free trajectory, and no step executed twice: recovered in place, no work lost."""
     assert [r.step for r in result.steps] == list(range(STEPS)), "a step was executed twice: work was lost"
@@ -52,11 +41,7 @@ def assert_recovered_in_place(result: JobResult, fault_free: JobResult) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def deterministic_plans() -> Iterator[None]:
-    def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
-        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job_module, "job_profile", analytic)
+    with analytic_profiles():
         yield
 
 
@@ -69,8 +54,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> di
         common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}", "progress=false"]
         runs[nodes] = run_job(compose_config([*common, *oobleck(nodes, f)]))
     return runs
-
-
 
 
 def assert_no_survivor_restarted(result: JobResult) -> None:

@@ -28,14 +28,11 @@ from ftlab.runtime.contract import MemorySource
 from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.local_backend import LocalBackend
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
+from tests.support import explicit
 
 STEPS = 8
 REFT = ["experiment=plain", "policy=checkpoint_restart", "protection=reft", f"protection.flush_every={STEPS}",
         f"train.steps={STEPS}"]  # fmt: skip
-
-
-def explicit(*events: str) -> list[str]:
-    return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
 def segments(coordinator: int | None = None) -> set[str]:
@@ -57,12 +54,6 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> J
     overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
                  "progress=false", *REFT]  # fmt: skip
     return run_job(compose_config(overrides))
-
-
-
-
-
-
 
 
 def events_of(result: JobResult, tmp_path: Path) -> list[dict]:
