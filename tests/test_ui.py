@@ -10,6 +10,7 @@ must list the sweep's child runs with their ``summary/goodput_ratio`` (the runs 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -39,7 +40,10 @@ def free_port() -> int:
 
 @pytest.fixture
 def mlflow_server(tmp_path: Path) -> Iterator[str]:
-    """``mlflow server`` on the test's store, 127.0.0.1 only, one worker; stopped (its process group) afterwards."""
+    """``mlflow server`` on the test's store, 127.0.0.1 only, one worker; stopped (its process group) afterwards.
+    The server keeps its job queue in a directory it makes under /dev/shm and never removes: removed here."""
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
     port = free_port()
     command = [
         str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", f"sqlite:///{tmp_path}/mlflow.db",
@@ -65,6 +69,9 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
         log.close()
+        for made in (set(shm.iterdir()) if shm.is_dir() else set()) - before:
+            if made.is_dir() and any(made.glob("*.mlflow-huey-store")):
+                shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture
