@@ -635,7 +635,6 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlflow.tracking import MlflowClient
 
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -667,27 +666,13 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
     plt.close(fig)
     print(f"saved {table_path.relative_to(REPO)}, {json_path.name}, {plot_path.name}")
 
-    try:
-        client = MlflowClient(tracking_uri=args.bench_tracking_uri)
-        experiment = client.get_experiment_by_name("ftlab-bench")
-        if experiment is None:
-            experiment_id = client.create_experiment("ftlab-bench", artifact_location=(BENCH_DIR / "mlartifacts").as_uri())
-        else:
-            experiment_id = experiment.experiment_id
-        run = client.create_run(experiment_id, run_name=f"bench_recovery-{stamp}", tags={"bench": "recovery"})
-        rid = run.info.run_id
-        client.log_text(rid, table + "\n", "table2.txt")
-        client.log_text(rid, json.dumps(out, indent=1, default=str), "table2.json")
-        client.log_artifact(rid, str(plot_path))
-        client.log_text(rid, json.dumps(part1, indent=1, default=str), "recovery.json")
-        for c in [out["fault_free"], *out["cells"]]:
-            if "samples_per_s" in c:
-                tag = "fault_free" if c["every"] is None else f"{c['policy']}_every_{c['every']:g}{unit}"
-                client.log_metric(rid, f"table2/{tag}/samples_per_s", c["samples_per_s"])
-        client.set_terminated(rid)
-        print(f"logged to MLflow {args.bench_tracking_uri}, experiment ftlab-bench, run {rid}")
-    except Exception as exc:  # noqa: BLE001 - the figures are already saved and printed
-        print(f"MLflow logging failed: {type(exc).__name__}: {exc}")
+    metrics = {}
+    for c in [out["fault_free"], *out["cells"]]:
+        if "samples_per_s" in c:
+            tag = "fault_free" if c["every"] is None else f"{c['policy']}_every_{c['every']:g}{unit}"
+            metrics[f"table2/{tag}/samples_per_s"] = c["samples_per_s"]
+    _log_bench(args, stamp, {"table2.txt": table + "\n", "table2.json": out, "recovery.json": part1}, [plot_path],
+               metrics)  # fmt: skip
 
 
 # -- main --------------------------------------------------------------------------------------------------------------
