@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ftlab.runtime.contract import Action, MemoryRecord, Source
+from ftlab.runtime.contract import Action, MemoryRecord, Source, TakeSnapshot
 from ftlab.runtime.instructions import Program
 from ftlab.runtime.plan import Plan
 
@@ -86,6 +86,17 @@ class SaveProgress:
     """Every writer's bytes so far."""
     copy_s: float
     """The slowest writer's copy time so far."""
+
+
+@dataclass
+class PendingSnapshot:
+    """A snapshot whose writers have not all reported (each backend's bookkeeping between save and
+    completed_saves)."""
+
+    action: TakeSnapshot
+    waiting: set[int]
+    nbytes: int = 0
+    copy_s: float = 0.0
 
 
 @dataclass(frozen=True)

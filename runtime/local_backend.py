@@ -21,14 +21,14 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime import messages as msg
 from ftlab.runtime.backend import (
-    Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, PendingSnapshot, SaveProgress, SaveReport, StepReport,
+    WorkerCrashed,
 )  # fmt: skip
 from ftlab.runtime.cluster import ClusterEvent, LocalCluster, NodeLost
 from ftlab.runtime.contract import Action, MemorySource, SaveCheckpoint, Source, TakeSnapshot
@@ -52,7 +52,7 @@ class LocalBackend(Backend, FaultTarget):
         """Model, training and data settings every worker needs; sent with each Configure."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._pending_joins: set[int] = set()
-        self._snapshots: dict[int, _Snapshot] = {}
+        self._snapshots: dict[int, PendingSnapshot] = {}
         """Snapshots in flight, by step."""
         self._progress: list[SaveProgress] = []
         self._helpers: dict[int, tuple[int, ...]] = {}
@@ -180,7 +180,7 @@ class LocalBackend(Backend, FaultTarget):
         records = records_to_write(action.plan, action.mode, action.workers_per_node)
         for worker, mine in records.items():
             self.cluster.send(worker, msg.TakeSnapshot(step, action.keep, tuple(mine)))
-        self._snapshots[step] = _Snapshot(action, set(records))
+        self._snapshots[step] = PendingSnapshot(action, set(records))
         return SaveReport(0, "memory", pending=True)
 
     def completed_saves(self) -> list[SaveProgress]:
@@ -368,11 +368,3 @@ class LocalBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], **fields: object) -> None:
         self.bus.publish(kind(at=self.clock(), **fields))
-
-
-@dataclass
-class _Snapshot:
-    action: TakeSnapshot
-    waiting: set[int]
-    nbytes: int = 0
-    copy_s: float = 0.0

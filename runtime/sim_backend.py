@@ -79,7 +79,8 @@ from dataclasses import dataclass, replace
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.backend import (
-    Backend, ConfigureReport, Failure, FaultTarget, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, PendingSnapshot, SaveProgress, SaveReport, StepReport,
+    WorkerCrashed,
 )
 from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import (
@@ -203,16 +204,6 @@ class _Copy:
     ends: float
 
 
-@dataclass
-class _Snapshot:
-    """A snapshot whose writers have not all reported."""
-
-    action: TakeSnapshot
-    waiting: set[int]
-    nbytes: int = 0
-    copy_s: float = 0.0
-
-
 class SimBackend(Backend, FaultTarget):
     def __init__(
         self,
@@ -263,7 +254,7 @@ class SimBackend(Backend, FaultTarget):
         self._layers_dropped = True
         self._step_started = 0.0
         self._membership: Membership | None = None
-        self._snapshots: dict[int, _Snapshot] = {}
+        self._snapshots: dict[int, PendingSnapshot] = {}
         """Snapshots in flight, by step."""
         self._copies: list[_Copy] = []
         """Writers' copies not reported yet, in the order they were launched."""
@@ -530,7 +521,7 @@ class SimBackend(Backend, FaultTarget):
         """Launch every writer's copy of a snapshot; they run beside the next iterations."""
         writing = {w: part for w, part in self._parts(action).items() if w in self._alive}
         rate = self.copy_bytes_per_s(len(writing))
-        snapshot = self._snapshots[step] = _Snapshot(action, set(writing))
+        snapshot = self._snapshots[step] = PendingSnapshot(action, set(writing))
         launched = self.now + self.sim.snapshot_launch_s
         busy = {c.worker: c.ends for c in self._copies}  # launched in order: the last one of each ends last
         for worker, part in writing.items():
