@@ -26,6 +26,13 @@ def largest_grid(workers: Sequence[int], job: Job, generation: int, step: int) -
     return grid_plan(list(workers[: stages * replicas]), stages, len(job.specs), t.global_batch, t.micro_batch, generation, step)
 
 
+def restart_grid(job: Job, generation: int, source: Source | None) -> tuple[Plan, str]:
+    """The largest grid over every live slot (the workers a restart starts), at ``source``'s step, and where its
+    state comes from, for the decision's reason. Raises PlanError when no grid fits."""
+    plan = largest_grid(job.slots, job, generation, source.step if source else 0)
+    return plan, f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
+
+
 def decision(plan: Plan, reason: str, restore: Source | None = None, restart: bool = False, **details: Any) -> Decision:
     """A plan run with the default 1F1B programs."""
     return Decision(plan, one_f_one_b(plan), restart=restart, restore=restore, reason=reason, details=details)

@@ -9,7 +9,7 @@ run's step for step. A node that joins waits for the next restart (Varuna adds c
 
 from __future__ import annotations
 
-from ftlab.policies.grid import decision, largest_grid
+from ftlab.policies.grid import decision, largest_grid, restart_grid
 from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Stop
 from ftlab.runtime.plan import PlanError
 
@@ -31,9 +31,8 @@ class CheckpointRestart(Policy):
             return Keep(f"{change.describe()}; they join at the next restart")
         source = protection.restore_source(change)
         try:
-            plan = largest_grid(job.slots, job, change.generation, source.step if source else 0)
+            plan, where = restart_grid(job, change.generation, source)
         except PlanError as exc:
             return Stop(f"no grid fits the surviving nodes: {exc}")
-        where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
         reason = f"{change.describe()}: restart {len(plan.workers)} workers from {where}"
         return decision(plan, reason, restore=source, restart=True)

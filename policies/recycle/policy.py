@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ftlab.policies.grid import grid, largest_grid
+from ftlab.policies.grid import grid, restart_grid
 from ftlab.policies.recycle.config import SOLVERS
 from ftlab.policies.recycle.normalization import NormalizationError
 from ftlab.policies.recycle.planner import ReCyclePlan, plan_recycle
@@ -228,10 +228,9 @@ class ReCycle(Policy):
                 f"from (add protection=storage to restart from a checkpoint instead)"
             )
         try:
-            plan = largest_grid(job.slots, job, change.generation, source.step if source else 0)
+            plan, where = restart_grid(job, change.generation, source)
         except PlanError as exc:
             return Stop(f"ReCycle cannot recover: {why}, and no grid fits the live nodes: {exc}")
-        where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
         reason = f"{why}; restart {len(plan.workers)} workers from {where}"
         return self._fault_free(plan, job, reason, restart=True, restore=source)
 
