@@ -23,11 +23,10 @@ from pathlib import Path
 import pytest
 
 from ftlab.experiments import job as job_module
-from ftlab.experiments.job import JobResult
 from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
+from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 8
-LOSS_RTOL = 1e-5
 COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
 KILL = ["faults=explicit", "faults.events=[{kind: node, node: 1, at_step: 5}]"]
 AGENT = str(Path(sys.executable).with_name("ftlab-agent"))
@@ -44,10 +43,6 @@ def loopback_reachable(addr: str) -> bool:
 
 pytestmark = pytest.mark.skipif(not loopback_reachable(SECOND), reason=f"{SECOND} is not a loopback address here")
 
-
-def losses_by_step(result: JobResult) -> list[float]:
-    by_step = {record.step: record.loss for record in result.steps}
-    return [by_step[s] for s in range(STEPS)]
 
 
 def process_group(pid: int) -> tuple[int, int, int]:
@@ -129,7 +124,7 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> l
     d = tmp_path_factory.mktemp("fault-free")
     overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
                  "progress=false", *COMMON]  # fmt: skip
-    return losses_by_step(run_job(compose_config(overrides)))
+    return committed_losses(run_job(compose_config(overrides)), STEPS)
 
 
 def test_independent_agents_on_a_second_address_lose_a_node_and_stay_on_the_fault_free_curve(
@@ -138,7 +133,7 @@ def test_independent_agents_on_a_second_address_lose_a_node_and_stay_on_the_faul
     launcher = DetachedLauncher(SECOND)
     monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
     result = run(*COMMON, *KILL, "cluster.coordinator_addr=127.0.0.1")
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     assert {spec.host_addr for spec in launcher.started} == {SECOND}
     seen = launcher.seen
     assert seen, "the node was never killed"
@@ -199,7 +194,7 @@ def test_agents_started_over_ssh_lose_a_node_and_stay_on_the_fault_free_curve(
     launcher = SshLauncher([SECOND] * 4, ssh=sshd, agent_command=AGENT)
     monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
     result = run(*COMMON, *KILL, "cluster.launcher=ssh", f"cluster.hosts=[{','.join([SECOND] * 4)}]")
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
 
 
 def test_the_ssh_launcher_puts_no_secret_on_any_command_line() -> None:
@@ -249,6 +244,6 @@ def test_agents_submitted_through_submitit_lose_a_node_and_stay_on_the_fault_fre
     launcher = LocalSubmititLauncher(tmp_path / "slurm", cluster="local")
     monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
     result = run(*COMMON, *KILL)
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     assert launcher.modes and set(launcher.modes) == {0o600}, "the secret file is readable by others"
     assert not (tmp_path / "slurm" / "job-secret").exists(), "the secret file outlived the job"

@@ -19,9 +19,9 @@ from ftlab.runtime import checkpoint
 from ftlab.runtime.layer_state import decode
 from ftlab.experiments.job import JobResult
 from ftlab.runtime.coordinator import JobStopped
+from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 8
-LOSS_RTOL = 1e-5
 COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
 
 
@@ -32,14 +32,8 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> l
     d = tmp_path_factory.mktemp("fault-free")
     overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
                  "progress=false", *COMMON]  # fmt: skip
-    return losses_by_step(run_job(compose_config(overrides)))
+    return committed_losses(run_job(compose_config(overrides)), STEPS)
 
-
-def losses_by_step(result: JobResult) -> list[float]:
-    """The loss of each step as finally committed (a step re-run after a restart counts once, the last time)."""
-    by_step = {record.step: record.loss for record in result.steps}
-    assert sorted(by_step) == list(range(STEPS))
-    return [by_step[s] for s in range(STEPS)]
 
 
 def events_of(result: JobResult, tmp_path: Path) -> list[dict]:
@@ -70,7 +64,7 @@ def test_a_node_killed_in_any_phase_is_recovered_on_the_fault_free_curve(
 ) -> None:
     # Checkpoints are written after steps 3 and 6; "step 6 (checkpoint)" is the writing of the second one.
     result = run(*COMMON, *explicit(f"{{kind: node, node: 1, at_step: {6 if phase == 'checkpoint' else 5}, phase: {phase}}}"))
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     (fault,) = result.faults
     assert fault.kind == "node" and fault.detect_s is not None and fault.recover_s is not None
     # Step 5 commits before its optimizer phase; a torn checkpoint 6 is never used: both resume from step 3.
@@ -84,14 +78,14 @@ def test_a_node_killed_in_any_phase_is_recovered_on_the_fault_free_curve(
 
 def test_a_killed_worker_process_is_recovered_and_its_node_keeps_serving(run, fault_free: list[float]) -> None:  # noqa: ANN001
     result = run(*COMMON, *explicit("{kind: process, node: 2, worker: 0, at_step: 4}"))
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     assert [len(p.pipelines) for p in result.plans] == [2, 2], "the node survived, so its restarted worker rejoins"
     assert result.faults[0].kind == "process"
 
 
 def test_a_hung_worker_is_detected_fenced_and_recovered(run, tmp_path: Path, fault_free: list[float]) -> None:  # noqa: ANN001
     result = run(*COMMON, "cluster.heartbeat_timeout_s=2", *explicit("{kind: hang, node: 3, worker: 0, at_step: 4}"))
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     events = events_of(result, tmp_path)
     hung = next(e for e in events if e["kind"] == "fault_injected")
     assert any(e["kind"] == "hang_detected" and e["worker"] == 3 for e in events)
@@ -104,7 +98,7 @@ def test_a_joined_node_is_absorbed_at_the_next_restart(run, fault_free: list[flo
         *COMMON,
         *explicit("{kind: node, node: 1, at_step: 2}", "{kind: join, node: 4, at_step: 3}", "{kind: process, node: 0, worker: 0, at_step: 6}"),
     )
-    assert losses_by_step(result) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     final = result.plans[-1]
     assert 4 in final.workers and 1 not in final.workers and len(final.pipelines) == 2
 
