@@ -506,18 +506,12 @@ class _Collector:
             self.events.append(event)
 
 
-def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
-    checked = preflight(cfg)
-    # Process code loads only now: the checks above ran without torch.
-    from ftlab.runtime.cluster import LocalCluster
-    from ftlab.runtime.coordinator import Coordinator
-    from ftlab.runtime.local_backend import LocalBackend
+def worker_setup(cfg: JobConfig, checked: Preflight) -> dict[str, Any]:
+    """What every worker of the job is started with (``runtime.worker``), less the cluster's memory root."""
     from ftlab.runtime.optim import OptimSettings
 
     t, c = cfg.train, cfg.cluster
-    seen = observe(cfg, tracker, clock_origin=time.monotonic())
-    record_checks(cfg, tracker, seen, checked, time.monotonic())
-    setup = {
+    return {
         "model": cfg.model,
         "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
         "seed": t.seed,
@@ -529,6 +523,19 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
         "aor": False,
         **checked.protection.runtime_options(),
     }
+
+
+def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
+    checked = preflight(cfg)
+    # Process code loads only now: the checks above ran without torch.
+    from ftlab.runtime.cluster import LocalCluster
+    from ftlab.runtime.coordinator import Coordinator
+    from ftlab.runtime.local_backend import LocalBackend
+
+    t, c = cfg.train, cfg.cluster
+    seen = observe(cfg, tracker, clock_origin=time.monotonic())
+    record_checks(cfg, tracker, seen, checked, time.monotonic())
+    setup = worker_setup(cfg, checked)
     cluster = LocalCluster(
         c.nodes, c.workers_per_node, c.heartbeat_s, worker_threads(c), c.coordinator_addr, make_launcher(c),
         c.coordinator_port, c.store_port,

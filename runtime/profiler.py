@@ -66,8 +66,9 @@ class ProfileKey:
     links: bool
     threads: int = 0
     """Torch's compute threads while measuring (0: whatever the measuring process had)."""
-    format: int = 3
-    """The profile's own format: 2 measures the optimizer step and the link latency; 3 records the threads."""
+    format: int = 4
+    """The profile's own format: 2 measures the optimizer step and the link latency; 3 records the threads; 4 times
+    a one-thread CPU layer on its thread's CPU time (``layer_clock``)."""
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
@@ -106,6 +107,15 @@ def _fastest(run: Callable[[], float], repeats: int, warmup: int) -> float:
     return min(run() for _ in range(repeats))
 
 
+def layer_clock(device: str, threads: int) -> Callable[[], float]:
+    """The clock a layer is timed on. A CPU layer computed by one torch thread runs on the calling thread alone
+    (autograd too), so that thread's CPU time is the layer's cost: on a shared machine the wall clock also counts
+    whatever other processes took of the core meanwhile, which even the fastest of a few repeats keeps when every
+    repeat is longer than the scheduler's time slice (what the simulator models instead, with ``sim.host_cores``).
+    Anything else (a GPU, several threads) is timed on the wall clock."""
+    return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -122,8 +132,10 @@ def measure_layer(
     device: str,
     repeats: int,
     warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> LayerProfile:
-    """Time one layer alone as a one-layer pipeline stage, with the input it gets in a pipeline."""
+    """Time one layer alone as a one-layer pipeline stage, with the input it gets in a pipeline, on ``clock``
+    (``layer_clock``)."""
     import torch
 
     from ftlab.runtime.model import StageModule, build_layer
@@ -145,32 +157,32 @@ def measure_layer(
         return stage(x, labels)
 
     def timed_forward() -> float:
-        start = time.perf_counter()
+        start = clock()
         forward()
         _sync(device)
-        return time.perf_counter() - start
+        return clock() - start
 
     def timed_full_backward() -> float:
         out = forward()
         grad = None if stage.is_last else torch.ones_like(out)
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         torch.autograd.grad(out, params + ([x] if x.requires_grad else []), grad)
         _sync(device)
-        return time.perf_counter() - start
+        return clock() - start
 
     def timed_split_backward() -> tuple[float, float]:
         out = forward()
         grad = None if stage.is_last else torch.ones_like(out)
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         if x.requires_grad:  # the first layer's input is token ids: it has no input gradient to compute
             torch.autograd.grad(out, [x], grad, retain_graph=True)
             _sync(device)
-        middle = time.perf_counter()
+        middle = clock()
         torch.autograd.grad(out, params, grad)
         _sync(device)
-        return middle - start, time.perf_counter() - middle
+        return middle - start, clock() - middle
 
     optimizer = layer_optimizer(stage, OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95))
 
@@ -178,10 +190,10 @@ def measure_layer(
         for p in params:
             p.grad = torch.ones_like(p)
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         optimizer.step()
         _sync(device)
-        return time.perf_counter() - start
+        return clock() - start
 
     fwd = _fastest(timed_forward, repeats, warmup)
     full = _fastest(timed_full_backward, repeats, warmup)
@@ -306,12 +318,13 @@ def measure_profile(
     import torch
 
     torch_dtype = getattr(torch, dtype)
+    clock = layer_clock(device, threads)
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
         layers = tuple(
-            measure_layer(cfg, index, micro_batch, seq_len, torch_dtype, device, repeats, warmup)
+            measure_layer(cfg, index, micro_batch, seq_len, torch_dtype, device, repeats, warmup, clock)
             for index in range(num_layers(cfg))
         )
     finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import time
 
 import pytest
 
@@ -43,7 +45,7 @@ def counted_measurements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     """Replace the per-layer measurement by a fast fake that records (layer, micro-batch) it was asked for."""
     calls: list[tuple[int, int]] = []
 
-    def fake(cfg, index, micro_batch, seq_len, dtype, device, repeats, warmup) -> LayerProfile:  # noqa: ANN001
+    def fake(cfg, index, micro_batch, seq_len, dtype, device, repeats, warmup, clock) -> LayerProfile:  # noqa: ANN001
         calls.append((index, micro_batch))
         return LayerProfile(1e-3 * micro_batch, 1e-3, 1e-3, 4, 12, 8 * micro_batch, 16 * micro_batch)
 
@@ -107,6 +109,41 @@ def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
     assert all(layer.output_bytes == 4 * 16 * TINY.hidden for layer in profile.layers[:-1])
     assert all(layer.saved_bytes > 0 for layer in profile.layers[1:])
     assert math.isinf(profile.p2p_bytes_per_s)  # links=False: communication not measured
+
+
+def _busy(seconds: float) -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def test_a_one_thread_cpu_layer_is_not_charged_for_a_process_beside_it_on_its_core() -> None:
+    """On a shared machine, the time another process takes of the core is not the layer's: the one-thread CPU clock
+    leaves it out, where the wall clock counts it."""
+    import multiprocessing as mp
+
+    import torch
+
+    assert profiler.layer_clock("cpu", 1) is time.thread_time
+    assert profiler.layer_clock("cpu", 0) is time.perf_counter and profiler.layer_clock("cuda:0", 1) is time.perf_counter
+    core = min(os.sched_getaffinity(0))
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    neighbour = mp.get_context("fork").Process(target=_busy, args=(60.0,))
+    neighbour.start()
+    try:
+        os.sched_setaffinity(0, {core})  # this process and the neighbour take turns on one core
+        torch.set_num_threads(1)
+        block = 1  # a transformer block: long enough that each repeat spans the scheduler's time slices
+        cpu = profiler.measure_layer(TINY, block, 32, 64, torch.float32, "cpu", 3, 1, time.thread_time)
+        wall = profiler.measure_layer(TINY, block, 32, 64, torch.float32, "cpu", 3, 1, time.perf_counter)
+    finally:
+        neighbour.kill()
+        neighbour.join()
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    cpu_s, wall_s = cpu.fwd_s + cpu.bwd_input_s + cpu.bwd_weight_s, wall.fwd_s + wall.bwd_input_s + wall.bwd_weight_s
+    assert 0 < cpu_s < 0.75 * wall_s  # sharing one core roughly halves the layer's share of the wall clock
 
 
 def test_link_bandwidths_and_latency_between_two_gloo_processes_are_positive() -> None:

@@ -236,20 +236,22 @@ def restored(result: JobResult) -> list[tuple[int, str]]:
 
 
 def test_reft_snapshots_beside_training_and_a_restart_restores_from_memory(job_overrides: list[str]) -> None:
-    cfg = sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))
+    # Copies far faster than an iteration (the measured rate would make it a matter of the machine's constants).
+    quick = [*REFT, "sim.snapshot_bytes_per_s=1e13", *kills("{kind: node, node: 1, at_step: 5, phase: backward}")]
+    cfg = sim_cfg(job_overrides, *quick)
     result = simulate(cfg).result
     assert restored(result) == [(5, "memory")]  # the step the failure found committed: no step is lost
     (fault,) = result.faults
     assert fault.lost_steps == 0 and sorted({s.step for s in result.steps}) == list(range(STEPS))
-    # A snapshot after every commit: on the critical path, its launch (the copies of a tiny model end in time).
+    # A snapshot after every commit: on the critical path, its launch (the copies end within the next iteration).
     taken = [s.snapshot_s for s in result.steps if s.step not in (0, 5)]
     assert taken == [pytest.approx(cfg.sim.snapshot_launch_s)] * len(taken)
-    again = simulate(sim_cfg(job_overrides, *REFT, *kills("{kind: node, node: 1, at_step: 5, phase: backward}"))).result
+    again = simulate(sim_cfg(job_overrides, *quick)).result
     assert logged(again) == logged(result) and again.plans == result.plans
 
 
 def test_a_copy_slower_than_an_iteration_holds_the_next_step(job_overrides: list[str]) -> None:
-    fast = simulate(sim_cfg(job_overrides, *REFT)).result
+    fast = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e13")).result
     slow = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e6")).result
     assert slow.steps[0].snapshot_s is None and slow.steps[0].iter_s == fast.steps[0].iter_s
     assert slow.steps[2].snapshot_s > 10 * fast.steps[2].snapshot_s
