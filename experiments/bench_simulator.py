@@ -13,10 +13,10 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
 - ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction.
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
-and after each real job the bench measures the cores its workers can have (``available_cores``: as many CPU-bound
-processes as the job has workers, side by side, each's CPU time over the wall time, added up) and gives the
-simulation of that job ``sim.host_cores`` = the mean of the two: the environment the real run met, measured beside
-it, not fitted to its result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+and after each real job the bench measures the cores its workers can have (``runtime.profiler.host_share``: as many
+CPU-bound processes as the job has workers, side by side, each's CPU time over the wall time, added up) and gives
+the simulation of that job ``sim.host_cores`` = the mean of the two: the environment the real run met, measured
+beside it, not fitted to its result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -82,34 +81,10 @@ def error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
-def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing queue
-    """A single-threaded CPU-bound process for ``seconds`` of wall time: the share of a core it got."""
-    started, cpu = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - started < seconds:
-        sum(range(10_000))
-    out.put((time.thread_time() - cpu) / (time.perf_counter() - started))
-
-
-def available_cores(processes: int, seconds: float = 1.5) -> float:
-    """How many cores ``processes`` CPU-bound processes get now: the sum of the shares of a core each got, running
-    side by side (each its CPU time over the wall time). With as many spinners as the job has workers, this is the
-    share of the machine the job's workers get from the scheduler next to everyone else's processes."""
-    import multiprocessing as mp
-
-    context = mp.get_context("fork")
-    out = context.Queue()
-    procs = [context.Process(target=_spin, args=(seconds, out)) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    shares = [out.get() for _ in procs]
-    for proc in procs:
-        proc.join()
-    return max(sum(shares), 0.25)
-
-
 def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
     from ftlab.experiments.job import compose_config, run_job
     from ftlab.experiments.simulate import simulate
+    from ftlab.runtime.profiler import host_share
 
     out: dict[str, Any] = {}
     for name, overrides in JOBS.items():
@@ -120,11 +95,11 @@ def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
         ]  # fmt: skip
         cfg = compose_config([*common, *overrides])
         workers = cfg.cluster.nodes * cfg.cluster.workers_per_node
-        before = available_cores(workers) if measure_cores else None
+        before = host_share(workers) if measure_cores else None
         print(f"[{name}] real ...", flush=True)
         real = figures(run_job(cfg))
         # The machine's load drifts over the job: the mean of what its workers could have before and after it.
-        cores = [f"sim.host_cores={(before + available_cores(workers)) / 2:.2f}"] if measure_cores else []
+        cores = [f"sim.host_cores={(before + host_share(workers)) / 2:.2f}"] if measure_cores else []
         print(f"[{name}] simulated ({' '.join(cores) or 'cores as measured'}) ...", flush=True)
         sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *cores]))
         sim = figures(simulate(sim_cfg).result)

@@ -5,16 +5,18 @@
 
 What a model profile has no figure for is measured here, on the local runtime itself (``runtime.local_backend`` with
 real agents and workers running gpt2-tiny on two nodes of one worker), each the best of a few repeats (the shortest
-time, the highest rate: other processes on a shared machine only ever slow a repeat down):
+time, the highest rate: other processes on a shared machine only ever slow a repeat down). ``host_cores`` is this
+machine's core count: the constants are an idle host's, and the simulator slows what a busy one would.
 
-- ``process_start_s``: ``restart_workers`` of two workers (this machine's cores start two as fast as one);
-  ``node_start_s``: starting the cluster less that (the agents).
+- ``process_start_s``: ``restart_workers`` of two workers, as on an idle host: divided by the slowdown the
+  simulator would charge two processes starting on the share of the machine they had (``profiler.host_share``,
+  measured around it); ``node_start_s``: starting the cluster (alike) less that: the agents.
 - ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
   worker's configuration takes longer by building its layers' weights and optimizer state.
-- ``control_s``: the coordinator's round trip per step: a one-worker, one-micro-batch step's wall time less the
-  profile's compute and optimizer step for it; ``instruction_s``: the runtime's cost per forward or backward
-  instruction beyond the profiled layers', from the same worker's steps of four micro-batches (each micro-batch
-  more costs its profiled compute and two instructions' overhead).
+- ``instruction_s``: the runtime's cost per forward or backward instruction beyond the profiled layers', from one
+  worker's steps of one micro-batch and of four (each micro-batch more costs its profiled compute and two
+  instructions), the compute slowed as the simulator slows one busy worker on the share of a core it had;
+  ``control_s``: the coordinator's round trip per step, what the one-micro-batch step takes beyond that.
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT record's copy into a file of /dev/shm with its CRC-32, as
   ``runtime.snapshot.write_records`` does it, timed in this process (``snapshot_launch_s`` stays ``SimConfig``'s
@@ -57,6 +59,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
     from ftlab.runtime.costs import CostModel
     from ftlab.runtime.local_backend import LocalBackend
     from ftlab.runtime.plan import grid_plan
+    from ftlab.runtime.profiler import host_share
     from ftlab.runtime.scheduler import one_f_one_b
 
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-constants-"))
@@ -97,6 +100,9 @@ def measure(cache_dir: Path) -> dict[str, float]:
         backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
         state = sum(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
         slowest_state = max(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
+        # Two workers start at once; the simulator charges process_start_s x max(1, 2 / host cores): inverted here
+        # with the share of the machine two processes had around the measurement, the constant is an idle host's.
+        starting = host_share(2)
         for _ in range(REPEATS):
             found.setdefault("process_start_s", []).append(timed(backend.restart_workers))
             plan = next_plan(two)
@@ -105,30 +111,40 @@ def measure(cache_dir: Path) -> dict[str, float]:
             same = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None))
             found.setdefault("configure_s", []).append(same)
             found.setdefault("build_bytes_per_s", []).append(slowest_state / max(fresh - same, 1e-3))
-        # The control round trip: one worker, one micro-batch, steps of almost nothing but the protocol.
+        starting = (starting + host_share(2)) / 2
+        found["process_start_s"] = [t / max(1.0, 2 / starting) for t in found["process_start_s"]]
+        found["cluster_start_s"] = [cluster_start / max(1.0, 2 / starting)]  # two agents, then their workers
+        # One worker's steps of one micro-batch and of four: wall = control + slowdown x (compute + instructions),
+        # the slowdown being the simulator's for one busy worker on the share of a core it had (its profile is CPU
+        # time). The difference of the two gives the per-instruction cost, then the first the round trip.
+        share = host_share(1)
+        slowdown = max(1.0, 1 / share)
+
+        def fastest_step(plan, steps: int) -> float:  # noqa: ANN001
+            nonlocal step
+            walls = []
+            for _ in range(steps):
+                started = time.monotonic()
+                backend.begin_step(plan, step)
+                assert not isinstance(backend.finish_step(plan, step), Failure)
+                backend.commit(plan, step)
+                walls.append(time.monotonic() - started)
+                step += 1
+            return min(walls)
+
+        step = 0
         plan = next_plan(one)
         backend.configure(plan, one_f_one_b(plan), {}, None)
-        compute = costs.forward_s(0, layers) + costs.backward_s(0, layers) + costs.optimizer_s(0, layers)
-        step = 0
-        for _ in range(10):
-            started = time.monotonic()
-            backend.begin_step(plan, step)
-            assert not isinstance(backend.finish_step(plan, step), Failure)
-            backend.commit(plan, step)
-            found.setdefault("control_s", []).append(max(time.monotonic() - started - compute, 0.0))
-            step += 1
-        control = min(found["control_s"])
+        one_step = fastest_step(plan, 10)
         four = next_plan(grid_plan([0], 1, layers, 8, 2))
         backend.configure(four, one_f_one_b(four), {}, None)
+        four_step = fastest_step(four, 10)
+        compute = costs.forward_s(0, layers) + costs.backward_s(0, layers) + costs.optimizer_s(0, layers)
         per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
-        for _ in range(10):
-            started = time.monotonic()
-            backend.begin_step(four, step)
-            assert not isinstance(backend.finish_step(four, step), Failure)
-            backend.commit(four, step)
-            extra = time.monotonic() - started - control - compute - 3 * per_microbatch
-            found.setdefault("instruction_s", []).append(max(extra / (3 * 2), 0.0))
-            step += 1
+        instruction = max(((four_step - one_step) / slowdown - 3 * per_microbatch) / (3 * 2), 0.0)
+        found["instruction_s"] = [instruction]
+        found["control_s"] = [max(one_step - slowdown * (compute + 2 * instruction), 0.0)]
+        control = found["control_s"][0]
         # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
         codec = _codec_bytes_per_s(cfg)
         plan = dataclasses.replace(next_plan(two), step=step)
@@ -160,8 +176,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
     finally:
         cluster.shutdown()
     best = {name: (max if name.endswith("_bytes_per_s") else min)(values) for name, values in found.items()}
-    best["control_s"] = max(best["control_s"] - 2 * best["instruction_s"], 0.0)  # its step's two passes
-    best["node_start_s"] = max(cluster_start - best["process_start_s"], 0.0)
+    best["node_start_s"] = max(best.pop("cluster_start_s") - best["process_start_s"], 0.0)
     best["codec_bytes_per_s"] = codec
     best["snapshot_bytes_per_s"] = _snapshot_bytes_per_s()
     best["snapshot_launch_s"] = SimConfig.snapshot_launch_s

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -249,6 +249,29 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     if rank == 0:
         results.put((p2p, allreduce, latency))
     dist.destroy_process_group()
+
+
+def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing queue
+    """A single-threaded CPU-bound process for ``seconds`` of wall time: the share of a core it got."""
+    started, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - started < seconds:
+        sum(range(10_000))
+    out.put((time.thread_time() - cpu) / (time.perf_counter() - started))
+
+
+def host_share(processes: int, seconds: float = 1.5) -> float:
+    """How many cores ``processes`` CPU-bound processes get now: the shares of a core each got, running side by
+    side for ``seconds`` (its CPU time over the wall time), added up. On a shared machine this is what a job of as
+    many worker processes gets from the scheduler beside everyone else's processes (``sim.host_cores``)."""
+    context = mp.get_context("fork")  # a spinner needs nothing of this process: the cheapest start
+    out = context.Queue()
+    procs = [context.Process(target=_spin, args=(seconds, out)) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    shares = [out.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return max(sum(shares), 0.05)
 
 
 def measure_links(nbytes: int = LINK_PROBE_BYTES, rounds: int = LINK_PROBE_ROUNDS) -> tuple[float, float, float]:
