@@ -206,6 +206,10 @@ def test_a_review_reconfigures_once_quiet_steps_make_the_next_bursty_failure_dis
             cluster = Cluster(*TINY_ON_THIS_HOST, *BURSTY)
             rerouted = cluster.kill_workers(cluster.first.plan, 2, step=2)
             assert chosen(rerouted) == "reroute" and isinstance(rerouted, Decision)
+            # Right after the failure the next is expected within a step: keep (the candidates' answers, costed
+            # once for this plan, are asked again from step 4 when the review switches).
+            early = cluster.review(rerouted.plan, 2)
+            assert isinstance(early, Keep) and early.details["candidates"]["keep"]["horizon_steps"] < 1
             review = cluster.review(rerouted.plan, 4)
         assert chosen(review) == "reconfigure" and isinstance(review, Decision)
         assert review.plan.step == 4 and not review.restart and review.transfers
@@ -264,7 +268,9 @@ def test_its_predictions_are_what_the_simulator_charges(
         assert decision.predicted_pause_s + decision.predicted_iter_s == pytest.approx(measured.recover_s, rel=0.02)
 
 
-def test_the_simulator_reviews_as_the_runtime_does_and_charges_what_the_review_predicts(job_overrides: list[str]) -> None:
+def test_the_simulator_reviews_as_the_runtime_does_and_charges_what_the_review_predicts(
+    job_overrides: list[str],
+) -> None:
     # The same coordinator asks the same review on simulated time: the switch at step 4, no step lost, and the
     # simulator charges exactly the predicted pause and iteration time (same cost model, same constants).
     from ftlab.experiments.simulate import simulate

@@ -269,8 +269,9 @@ class Adaptive(Policy):
                         {"chosen": "keep", **details})  # fmt: skip
         prediction, answer = best
         if answer.plan.step != change.step:  # costed at an earlier review of this plan: the same answer from here
-            answer = self.candidates[prediction.candidate].on_change(change, job, protection)  # type: ignore[assignment]
-            assert isinstance(answer, Decision) and answer.plan.step == change.step, answer
+            again = self.candidates[prediction.candidate].on_change(change, job, protection)
+            assert isinstance(again, Decision) and again.plan.step == change.step, again
+            answer = again
         self._switches = None
         self._iter_s[answer.plan.generation] = prediction.iter_s
         self._owner[answer.plan.generation] = prediction.candidate
