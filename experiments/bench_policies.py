@@ -25,9 +25,9 @@ the training time after warm-up, so detection, pauses, lost steps and slower pla
 run's fault-free iterations, the total pause (``ft/recover_s`` summed over the faults), the lost steps, and for a
 policy that predicts (adaptive) the prediction error: per recovery, |predicted - measured| / measured of the pause
 (predicted ``ft/predicted_recover_s`` against ``ft/recover_s``) and of the iteration time (``predicted_iter_s``
-against the median ``iter_s`` of the plan it chose), the median over recoveries. The last line is one JSON object:
-``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over the best single policy's), with the
-other figures beside them.
+against the median ``iter_s`` of the plan it chose; a switch at a review counts too), the median over recoveries.
+The last line is one JSON object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over
+the best single policy's), with the other figures beside them.
 
 This machine is shared and has 2 cores: run the full comparison on a quiet one; ``--smoke`` only shows it works.
 """
@@ -122,6 +122,16 @@ def measure(result: Any) -> dict[str, Any]:
             predicted = decided.predicted_pause_s + decided.predicted_iter_s
             row |= {"predicted_recover_s": predicted, "recover_s": after[0].recover_s}
             pause_errors.append(abs(predicted - after[0].recover_s) / after[0].recover_s)
+        figures["decisions"].append(row)
+    configured = {e.generation: e.at for e in result.events if isinstance(e, ev.PlanConfigured)}
+    for review in (e for e in result.events if isinstance(e, ev.Reviewed) and e.outcome != "keep"):
+        row = {"outcome": review.outcome, "chosen": review.details.get("chosen"), "review_step": review.step}
+        if review.predicted_iter_s is not None and review.generation in iter_of:
+            measured = statistics.median(iter_of[review.generation])
+            row |= {"predicted_iter_s": review.predicted_iter_s, "iter_s": measured}
+            iter_errors.append(abs(review.predicted_iter_s - measured) / measured)
+        if review.predicted_pause_s is not None and review.generation in configured:
+            row |= {"predicted_pause_s": review.predicted_pause_s, "pause_s": configured[review.generation] - review.at}
         figures["decisions"].append(row)
     if pause_errors or iter_errors:
         figures["pause_error"] = statistics.median(pause_errors) if pause_errors else None

@@ -128,11 +128,18 @@ class Change:
     def is_failure(self) -> bool:
         return bool(self.failed_nodes or self.failed_workers)
 
+    @property
+    def is_review(self) -> bool:
+        """No member failed or joined: the policy reviews the running plan (``Policy.review``)."""
+        return not (self.is_failure or self.joined_nodes)
+
     def describe(self) -> str:
         parts = [f"node {n}" for n in self.failed_nodes] + [f"worker {w}" for w in self.failed_workers]
         if parts:
             return ", ".join(parts) + f" failed at step {self.step}"
-        return f"nodes {list(self.joined_nodes)} joined at step {self.step}"
+        if self.joined_nodes:
+            return f"nodes {list(self.joined_nodes)} joined at step {self.step}"
+        return f"review at step {self.step}"
 
 
 # -- where state comes from ----------------------------------------------------------------------------------------
@@ -245,6 +252,8 @@ class Keep:
     """Keep the running plan (e.g. a node that joined waits for the next restart)."""
 
     reason: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+    """What the policy weighed (e.g. each alternative's predicted cost), for the event log."""
 
 
 @dataclass(frozen=True)
@@ -357,3 +366,15 @@ class Policy(ABC):
     @abstractmethod
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         """What to do about a membership change."""
+
+    @property
+    def review_every(self) -> int:
+        """Committed steps of a plan between two reviews of it (``review``); 0: the policy never reviews."""
+        return 0
+
+    def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:
+        """Whether to leave the running plan although membership has not changed (``change.is_review``): a Decision
+        is carried out as a join's is (survivors keep their state; no step is lost, so it must start at
+        ``change.step`` and restart nothing), a Keep goes on. Asked after every ``review_every`` committed steps of
+        a plan, at the step boundary, with the plan's holdings."""
+        return Keep("this policy does not review its plans")

@@ -5,10 +5,12 @@ ready with its gradients reduced; only when all have does the coordinator commit
 optimizers. A failure before that point aborts the iteration everywhere, so no two replicas of a layer are ever at
 different steps and a failure costs at most the iteration in flight.
 
-The loop carries out one ``Decision`` at a time: the policy's first plan, then whatever it answers to a failure or a
-join. A failure while a decision is carried out (a node lost during a restart or a layer copy) is recovered from in
-turn, from the last plan every worker was configured for. What the machines do is the backend's business
-(``runtime.backend``); what happened is published as events (``runtime.events``).
+The loop carries out one ``Decision`` at a time: the policy's first plan, then whatever it answers to a failure, a
+join, or a review of the running plan (after every ``policy.review_every`` committed steps of it, for a policy that
+reviews: a switch without a failure, carried out as a join's answer is). A failure while a decision is carried out
+(a node lost during a restart or a layer copy) is recovered from in turn, from the last plan every worker was
+configured for. What the machines do is the backend's business (``runtime.backend``); what happened is published
+as events (``runtime.events``).
 """
 
 from __future__ import annotations
@@ -105,10 +107,12 @@ class Coordinator:
         a new decision. Each committed step is reported while the workers compute the next one."""
         unreported: ev.StepCommitted | None = None
         while step < self.steps:
-            joined = self._joins(plan, step)
-            if joined is not None:
+            switch = self._joins(plan, step)
+            if switch is None:
+                switch = self._review(plan, step)
+            if switch is not None:
                 self._report(unreported)
-                return joined, joined.plan.step
+                return switch, switch.plan.step
             self._publish(ev.StepStarting, step=step)
             started = self.backend.clock()
             self.backend.begin_step(plan, step)
@@ -152,6 +156,28 @@ class Coordinator:
         if isinstance(outcome, Stop):
             self._stop(outcome, step, holdings)
         return outcome if isinstance(outcome, Decision) else None
+
+    def _review(self, plan: Plan, step: int) -> Decision | None:
+        """After every ``policy.review_every`` committed steps of ``plan``, at the step boundary: ask the policy
+        whether to leave the plan although nobody failed or joined; the decision to carry out (as a join's), if any."""
+        every = self.policy.review_every
+        if every <= 0 or step <= plan.step or (step - plan.step) % every:
+            return None
+        holdings = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+        outcome = self.policy.review(Change(plan, step, self.tried + 1, holdings=holdings), self.job(), self.protection)
+        if isinstance(outcome, Keep):
+            self._publish(ev.Reviewed, policy=self.policy.name, outcome="keep", reason=outcome.reason, step=step,
+                          details=dict(outcome.details))  # fmt: skip
+            return None
+        if outcome.restart or outcome.plan.step != step:
+            raise RuntimeError(f"policy {self.policy.name}'s review must go on from step {step} without a restart, "
+                               f"not {outcome.kind} from step {outcome.plan.step}: {outcome.reason}")  # fmt: skip
+        self._publish(
+            ev.Reviewed, policy=self.policy.name, outcome=outcome.kind, reason=outcome.reason, step=step,
+            generation=outcome.plan.generation, transfers=len(outcome.transfers), details=dict(outcome.details),
+            predicted_pause_s=outcome.predicted_pause_s, predicted_iter_s=outcome.predicted_iter_s,
+        )  # fmt: skip
+        return outcome
 
     def _save(self, step: int, action: Action, writers: dict[int, tuple[int, ...]], num_layers: int) -> Failure | None:
         started = self.backend.clock()
@@ -212,7 +238,8 @@ class Coordinator:
                 predicted_pause_s=outcome.predicted_pause_s, predicted_iter_s=outcome.predicted_iter_s, **fields,
             )  # fmt: skip
         else:
-            self._publish(ev.Decided, outcome=type(outcome).__name__.lower(), **fields)
+            details = dict(outcome.details) if isinstance(outcome, Keep) else {}
+            self._publish(ev.Decided, outcome=type(outcome).__name__.lower(), details=details, **fields)
         return outcome
 
     def _loadable(self, decision: Decision) -> Decision | Failure:

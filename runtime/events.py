@@ -171,6 +171,27 @@ class Decided(Event):
 
 
 @dataclass(frozen=True)
+class Reviewed(Event):
+    """A policy's review of the running plan with no membership change (``Policy.review``): keep it, or leave it for
+    another (carried out as a join's decision is), with the reason and, for a policy that predicts, what it weighed
+    (``details``) and the new plan's predicted pause and iteration time."""
+
+    kind: ClassVar[str] = "review_decision"
+    policy: str
+    outcome: str
+    """keep | reconfigure | replan"""
+    reason: str
+    step: int
+    """Committed steps at the review: where the new plan, if any, starts."""
+    generation: int | None = None
+    """The new plan's (None for keep)."""
+    transfers: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+    predicted_pause_s: float | None = None
+    predicted_iter_s: float | None = None
+
+
+@dataclass(frozen=True)
 class LayersCopied(Event):
     kind: ClassVar[str] = "layers_copied"
     copies: int

@@ -47,6 +47,8 @@ class ProgressLine:
                 self.announce(f"nodes {list(event.nodes)} joined")
             case ev.Decided(outcome=outcome) if outcome != "keep":
                 self.announce(f"{outcome}: {event.reason}")
+            case ev.Reviewed(outcome=outcome) if outcome != "keep":
+                self.announce(f"review, {outcome}: {event.reason}")
             case ev.Recovered(recover_s=seconds, lost_steps=lost) if seconds is not None:
                 self.announce(f"recovered in {seconds:.2f} s, {lost} committed steps lost")
 

@@ -273,6 +273,13 @@ class RunRecorder:
                     self._predicted["ft/predicted_iter_s"] = event.predicted_iter_s
                     if event.predicted_pause_s is not None:
                         self._predicted["ft/predicted_recover_s"] = event.predicted_pause_s + event.predicted_iter_s
+            case ev.Reviewed(outcome=outcome) if outcome != "keep":
+                # A switch without a failure: its predictions at the step it was decided (every review, kept or
+                # not, is in events.jsonl with what it weighed).
+                predicted = {"review/predicted_pause_s": event.predicted_pause_s,
+                             "review/predicted_iter_s": event.predicted_iter_s}  # fmt: skip
+                self.tracker.log_metrics({k: v for k, v in predicted.items() if v is not None} | {"review/switch": 1.0},
+                                         event.step)  # fmt: skip
             case ev.PlanConfigured():
                 self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():

@@ -44,6 +44,13 @@ def process(n: int, step: int, phase: str) -> str:
     return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
 
 
+BURSTY_FAULT_AT_STEP_2 = ("faults=weibull", "faults.kind=process", "faults.weibull_shape=0.3",
+                         "faults.weibull_scale_steps=0.05", "faults.max_failures=1", "faults.seed=22")  # fmt: skip
+"""One failure, of a bursty kind: Weibull gaps of mean 0.46 steps and shape 0.3, so right after a failure the next is
+expected within a step, but after two quiet steps only 4.7 steps on (``policies/adaptive/horizon.py``). Seed 22 draws
+worker 2 of an eight-node cluster (one worker a node) at the start of step 2."""
+
+
 @contextmanager
 def analytic_profiles() -> Iterator[None]:
     """Plans from the analytic A100 profile instead of one measured on this (loaded) machine: the same plans on

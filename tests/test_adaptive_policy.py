@@ -18,6 +18,7 @@ from ftlab.runtime.backend import Membership
 from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Stop
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import check_programs
+from tests.support import BURSTY_FAULT_AT_STEP_2, analytic_profiles
 
 
 class Cluster:
@@ -45,9 +46,18 @@ class Cluster:
         change = Change(plan, step, self.generation, holdings=holdings, **kwargs)  # type: ignore[arg-type]
         return self.policy.on_change(change, self.job(), self.protection)
 
-    def kill_workers(self, plan: Plan, *workers: int) -> Decision | Keep | Stop:
+    def kill_workers(self, plan: Plan, *workers: int, step: int = 4) -> Decision | Keep | Stop:
         self.dead |= set(workers)
-        return self.change(plan, failed_workers=workers)
+        return self.change(plan, step, failed_workers=workers)
+
+    def review(self, plan: Plan, step: int) -> Decision | Keep:
+        """The coordinator's review of ``plan`` after ``step`` committed steps (a switch uses up a generation)."""
+        holdings = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+        outcome = self.policy.review(Change(plan, step, self.generation + 1, holdings=holdings), self.job(),
+                                     self.protection)  # fmt: skip
+        if isinstance(outcome, Decision):
+            self.generation += 1
+        return outcome
 
     def kill_nodes(self, plan: Plan, *nodes: int) -> Decision | Keep | Stop:
         for node in nodes:
@@ -165,11 +175,61 @@ def test_a_join_is_decided_again() -> None:
     assert [p.workers for p in outcome.plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 
+TINY_ON_THIS_HOST = ("model=gpt2-tiny", "cluster.device=cpu", "cluster.device_memory_gb=0.04", "train.steps=8",
+                     "policy.review_every=2")  # fmt: skip
+"""The job of ``tests/test_adaptive_recovery.py``'s review, on eight nodes sharing this host's cores (with the
+analytic profile): losing worker 2 (stage 0) slows the rerouted grid to 0.281 s an iteration, and Oobleck's
+re-instantiation of the seven whole nodes runs 0.250 s after copying layers for 0.031 s more than rerouting pauses:
+reconfiguring pays once the next change is more than about a step away (three, with the review's margin)."""
+BURSTY = BURSTY_FAULT_AT_STEP_2
+
+
+def test_a_review_keeps_the_plan_when_switching_does_not_pay() -> None:
+    # Exponential gaps (a schedule without a rate: policy.mtbf_steps): the next change is always half a step away,
+    # so the reroute chosen at the failure stays cheaper than a reconfiguration at every review.
+    with analytic_profiles():
+        cluster = Cluster(*TINY_ON_THIS_HOST, "policy.mtbf_steps=0.5")
+        rerouted = cluster.kill_workers(cluster.first.plan, 2, step=2)
+        assert chosen(rerouted) == "reroute" and isinstance(rerouted, Decision)
+        for step in (4, 6):
+            review = cluster.review(rerouted.plan, step)
+            assert isinstance(review, Keep), review
+            costs = review.details["candidates"]
+            assert costs["keep"]["horizon_steps"] == costs["reconfigure"]["horizon_steps"] == 0.5
+            assert costs["keep"]["cost_s"] < costs["reconfigure"]["cost_s"]
+
+
+def test_a_review_reconfigures_once_quiet_steps_make_the_next_bursty_failure_distant() -> None:
+    answers = []
+    for _ in range(2):
+        with analytic_profiles():
+            cluster = Cluster(*TINY_ON_THIS_HOST, *BURSTY)
+            rerouted = cluster.kill_workers(cluster.first.plan, 2, step=2)
+            assert chosen(rerouted) == "reroute" and isinstance(rerouted, Decision)
+            # Right after the failure the next is expected within a step: keep (the candidates' answers, costed
+            # once for this plan, are asked again from step 4 when the review switches).
+            early = cluster.review(rerouted.plan, 2)
+            assert isinstance(early, Keep) and early.details["candidates"]["keep"]["horizon_steps"] < 1
+            review = cluster.review(rerouted.plan, 4)
+        assert chosen(review) == "reconfigure" and isinstance(review, Decision)
+        assert review.plan.step == 4 and not review.restart and review.transfers
+        costs = review.details["candidates"]
+        assert costs["keep"]["horizon_steps"] == costs["reconfigure"]["horizon_steps"] == 4  # the job's steps left
+        assert costs["keep"]["cost_s"] > 1.05 * costs["reconfigure"]["cost_s"]
+        assert review.predicted_pause_s == pytest.approx(costs["reconfigure"]["pause_s"], abs=1e-6)
+        answers.append((review.plan, review.transfers, costs))
+        with analytic_profiles():
+            kept = cluster.review(review.plan, 6)
+        assert isinstance(kept, Keep) and "reroute" in kept.details["refused"], "no grid to reroute on"
+    assert answers[0] == answers[1], "a review is deterministic"
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (("policy.candidates=[migrate]",), "unknown"),
         (("policy.mtbf_steps=0",), "mtbf_steps"),
+        (("policy.review_every=-1",), "policy.review_every=-1"),
         (("policy.candidates=[restart]",), "restarts from saved state"),
         (("train.zero=1", "protection=storage"), "train.zero=1"),
     ],
@@ -206,3 +266,29 @@ def test_its_predictions_are_what_the_simulator_charges(
         iters = [s.iter_s for s in result.steps if s.generation == decision.generation]
         assert decision.predicted_iter_s == pytest.approx(iters[-1], rel=1e-6)
         assert decision.predicted_pause_s + decision.predicted_iter_s == pytest.approx(measured.recover_s, rel=0.02)
+
+
+def test_the_simulator_reviews_as_the_runtime_does_and_charges_what_the_review_predicts(
+    job_overrides: list[str],
+) -> None:
+    # The same coordinator asks the same review on simulated time: the switch at step 4, no step lost, and the
+    # simulator charges exactly the predicted pause and iteration time (same cost model, same constants).
+    from ftlab.experiments.simulate import simulate
+    from ftlab.runtime import events as ev
+
+    overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-8",
+                 "train.stages=2", *TINY_ON_THIS_HOST, *BURSTY]  # fmt: skip
+    with analytic_profiles():
+        result = simulate(OmegaConf.to_object(compose_config(overrides))).result
+    (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert decided.details["chosen"] == "reroute" and decided.committed_step == 2
+    reviews = [e for e in result.events if isinstance(e, ev.Reviewed)]
+    assert [(e.step, e.outcome) for e in reviews] == [(2, "keep"), (4, "reconfigure"), (6, "keep")]
+    switch = reviews[1]  # the first plan's review at step 2 keeps it: Oobleck's pipelines would be slower
+    assert switch.details["chosen"] == "reconfigure" and switch.transfers > 0
+    assert [s.step for s in result.steps] == list(range(8)), "no committed step lost"
+    committed = {s.step: s for s in result.steps}
+    assert committed[4].generation == switch.generation
+    assert switch.predicted_iter_s == pytest.approx(committed[4].iter_s, rel=1e-6)
+    (configured,) = [e for e in result.events if isinstance(e, ev.PlanConfigured) and e.generation == switch.generation]
+    assert configured.at - switch.at == pytest.approx(switch.predicted_pause_s, rel=1e-6)

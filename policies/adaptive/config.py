@@ -18,6 +18,10 @@ class AdaptiveConfig:
     needs a protection that keeps state; reroute and reconfigure move layers, which ZeRO-1 forbids)."""
     mtbf_steps: float = 100.0
     """Steps expected until the next membership change when the fault schedule gives no rate (an explicit list)."""
+    review_every: int = 10
+    """Review the running plan after every this many committed steps of it, and leave it without a failure for a
+    candidate's plan (reroute or reconfigure, in place, no step lost) when that is predicted to cost less over the
+    steps expected until the next change; 0: never."""
     fault_threshold: int = 1
     """The reconfigure candidate's (Oobleck's) f: simultaneous node failures its pipelines survive in place."""
     solver: str = "list"

@@ -21,8 +21,10 @@ costed on the one cost model:
   what it restores (storage: at the storage's read bandwidth; memory: decoded from the host's /dev/shm at the codec
   bandwidth: a coarser figure than the simulator's, which reads local records at the snapshot copy rate and
   fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
-- the steps until the next change come from the fault schedule's rate (``Job.failure_rate.steps_between`` at the
-  candidate's iteration time), else ``policy.mtbf_steps``, at most the steps the job has left.
+- the steps until the next change come from the fault schedule's rate (``Job.failure_rate`` at the candidate's
+  iteration time), else ``policy.mtbf_steps``, at most the steps the job has left: at a failure the mean time
+  between failures, later the mean residual life given the steps since the last failure (``horizon``: the same
+  for exponential gaps, longer for the bursty Weibull ones).
 
 The cheapest answer is carried out; ties go to the order reroute, reconfigure, restart (and a ``Keep``, on a join,
 before all: it pauses nothing). The choice is a pure function of the change, the job and the profile: the same
@@ -42,8 +44,19 @@ failure removes it from that decision; adaptive stops only when every candidate 
 Asking a candidate is not free of side effects on the protection: REFT's ``restore_source`` forgets snapshots the
 failure broke, which holds whichever answer is taken.
 
-Left for later: switching without a change when the prediction says so (e.g. back from reroute to a reconfigured
-plan once the expected time to the next join exceeds the reconfiguration's pause).
+**Reviews.** After every ``policy.review_every`` committed steps of a plan the coordinator asks ``review``
+(``Policy.review``), and adaptive may switch without a failure: it re-costs the running plan (no pause, its
+predicted iteration time) against the in-place candidates' answers (reroute, reconfigure: a pause without the
+failure's detection and abort, then their iteration time) over one horizon, the steps expected until the next change
+at the running plan's iteration time, and switches to the cheapest when staying costs more by ``REVIEW_MARGIN``
+(5%). A restart is never an option (it would lose steps and restart processes nobody lost), nor is the candidate
+whose plan runs (it would propose the same plan). What changes between the failure and a review is the horizon:
+with bursty failures (Weibull shape below 1) the longer nothing has failed, the longer nothing is expected to, so a
+reroute chosen because the next change was expected soon gives way to a reconfiguration once its pause is repaid
+over the horizon; with exponential failures (and ``policy.mtbf_steps``) the horizon only shrinks toward the job's
+end, and a review keeps what the failure chose. A review is a pure function of the job, the running plan, the
+profile, the step and the step of the last failure; the candidates are asked once per running plan and membership
+(their answers' costs do not depend on the step), so a simulated day of reviews costs a lookup each.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftlab.policies.adaptive.config import CANDIDATES
+from ftlab.policies.adaptive.horizon import steps_until_change
 from ftlab.policies.checkpoint_restart.config import CheckpointRestartConfig
 from ftlab.policies.checkpoint_restart.policy import CheckpointRestart
 from ftlab.policies.oobleck.config import OobleckConfig
@@ -66,6 +80,15 @@ from ftlab.runtime.contract import (
 )  # fmt: skip
 from ftlab.runtime.plan import PlanError
 from ftlab.runtime.sim_timing import IterationTimer
+
+IN_PLACE = ("reroute", "reconfigure")
+"""The candidates a review may switch to: they keep every survivor's state and lose no step."""
+REVIEW_MARGIN = 0.05
+"""A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. Measured
+here, a predicted iteration time is off by about 20% (``experiments/bench_policies.py``), but most of that error is
+shared by two plans of one job on one machine (the same constants, the same cost per instruction), so their
+difference is known much better than either; the margin keeps a review from paying a pause, layer copies and a
+window in which a failure finds a reconfiguration half done for a gain the size of the model's noise between plans."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,10 @@ class Prediction:
         }  # fmt: skip
 
 
+Switches = tuple[list[tuple[Prediction, Decision]], dict[str, str]]
+"""A review's alternatives: the in-place answers, costed, and the candidates that gave none, with why."""
+
+
 class Adaptive(Policy):
     def __init__(self, settings: Any) -> None:
         super().__init__(settings)
@@ -115,11 +142,21 @@ class Adaptive(Policy):
         self._timer: IterationTimer | None = None
         self._iter_s: dict[int, float] = {}
         """The predicted iteration time of every plan adaptive proposed, by generation (a Keep's cost)."""
+        self._owner: dict[int, str] = {}
+        """The candidate whose plan adaptive proposed, by generation."""
+        self._failed_at = 0
+        """The step training resumed from after the last failure (the job's start before any): the horizon's origin."""
+        self._switches: tuple[tuple[int, tuple[int, ...]], Switches] | None = None
+        """The in-place alternatives to the running plan and membership (its generation, the live workers), costed but
+        for the horizon: reviews of an unchanged plan ask the candidates once (``review``)."""
 
     # -- composition -----------------------------------------------------------------------------------------------
     def check(self, protection: Protection) -> None:
         if self.settings.mtbf_steps <= 0:
             raise ConfigError(f"policy.mtbf_steps={self.settings.mtbf_steps}: give a positive number of steps")
+        if self.settings.review_every < 0:
+            raise ConfigError(f"policy.review_every={self.settings.review_every}: give the committed steps between "
+                              f"reviews of the running plan, or 0 to never review it")  # fmt: skip
         for name, candidate in list(self.candidates.items()):
             try:
                 candidate.check(protection)
@@ -151,6 +188,8 @@ class Adaptive(Policy):
             raise PlanError(f"policy=adaptive: no candidate can plan this job: {self.excluded}")
         name, chosen, iter_s = min(options, key=lambda o: (o[2], list(self.candidates).index(o[0])))
         self._iter_s[chosen.plan.generation] = iter_s
+        self._owner[chosen.plan.generation] = name
+        self._failed_at = job.start_step
         details = {
             "chosen": name,
             "candidates": {n: {"iter_s": round(s, 6)} for n, _, s in options},
@@ -189,12 +228,80 @@ class Adaptive(Policy):
         table = {p.candidate: p.to_dict() for p, _ in predictions}
         summary = ", ".join(f"{p.candidate} {p.cost_s:.2f} s" for p, _ in predictions)
         if isinstance(answer, Keep):
-            return Keep(f"adaptive chose keep (predicted cost {summary}): {answer.reason}")
+            return Keep(f"adaptive chose keep (predicted cost {summary}): {answer.reason}",
+                        {"chosen": "keep", "candidates": table, "refused": refused})  # fmt: skip
         self._iter_s[answer.plan.generation] = best.iter_s
+        self._owner[answer.plan.generation] = best.candidate
+        if change.is_failure:
+            self._failed_at = answer.plan.step
         details = {"chosen": best.candidate, "candidates": table, "refused": refused, **answer.details}
         reason = f"adaptive chose {best.candidate} (predicted cost {summary}): {answer.reason}"
         return replace(answer, reason=reason, details=details, predicted_pause_s=best.pause_s,
                        predicted_iter_s=best.iter_s)  # fmt: skip
+
+    # -- reviews ---------------------------------------------------------------------------------------------------
+    @property
+    def review_every(self) -> int:
+        return int(self.settings.review_every)
+
+    def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:
+        """Leave the running plan for an in-place candidate's when staying is predicted to cost more than switching
+        by ``REVIEW_MARGIN``, over the steps expected until the next change at the running plan's iteration time."""
+        running = change.plan.generation
+        iter_s = self._iter_s.get(running)
+        if iter_s is None:
+            return Keep(f"adaptive did not propose the running plan (generation {running}): nothing to weigh it by")
+        horizon = self._horizon(change, job, iter_s)
+        keep = Prediction("keep", "keep", 0.0, iter_s, 0, horizon)
+        key = (running, tuple(job.workers))
+        if self._switches is None or self._switches[0] != key:
+            self._switches = (key, self._switch_options(change, job, protection))
+        costed, refused = self._switches[1]
+        options = [(replace(p, horizon_steps=horizon), answer) for p, answer in costed]
+        table = {p.candidate: p.to_dict() for p in (keep, *(p for p, _ in options))}
+        details = {"candidates": table, "refused": refused, "margin": REVIEW_MARGIN,
+                   "steps_since_failure": change.step - self._failed_at}  # fmt: skip
+        summary = ", ".join(f"{name} {p['cost_s']:.2f} s" for name, p in table.items())
+        order = list(self.candidates)
+        best = min(options, key=lambda pa: (pa[0].cost_s, order.index(pa[0].candidate)), default=None)
+        if best is None or keep.cost_s <= (1 + REVIEW_MARGIN) * best[0].cost_s:
+            return Keep(f"adaptive review keeps the running plan (predicted cost {summary})",
+                        {"chosen": "keep", **details})  # fmt: skip
+        prediction, answer = best
+        if answer.plan.step != change.step:  # costed at an earlier review of this plan: the same answer from here
+            again = self.candidates[prediction.candidate].on_change(change, job, protection)
+            assert isinstance(again, Decision) and again.plan.step == change.step, again
+            answer = again
+        self._switches = None
+        self._iter_s[answer.plan.generation] = prediction.iter_s
+        self._owner[answer.plan.generation] = prediction.candidate
+        reason = (f"adaptive review leaves the running plan for {prediction.candidate}'s (predicted cost {summary}, "
+                  f"margin {REVIEW_MARGIN:.0%}): {answer.reason}")  # fmt: skip
+        return replace(answer, reason=reason, details={"chosen": prediction.candidate, **details, **answer.details},
+                       predicted_pause_s=prediction.pause_s, predicted_iter_s=prediction.iter_s)  # fmt: skip
+
+    def _switch_options(self, change: Change, job: Job, protection: Protection) -> Switches:
+        """The in-place candidates' answers to a review, costed (the horizon is set by the caller), and why the others
+        are none. The candidate whose plan runs is not asked (it would propose its plan again); a restart, or any
+        answer that loses steps, is no option without a failure."""
+        owner = self._owner.get(change.plan.generation)
+        options: list[tuple[Prediction, Decision]] = []
+        refused: dict[str, str] = {}
+        for name in IN_PLACE:
+            if name not in self.candidates or name == owner:
+                continue
+            try:
+                answer = self.candidates[name].on_change(change, job, protection)
+            except PlanError as exc:
+                refused[name] = f"stop: {exc}"
+                continue
+            if not isinstance(answer, Decision):
+                refused[name] = f"{type(answer).__name__.lower()}: {answer.reason}"
+            elif answer.restart or answer.plan.step != change.step:
+                refused[name] = f"{answer.kind} from step {answer.plan.step}: not without a failure"
+            else:
+                options.append((self.predict(name, answer, change, job), answer))
+        return options, refused
 
     # -- predictions -----------------------------------------------------------------------------------------------
     def predict(self, name: str, decision: Decision, change: Change, job: Job) -> Prediction:
@@ -209,8 +316,9 @@ class Adaptive(Policy):
         return Prediction("keep", "keep", 0.0, iter_s, 0, self._horizon(change, job, iter_s))
 
     def _horizon(self, change: Change, job: Job, iter_s: float) -> float:
-        rate = job.failure_rate
-        expected = rate.steps_between(iter_s) if rate is not None else self.settings.mtbf_steps
+        """Steps expected until the next change (``horizon``), at most the steps the job has left."""
+        since = 0 if change.is_failure else max(0, change.step - self._failed_at)
+        expected = steps_until_change(job.failure_rate, self.settings.mtbf_steps, since, iter_s)
         return max(0.0, min(expected, job.train.steps - change.step))
 
     def _iteration_s(self, decision: Decision, job: Job) -> float:
