@@ -18,7 +18,7 @@ from ftlab.runtime.backend import Membership
 from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Stop
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import check_programs
-from tests.support import BURSTY_FAULT_AT_STEP_2, analytic_profiles
+from tests.support import BURSTY_FAULT_AT_STEP_2, REVIEW_MACHINERY, analytic_profiles
 
 
 class Cluster:
@@ -176,7 +176,7 @@ def test_a_join_is_decided_again() -> None:
 
 
 TINY_ON_THIS_HOST = ("model=gpt2-tiny", "cluster.device=cpu", "cluster.device_memory_gb=0.04", "train.steps=8",
-                     "policy.review_every=2")  # fmt: skip
+                     "policy.review_every=2", *REVIEW_MACHINERY)  # fmt: skip
 """The job of ``tests/test_adaptive_recovery.py``'s review, on eight nodes sharing this host's cores (with the
 analytic profile): losing worker 2 (stage 0) slows the rerouted grid to 0.281 s an iteration, and Oobleck's
 re-instantiation of the seven whole nodes runs 0.250 s after copying layers for 0.031 s more than rerouting pauses:

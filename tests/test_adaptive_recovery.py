@@ -30,7 +30,7 @@ import pytest
 from ftlab.experiments.job import JobResult, compose_config, run_job
 from ftlab.runtime import events as ev
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import BURSTY_FAULT_AT_STEP_2, analytic_profiles, explicit, node, process
+from tests.support import BURSTY_FAULT_AT_STEP_2, REVIEW_MACHINERY, analytic_profiles, explicit, node, process
 
 STEPS = 8
 
@@ -79,7 +79,7 @@ def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
 def test_a_reroute_gives_way_to_a_reconfiguration_at_a_review_without_a_further_fault(
     run, fault_free: JobResult  # noqa: ANN001
 ) -> None:
-    result = run(*adaptive("local-8"), "policy.review_every=2", *BURSTY_FAULT_AT_STEP_2)
+    result = run(*adaptive("local-8"), "policy.review_every=2", *BURSTY_FAULT_AT_STEP_2, *REVIEW_MACHINERY)
     assert_on_fault_free_trajectory(result, fault_free, STEPS)
     (fault,) = [e for e in result.events if isinstance(e, ev.FaultInjected)]
     assert fault.workers == (2,) and fault.fault["at_step"] == 2
