@@ -1,0 +1,24 @@
+"""``experiments/measure_sim_constants.py`` on real agents and workers: every constant of ``conf/sim`` measured, and
+the file it writes read back as the simulator reads it."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from ftlab.experiments.measure_sim_constants import measure, render
+from ftlab.runtime.config import SimConfig
+
+pytestmark = pytest.mark.slow
+
+
+def test_every_constant_is_measured_and_the_file_reads_back_as_the_simulator_reads_it(tmp_path) -> None:
+    values = measure(tmp_path / "cache")
+    rates = [name for name in values if name.endswith("_bytes_per_s")]
+    assert rates and all(0 < values[name] < float("inf") for name in rates)
+    assert values["process_start_s"] > 0 and values["host_cores"] >= 1
+    assert all(values[name] >= 0 for name in ("detect_s", "control_s", "instruction_s", "abort_s", "configure_s"))
+    path = tmp_path / "measured.yaml"
+    path.write_text(render(values))
+    sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(path)))
+    assert {name: getattr(sim, name) for name in values} == pytest.approx(values, rel=1e-5)
