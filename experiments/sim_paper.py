@@ -1,6 +1,6 @@
 """Paper-scale experiments on the simulator, as tables and plots in the MLflow experiment ``ftlab-sim``.
 
-    .venv/bin/python -m experiments.sim_paper            # both studies, full size
+    .venv/bin/python -m experiments.sim_paper            # the three studies, full size
     .venv/bin/python -m experiments.sim_paper --smoke    # a few cells of each (what a busy machine can afford)
 
 Every cell is one simulated job (``experiments.simulate``: the real coordinator, policies and programs on a
@@ -12,8 +12,10 @@ batches (Table 1: 8192 in micro-batches of 16 for medium, 1024 in micro-batches 
 checkpointing on (Oobleck and Varuna use it), under the bundled synthetic traces ``6h``, ``1h`` and ``10m`` (a node
 fails every 6 hours, hour, 10 minutes, never replaced), until 15 of the 30 nodes remain, as in the paper (Section
 7.2): a fault-free run, checkpoint-restart with a checkpoint every 10 iterations (the paper's Varuna setting) and
-Oobleck (f = 1). The paper's storage (MinIO on six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and
-10 GB/s of reads, all writers or readers together (``STORAGE``): a stated assumption, not a measurement.
+Oobleck (f = 1). The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
+6.7B, whose half of the model does not fit an A40's 40 GB), Oobleck plans its own. The paper's storage (MinIO on
+six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads, all writers or readers together
+(``STORAGE``): a stated assumption, not a measurement.
 
 **MTBF sweep**: goodput (useful samples per second over the fault-free rate) of ``llama2-6.7b`` against cluster
 size (``--sizes``, nodes of 8 A100-80GB), over ``--hours`` of training, with node failures at published large-cluster
@@ -25,8 +27,28 @@ rates, each failed node replaced an hour later (spares), for every policy with e
 The protections: ``storage`` (a checkpoint every 50 steps at ``STORAGE``) and ``reft`` (a snapshot in host memory
 after every step, mode arc, copied at ``SNAPSHOTS``, with a flush to storage every 50 steps).
 
-Faults are drawn from an exponential distribution (``faults=exponential``) with a fixed seed, the same for every
-policy of a cell.
+**ReCycle's comparison (SOSP'24, Section 6: "training throughput with increasing failures")**: throughput after
+0, 1, 2, 4, 8 GPUs fail at once, relative to the fault-free run, for ReCycle (``policy=recycle``) and Oobleck
+(``policy=oobleck``, f = 1). The paper's testbed is 4 Azure NC96ads_A100_v4 (8 A100-80GB each, NVLink inside,
+640 Gb/s between nodes), GPT-3 medium / 3.35B / 6.7B at (PP, DP) = (2, 16), (4, 8), (8, 4), no tensor parallelism.
+Ours: ``cluster=a100-16x8 cluster.nodes=4`` (the analytic A100-80GB profile, one 200 Gb/s port per GPU), the same
+models with ``gpt3-2.7b`` standing in for 3.35B (we have no 3.35B config), ``train.stages`` = the paper's PP and
+activation checkpointing on. Choices where the paper (its slides, /work/shared/papers) is vague:
+- Batch: micro-batches of 2, 8 per pipeline (global batch 16 x DP): the paper gives neither.
+- Which GPUs fail: a seeded random permutation of the 32 GPUs, the first k of it for k failures (the failed sets
+  grow by inclusion), all killed at the start of step ``RECYCLE_FAIL_STEP``, never replaced.
+- Throughput is the steady state after the failures: global batch over the last step's iteration time (iterations
+  of one plan are identical in the simulator), over the fault-free grid's (DeepSpeed's 1F1B on PP x DP, the
+  paper's "Fault-Free"); "fault-scaled" (the paper's large-scale reference) is (32 - k) / 32.
+- Two layouts (``RECYCLE_LAYOUTS``): ``4x8``, the paper's hardware, where a failed GPU is its worker process
+  killed, and Oobleck, whose unit is the node, gives up the whole node (``policies/oobleck``: "a node whose worker
+  process died counts as a lost node"); and ``32x1``, every GPU its own node (as in Oobleck's own evaluation), where
+  a failed GPU is a node lost for both policies.
+- Neither policy has a protection (``protection=none``): when ReCycle loses every replica of a stage, or Oobleck
+  has fewer nodes than f + 1 pipelines need, the policy stops the job; the table says so instead of a figure.
+
+Faults of the MTBF sweep are drawn from an exponential distribution (``faults=exponential``) with a fixed seed, the
+same for every policy of a cell.
 """
 
 from __future__ import annotations
@@ -34,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -53,7 +76,7 @@ HOST_MEMORY = ["protection.host_memory_gb=1024"]
 TABLE2_MODELS = {
     "gpt3-medium": ["model=gpt3-medium", "train.global_batch=8192", "train.micro_batch=16"],
     "gpt3-2.7b": ["model=gpt3-2.7b", "train.global_batch=1024", "train.micro_batch=2"],
-    "gpt3-6.7b": ["model=gpt3-6.7b", "train.global_batch=1024", "train.micro_batch=2"],
+    "gpt3-6.7b": ["model=gpt3-6.7b", "train.global_batch=1024", "train.micro_batch=2", "train.stages=6"],
 }
 TABLE2_TRACES = ("6h", "1h", "10m")
 PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Varuna, Oobleck) per model and trace
@@ -226,6 +249,137 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+# -- ReCycle's comparison ------------------------------------------------------------------------------------------
+RECYCLE_MODELS = {  # the paper's (PP, DP) on 32 GPUs; gpt3-2.7b stands in for its 3.35B
+    "gpt3-medium": ["model=gpt3-medium", "train.stages=2", "train.global_batch=256"],
+    "gpt3-2.7b": ["model=gpt3-2.7b", "train.stages=4", "train.global_batch=128"],
+    "gpt3-6.7b": ["model=gpt3-6.7b", "train.stages=8", "train.global_batch=64"],
+}
+RECYCLE_LAYOUTS = {"4x8": (4, 8), "32x1": (32, 1)}
+RECYCLE_FAILED = (0, 1, 2, 4, 8)
+RECYCLE_POLICIES = ("recycle", "oobleck")
+RECYCLE_FAIL_STEP = 3
+RECYCLE_STEPS = 8
+PAPER_RECYCLE = {  # ReCycle's Table 1, samples/s: fault-free DeepSpeed, and (Oobleck, ReCycle) per failure frequency
+    "gpt3-medium": (27.58, {"6h": (27.26, 27.27), "2h": (25.37, 25.42), "30m": (19.47, 22.27)}),
+    "gpt3-2.7b": (14.87, {"6h": (14.55, 14.59), "2h": (13.44, 14.17), "30m": (9.78, 12.63)}),
+    "gpt3-6.7b": (5.33, {"6h": (4.98, 5.17), "2h": (4.65, 4.85), "30m": (2.78, 3.53)}),
+}
+
+
+def failed_gpus(layout: str, count: int, seed: int = 0) -> list[str]:
+    """The explicit fault events of ``count`` GPUs failing at once: the first ``count`` of a seeded permutation."""
+    nodes, per_node = RECYCLE_LAYOUTS[layout]
+    gpus = random.Random(seed).sample(range(nodes * per_node), nodes * per_node)[:count]
+    if per_node == 1:
+        return [f"{{kind: node, node: {g}, at_step: {RECYCLE_FAIL_STEP}}}" for g in gpus]
+    return [f"{{kind: process, node: {g // per_node}, worker: {g % per_node}, at_step: {RECYCLE_FAIL_STEP}}}"
+            for g in gpus]  # fmt: skip
+
+
+def steady(cell: dict[str, Any], result: Any) -> dict[str, Any]:
+    """Samples/s of the last step, if it ran after the failures (module docstring)."""
+    last = result.steps[-1] if result.steps else None
+    after = last is not None and last.step > RECYCLE_FAIL_STEP and result.stopped is None
+    cell["steady_samples_per_s"] = last.samples / last.iter_s if after else None
+    cell["pipelines_after"] = last.pipelines if after else None
+    return cell
+
+
+def simulated_run(overrides: list[str]) -> tuple[dict[str, Any], Any]:
+    """``simulated`` with the job's result too (the steady state needs its steps)."""
+    from ftlab.experiments.job import compose_config
+    from ftlab.experiments.simulate import simulate
+
+    cfg = OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
+    began = time.perf_counter()
+    result = simulate(cfg).result
+    cell = {"stopped": result.stopped, "plans": len(result.plans), "wall_s": time.perf_counter() - began}
+    return steady(cell, result), result
+
+
+def recycle_study(models: list[str], layouts: list[str], counts: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for model in models:
+        for layout in layouts:
+            nodes, per_node = RECYCLE_LAYOUTS[layout]
+            base = [*RECYCLE_MODELS[model], "cluster=a100-16x8", f"cluster.nodes={nodes}",
+                    f"cluster.workers_per_node={per_node}", "train.activation_checkpointing=true",
+                    "train.micro_batch=2", f"train.steps={RECYCLE_STEPS}", "protection=none"]  # fmt: skip
+            reference, _ = simulated_run([*base, "policy=none", "faults=none"])
+            fault_free = reference["steady_samples_per_s"]
+            for policy in RECYCLE_POLICIES:
+                for count in counts:
+                    faults = ["faults=explicit", f"faults.events=[{','.join(failed_gpus(layout, count))}]"]
+                    cell, _ = simulated_run([*base, f"policy={policy}", *(faults if count else ["faults=none"])])
+                    rate = cell["steady_samples_per_s"]
+                    cell.update(model=model, layout=layout, policy=policy, failed=count, fault_free=fault_free,
+                                relative=None if rate is None else rate / fault_free,
+                                fault_scaled=(nodes * per_node - count) / (nodes * per_node))  # fmt: skip
+                    rows.append(cell)
+                    shown = "stopped: " + str(cell["stopped"]) if rate is None else f"{rate:.2f} samples/s ({cell['relative']:.3f})"
+                    print(f"[recycle] {model} {layout} {policy} {count} failed: {shown}, {cell['wall_s']:.1f} s",
+                          flush=True)  # fmt: skip
+    return rows
+
+
+def render_recycle(rows: list[dict[str, Any]]) -> str:
+    lines = ["Throughput after k GPUs fail at once, relative to the fault-free grid (samples/s in brackets); "
+             "fault-scaled = (32 - k) / 32; 'stopped' = the policy cannot continue without a protection", ""]  # fmt: skip
+    counts = sorted({r["failed"] for r in rows})
+    lines.append("| model | layout | policy | " + " | ".join(f"{k} failed" for k in counts) + " |")
+    lines.append("|---" * (3 + len(counts)) + "|")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for layout in dict.fromkeys(r["layout"] for r in rows):
+            for policy in (*RECYCLE_POLICIES, "fault-scaled"):
+                cells = []
+                for k in counts:
+                    at = [r for r in rows if (r["model"], r["layout"], r["failed"]) == (model, layout, k)]
+                    r = next((r for r in at if r["policy"] == policy), None)
+                    if not at:
+                        cells.append("")
+                    elif policy == "fault-scaled":
+                        cells.append(f"{at[0]['fault_scaled']:.3f}")
+                    elif r is None:
+                        cells.append("")
+                    else:
+                        cells.append("stopped" if r["relative"] is None
+                                     else f"{r['relative']:.3f} ({r['steady_samples_per_s']:.1f})")  # fmt: skip
+                lines.append(f"| {model} | {layout} | {policy} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_recycle(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(len(layouts), len(models), figsize=(4.2 * len(models), 3.2 * len(layouts)), squeeze=False)
+    for i, layout in enumerate(layouts):
+        for ax, model in zip(axes[i], models):
+            mine = [r for r in rows if (r["model"], r["layout"]) == (model, layout)]
+            counts = sorted({r["failed"] for r in mine})
+            ax.plot(counts, [next(r["fault_scaled"] for r in mine if r["failed"] == k) for k in counts], "k--",
+                    label="fault-scaled")  # fmt: skip
+            for policy in RECYCLE_POLICIES:
+                points = [(r["failed"], r["relative"]) for r in mine if r["policy"] == policy and r["relative"] is not None]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+                lost = [r["failed"] for r in mine if r["policy"] == policy and r["relative"] is None]
+                ax.plot(lost, [0.0] * len(lost), marker="x", linestyle="none", color=ax.lines[-1].get_color())
+            ax.set_ylim(0, 1.1)
+            ax.set_xlabel("failed GPUs (x: stopped)")
+            ax.set_ylabel("throughput / fault-free")
+            ax.set_title(f"{model}, {layout}")
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
 
@@ -252,20 +406,23 @@ def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one model and trace, two cluster sizes, 6 hours")
+    parser.add_argument("--smoke", action="store_true", help="one model and trace, two cluster sizes, 6 hours; one model, layout 4x8 and 0, 2, 8 failed GPUs")
     parser.add_argument("--sizes", default="16,32,64,128,256,512", help="nodes of 8 GPUs for the MTBF sweep")
     parser.add_argument("--hours", type=float, default=24.0)
     parser.add_argument("--tracking-uri", default=f"sqlite:///{REPO / 'mlflow.db'}")
     parser.add_argument("--no-table2", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-recycle", action="store_true")
     args = parser.parse_args()
     from ftlab.runtime.config import TrackingConfig
     from ftlab.runtime.tracking import Tracker
 
     models, traces = list(TABLE2_MODELS), list(TABLE2_TRACES)
     sizes, hours, sources = [int(n) for n in args.sizes.split(",")], args.hours, ["llama3", "meta"]
+    recycle_models, layouts, counts = list(RECYCLE_MODELS), list(RECYCLE_LAYOUTS), list(RECYCLE_FAILED)
     if args.smoke:
         models, traces, sizes, hours = ["gpt3-2.7b"], ["10m"], [16, 64], 6.0
+        recycle_models, layouts, counts = ["gpt3-6.7b"], ["4x8"], [0, 2, 8]
     OUT.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(TrackingConfig(uri=args.tracking_uri, experiment="ftlab-sim", run_name="paper-scale"))
     tracker.start({"smoke": args.smoke, "sizes": sizes, "hours": hours}, {"backend": "sim", "study": "paper-scale"}, "")
@@ -281,6 +438,16 @@ def main() -> None:
             tracker.log_file(plot_table2(rows, local / "table2.png"))
             for r in rows:
                 tracker.log_metrics({f"table2/{r['model']}/{r['trace']}/{r['policy']}": r["samples_per_s"]}, 0)
+        if not args.no_recycle:
+            rows = recycle_study(recycle_models, layouts, counts)
+            found["recycle"] = rows
+            text = render_recycle(rows)
+            print(text)
+            tracker.log_text("recycle.md", text)
+            tracker.log_file(plot_recycle(rows, local / "recycle.png"))
+            for r in rows:
+                if r["relative"] is not None:
+                    tracker.log_metrics({f"recycle/{r['model']}/{r['layout']}/{r['policy']}": r["relative"]}, r["failed"])
         if not args.no_sweep:
             rows = sweep(sizes, hours, sources)
             found["sweep"] = rows
