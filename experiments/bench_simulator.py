@@ -22,7 +22,7 @@ Per job and measure the relative error |sim - real| / real of the iteration time
 median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
 the next committed step) and the goodput (``summary/goodput_ratio``). Targets: iteration and goodput within 5%,
 recovery within 15%. The machine is shared: the real runs are as noisy as it is loaded, and so are the constants
-the simulator was given; the lead takes final figures on a quiet machine.
+the simulator was given: take final figures on a quiet machine.
 
 Scale. ``scale_run_s``: wall seconds to simulate 12 hours of ``llama2-6.7b`` on 125 nodes of 8 A100s (1,000 GPUs,
 activation checkpointing, a global batch of 1,024 sequences of 4,096 tokens in micro-batches of 2) under Oobleck,

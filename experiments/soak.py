@@ -47,6 +47,10 @@ from ftlab.runtime.model_spec import ModelConfig, layer_specs
 LOSS_RTOL = 1e-5
 PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")
 SHAPES = ((4, 1), (5, 1), (6, 1), (7, 1), (8, 1), (3, 2), (4, 2))
+START_TIMEOUT_S = 900
+"""Workers may take this long to register (the default: 300 s). A campaign shares its machine: at a load average of
+ten on two cores, six workers importing torch and transformers once missed 300 s, which is the machine's, not a race
+of the runtime's, and would end a campaign's run of passes for nothing it looks for."""
 MARK = "FTLAB_SOAK_SCENARIO"
 """Set in a scenario's environment, which its agents and workers inherit: how leftovers are found."""
 
@@ -107,7 +111,7 @@ def draw(seed: int, index: int) -> Scenario:
     job = [
         "experiment=plain", *model, f"cluster.nodes={nodes}", f"cluster.workers_per_node={wpn}",
         f"train.steps={steps}", "train.global_batch=16", f"train.micro_batch={micro_batch}",
-        f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3",
+        f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3", f"cluster.start_timeout_s={START_TIMEOUT_S}",
     ]  # fmt: skip
     policy = rng.choice(["checkpoint_restart", "recycle", "oobleck", "oobleck"])
     every = None
