@@ -29,7 +29,12 @@ against the median ``iter_s`` of the plan it chose; a switch at a review counts 
 The last line is one JSON object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over
 the best single policy's), with the other figures beside them.
 
-This machine is shared and has 2 cores: run the full comparison on a quiet one; ``--smoke`` only shows it works.
+Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
+constants, and this machine is shared. Before each job the bench measures the share of the machine as many processes
+as the job has workers get now (``runtime.profiler.host_share``, as ``bench_simulator`` does) and gives it to the job
+as ``sim.host_cores``: the host the real run meets, measured beside it, not fitted to its result
+(``--cores-as-measured``: the idle host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it
+works.
 """
 
 from __future__ import annotations
@@ -70,14 +75,19 @@ def schedule(nodes: int, steps: int, phase: str) -> list[str]:
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
-def run_policy(policy: str, overrides: list[str], scratch: Path) -> dict[str, Any]:
-    """One job in this process; a job that stops or crashes is reported with its reason."""
+def run_policy(policy: str, overrides: list[str], scratch: Path, workers: int | None) -> dict[str, Any]:
+    """One job in this process; a job that stops or crashes is reported with its reason. ``workers``: measure the
+    share of the machine that many processes get now and give it to the job as ``sim.host_cores``, the host its
+    predictions are for (None: ``conf/sim/measured.yaml``'s idle host)."""
     from ftlab.experiments.job import compose_config, run_job
+    from ftlab.runtime.profiler import host_share
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
               f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    print(f"  {policy}: {' '.join(overrides)}", flush=True)
+    if workers:
+        common.append(f"sim.host_cores={host_share(workers):.2f}")
+    print(f"  {policy}: {' '.join(overrides)} {common[-1] if workers else ''}", flush=True)
     started = time.monotonic()
     try:
         result = run_job(compose_config([*common, *overrides]))
@@ -165,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
     parser.add_argument("--keep", action="store_true", help="keep the jobs' MLflow stores and checkpoints")
+    parser.add_argument("--cores-as-measured", action="store_true",
+                        help="predict for conf/sim/measured.yaml's idle host, not the share of it measured now")  # fmt: skip
     args = parser.parse_args(argv)
     if args.smoke:
         args.nodes, args.steps = 6, 12
@@ -174,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-policies-"))
     try:
-        report = {policy: run_policy(policy, overrides, scratch) for policy in args.policies}
+        workers = None if args.cores_as_measured else args.nodes
+        report = {policy: run_policy(policy, overrides, scratch, workers) for policy in args.policies}
     finally:
         if args.keep:
             print(f"job stores kept in {scratch}")
