@@ -601,7 +601,8 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
       their total samples over their total time (a mean rate: a median iteration would ignore the occasional slow
       iteration that a fault-free run also has, and read a fault-free run below 1). Measured in the same run, so
       the machine's load at the time is in both. If a fault comes before any such iteration, the warm-up
-      iterations of the first plan stand in, and the ratio is pessimistic.
+      iterations of the first plan stand in, and the ratio is pessimistic; if the first plan committed no step at
+      all (a fault in step 0), the first plan that did.
 
     A fault-free run without checkpoints therefore reads 1.0 up to the coordinator's gaps between iterations.
     """
@@ -611,6 +612,8 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
     done_in_warmup = {s.step for s in steps[:warm]}
     useful = {s.step: s.samples for s in after if s.step not in done_in_warmup}
     rate = sum(useful.values()) / (steps[-1].at - window_start)
+    if not any(s.generation == first_generation for s in steps):
+        first_generation = steps[0].generation  # the first plan failed before committing: its successor stands in
     reference = [s for s in after if s.generation == first_generation] or [
         s for s in steps if s.generation == first_generation
     ]
