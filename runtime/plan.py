@@ -37,9 +37,14 @@ class Pipeline:
     stages: tuple[Stage, ...]
     microbatches: tuple[int, ...]
 
-    @property
+    @cached_property
     def workers(self) -> tuple[int, ...]:
         return tuple(stage.worker for stage in self.stages)
+
+    @cached_property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Each stage's layers ``(start, stop)``."""
+        return tuple((stage.start, stage.stop) for stage in self.stages)
 
 
 @dataclass(frozen=True)
@@ -92,15 +97,15 @@ class Plan:
 
     @cached_property
     def _reduction_groups(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-        holders: list[list[int]] = [[] for _ in range(self.num_layers)]
-        ranges = self._layer_ranges
-        for worker in sorted(ranges):
-            start, stop = ranges[worker]
-            for layer in range(start, stop):
-                holders[layer].append(worker)
+        # Workers are gathered by their range first: a plan has thousands of workers but few distinct ranges, so
+        # each layer's holders come from the few ranges that contain it, not from every worker.
+        by_range: dict[tuple[int, int], list[int]] = {}
+        for worker, held in self._layer_ranges.items():
+            by_range.setdefault(held, []).append(worker)
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in range(self.num_layers):
-            groups.setdefault(tuple(holders[layer]), []).append(layer)
+            holders = sorted(w for (start, stop), ws in by_range.items() if start <= layer < stop for w in ws)
+            groups.setdefault(tuple(holders), []).append(layer)
         return tuple((h, tuple(ls)) for h, ls in groups.items() if len(h) > 1)
 
     def validate(self) -> None:
@@ -141,7 +146,10 @@ class Plan:
     @cached_property
     def _layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Plans are immutable: what is derived from one is kept (a plan of a thousand workers is asked often)."""
-        ranges: dict[int, tuple[int, int]] = {}
+        ranges = {stage.worker: (stage.start, stage.stop) for pipeline in self.pipelines for stage in pipeline.stages}
+        if len(ranges) == sum(len(pipeline.stages) for pipeline in self.pipelines):
+            return ranges  # every worker in one stage: nothing to disagree
+        ranges = {}
         for _, _, stage in self.stages():
             held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
             if held != (stage.start, stage.stop):

@@ -381,7 +381,7 @@ class SimBackend(Backend, FaultTarget):
         slowest = 0.0
         for worker, (start, stop) in ranges.items():
             held = self._held.get(worker, set())
-            if all(layer in held for layer in range(start, stop)):
+            if held.issuperset(range(start, stop)):
                 continue  # holds its stage already: nothing to build, receive or restore
             new = set(range(start, stop)) - held
             missing = new - set(received.get(worker, ()))
