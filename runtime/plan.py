@@ -97,16 +97,29 @@ class Plan:
 
     @cached_property
     def _reduction_groups(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-        # Workers are gathered by their range first: a plan has thousands of workers but few distinct ranges, so
-        # each layer's holders come from the few ranges that contain it, not from every worker.
+        # From the workers of each range: a plan has thousands of workers but few distinct ranges.
+        holders: list[list[int]] = [[] for _ in range(self.num_layers)]
+        for (start, stop), workers in self._workers_by_range.items():
+            for layer in range(start, stop):
+                holders[layer].extend(workers)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for layer in range(self.num_layers):
+            groups.setdefault(tuple(sorted(holders[layer])), []).append(layer)
+        return tuple((h, tuple(ls)) for h, ls in groups.items() if len(h) > 1)
+
+    def workers_by_range(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """The workers holding each range of layers ``(start, stop)``, in the order ``layer_ranges`` names them.
+
+        Workers of one range hold the same layers, so they are in the same reduction groups: what depends only on
+        a worker's layers is computed once per range (a few dozen) rather than per worker (thousands)."""
+        return dict(self._workers_by_range)
+
+    @cached_property
+    def _workers_by_range(self) -> dict[tuple[int, int], tuple[int, ...]]:
         by_range: dict[tuple[int, int], list[int]] = {}
         for worker, held in self._layer_ranges.items():
             by_range.setdefault(held, []).append(worker)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for layer in range(self.num_layers):
-            holders = sorted(w for (start, stop), ws in by_range.items() if start <= layer < stop for w in ws)
-            groups.setdefault(tuple(holders), []).append(layer)
-        return tuple((h, tuple(ls)) for h, ls in groups.items() if len(h) > 1)
+        return {held: tuple(workers) for held, workers in by_range.items()}
 
     def validate(self) -> None:
         """Raise PlanError unless every micro-batch and every layer is covered exactly as training needs."""

@@ -337,11 +337,11 @@ class SimBackend(Backend, FaultTarget):
     # -- membership ------------------------------------------------------------------------------------------
     def membership(self) -> Membership:
         if self._membership is None:
-            nodes = sorted(self._nodes)
-            workers = {n: tuple(w for w in self.workers_of(n) if w in self._alive) for n in nodes}
+            slots = {n: tuple(self.workers_of(n)) for n in sorted(self._nodes)}
+            alive = self._alive
+            workers = {n: ws if alive.issuperset(ws) else tuple(w for w in ws if w in alive) for n, ws in slots.items()}
             self._membership = Membership(
-                workers_of_node={n: ws for n, ws in workers.items() if ws},
-                slots_of_node={n: tuple(self.workers_of(n)) for n in nodes},
+                workers_of_node={n: ws for n, ws in workers.items() if ws}, slots_of_node=slots
             )
         return self._membership
 
@@ -379,10 +379,13 @@ class SimBackend(Backend, FaultTarget):
         ranges = plan.layer_ranges()
         restored: dict[int, tuple[int, ...]] = {}
         slowest = 0.0
+        gaining = []
+        nothing: set[int] = set()
         for worker, (start, stop) in ranges.items():
-            held = self._held.get(worker, set())
+            held = self._held.get(worker, nothing)
             if held.issuperset(range(start, stop)):
                 continue  # holds its stage already: nothing to build, receive or restore
+            gaining.append(worker)
             new = set(range(start, stop)) - held
             missing = new - set(received.get(worker, ()))
             if missing and restore is None and plan.step != 0:
@@ -403,9 +406,10 @@ class SimBackend(Backend, FaultTarget):
         failure = self._wait(started + seconds, needs=set(plan.workers))
         if failure:
             return failure
-        for worker, (start, stop) in ranges.items():
-            self._held.setdefault(worker, set()).update(range(start, stop))
-        self._pending_joins -= {self.node_of(w) for w in plan.workers}
+        for worker in gaining:  # the others hold their stage already
+            self._held.setdefault(worker, set()).update(range(*ranges[worker]))
+        if self._pending_joins:
+            self._pending_joins -= {self.node_of(w) for w in plan.workers}
         self._timings[plan.generation] = timing
         self._needs[plan.generation] = frozenset(ranges)
         self._layers_dropped = False
@@ -435,8 +439,11 @@ class SimBackend(Backend, FaultTarget):
         self._step_started = self.now + (self._launched or 0.0)
         if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
             for worker, (start, stop) in plan.layer_ranges().items():
-                if worker in self._held:
-                    self._held[worker].intersection_update(range(start, stop))
+                held = self._held.get(worker)
+                # Configured, a worker holds its stage and maybe more (or nothing, restarted since): it holds more
+                # than its stage exactly when it holds more layers.
+                if held is not None and len(held) > stop - start:
+                    held.intersection_update(range(start, stop))
             self._layers_dropped = True
         for worker, (armed_step, phase) in list(self._armed.items()):
             at = timing.phase_at(worker, phase) if armed_step == step and worker in timing.reduce_end else None

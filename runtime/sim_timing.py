@@ -126,7 +126,8 @@ class IterationTimer:
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program], scale: float) -> IterationTiming:
         ranges = plan.layer_ranges()
-        missing = sorted(set(ranges) - set(programs))
+        scheduled = isinstance(programs, OneFOneB) and programs.plan == plan  # a program for each of its workers
+        missing = [] if scheduled else sorted(set(ranges) - set(programs))
         if missing:
             raise ProgramError(f"programs and plan disagree: no program for workers {missing}")
         pipelines_from: dict[int, list[Pipeline]] = defaultdict(list)
@@ -217,16 +218,17 @@ class IterationTimer:
         total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...], scale: float,
     ) -> IterationTiming:  # fmt: skip
         """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
-        last_of_range: dict[tuple[int, int], float] = {}
-        for worker, held in ranges.items():
-            last_of_range[held] = max(last_of_range.get(held, 0.0), arrival[worker])
+        # By range of layers (Plan.workers_by_range): its workers have the same co-holders and the same all-reduces.
+        by_range = plan.workers_by_range()
+        last_of_range = {held: max(0.0, *(arrival[worker] for worker in workers)) for held, workers in by_range.items()}
         latest = [0.0] * plan.num_layers
         for (start, stop), at in last_of_range.items():
             for layer in range(start, stop):
                 latest[layer] = max(latest[layer], at)
-        begins = {held: max(latest[held[0] : held[1]]) for held in last_of_range}
-        reduce_s = self.costs.reduce_s(plan)  # what durations(plan) gives ReduceGrads
-        reduce_end = {worker: begins[held] + reduce_s.get(worker, 0.0) for worker, held in ranges.items()}
+        reduce_s = self.costs.range_reduce_s(plan)  # what durations(plan) gives ReduceGrads
+        reduce_end: dict[int, float] = {}
+        for held, workers in by_range.items():
+            reduce_end.update(dict.fromkeys(workers, max(latest[held[0] : held[1]]) + reduce_s.get(held, 0.0)))
         optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
 

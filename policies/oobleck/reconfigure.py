@@ -27,6 +27,8 @@ Copies are per GPU: with a tensor-parallel stage a copy names one GPU of the sou
 
 from __future__ import annotations
 
+import bisect
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -94,26 +96,43 @@ def _place(
 
 
 def _copies(new: Sequence[PipelineInstance], held: dict[Slot, range], layer_bytes: np.ndarray) -> tuple[LayerCopy, ...]:
-    needed: list[tuple[Slot, int]] = []  # (GPU, layer) it lacks, by GPU then layer
-    for dst, layers in sorted(holdings(new).items()):
+    needed: list[tuple[Slot, int]] = []  # (GPU, layer) it lacks
+    for dst, layers in holdings(new).items() - held.items():  # most GPUs keep their layers: skip them at once
         have = held.get(dst, range(0))
         if have.start <= layers.start and layers.stop <= have.stop and have:
-            continue  # most GPUs keep their layers: skip them whole
+            continue
         needed.extend((dst, layer) for layer in layers if layer not in have)
+    needed.sort()  # by GPU, then layer
     wanted = {layer for _, layer in needed}
-    holders: dict[int, list[Slot]] = {}
-    for slot, layers in sorted(held.items()):
-        for layer in layers:
-            if layer in wanted:
-                holders.setdefault(layer, []).append(slot)
+    slots_of: dict[range, list[Slot]] = defaultdict(list)  # a thousand GPUs hold a few dozen distinct ranges
+    for slot, layers in held.items():
+        slots_of[layers].append(slot)
+    holders: dict[int, list[Slot]] = defaultdict(list)
+    for layers, slots in slots_of.items():
+        for layer in wanted.intersection(layers):
+            holders[layer].extend(slots)
+    for slots in holders.values():
+        slots.sort()
     sent: dict[Slot, float] = dict.fromkeys(held, 0.0)
+    nbytes = layer_bytes.tolist()
     copies = []
     for dst, layer in needed:
-        local = [s for s in holders[layer] if s[0] == dst[0]]
-        src = local[0] if local else min(holders[layer], key=lambda s: (sent[s], s))
-        sent[src] += float(layer_bytes[layer])
+        slots = holders[layer]
+        first = bisect.bisect_left(slots, (dst[0],))  # the first GPU of dst's node that holds the layer, if any
+        local = first < len(slots) and slots[first][0] == dst[0]
+        src = slots[first] if local else _least_sent(slots, sent)
+        sent[src] += nbytes[layer]
         copies.append(LayerCopy(layer, src[0], src[1], dst[0], dst[1]))
     return tuple(copies)
+
+
+def _least_sent(holders: list[Slot], sent: dict[Slot, float]) -> Slot:
+    """The holder that has been given the fewest bytes to send, the lowest among equals (``holders`` are sorted).
+    Most have sent nothing yet, and the first of those is the answer: no scan of every holder for every copy."""
+    for slot in holders:
+        if not sent[slot]:
+            return slot
+    return min(holders, key=lambda s: (sent[s], s))
 
 
 def reinstantiate(
