@@ -150,7 +150,7 @@ class Plan:
                 f"the pipelines must process micro-batches 0..{self.num_microbatches - 1} exactly once each "
                 f"between them; they process {sorted(seen)}"
             )
-        self.layer_ranges()
+        self._layer_ranges  # noqa: B018 - raises for a worker with two ranges
 
     def layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Each worker's layers ``(start, stop)``; a worker serving several pipelines must hold the same ones."""
