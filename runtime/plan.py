@@ -46,6 +46,17 @@ class Pipeline:
         """Each stage's layers ``(start, stop)``."""
         return tuple((stage.start, stage.stop) for stage in self.stages)
 
+    @cached_property
+    def chain_stop(self) -> int | None:
+        """Where the stages stop when they are non-empty and each starts where the one before stops, from layer 0;
+        None otherwise. Kept: successive plans share most of their pipelines, and a plan checks each of them."""
+        expected = 0
+        for start, stop in self.spans:
+            if start != expected or stop <= start:
+                return None
+            expected = stop
+        return expected if self.stages else None
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -132,18 +143,8 @@ class Plan:
             raise PlanError("the plan has no pipeline: the cluster needs at least one live worker")
         seen: list[int] = []
         for p, pipeline in enumerate(self.pipelines):
-            if not pipeline.stages:
-                raise PlanError(f"pipeline {p} has no stage")
-            expected = 0
-            for stage in pipeline.stages:
-                if stage.start != expected or stage.stop <= stage.start:
-                    raise PlanError(
-                        f"pipeline {p} does not cover layers 0..{self.num_layers - 1} in order with non-empty "
-                        f"stages (stage {stage} should start at layer {expected})"
-                    )
-                expected = stage.stop
-            if expected != self.num_layers:
-                raise PlanError(f"pipeline {p} stops at layer {expected}, the model has {self.num_layers} layers")
+            if pipeline.chain_stop != self.num_layers:
+                raise self._chain_error(p, pipeline)
             seen.extend(pipeline.microbatches)
         if sorted(seen) != list(range(self.num_microbatches)):
             raise PlanError(
@@ -152,6 +153,20 @@ class Plan:
             )
         self._layer_ranges  # noqa: B018 - raises for a worker with two ranges
 
+    def _chain_error(self, p: int, pipeline: Pipeline) -> PlanError:
+        """What is wrong with pipeline ``p``, whose stages do not cover the model's layers in order."""
+        if not pipeline.stages:
+            return PlanError(f"pipeline {p} has no stage")
+        expected = 0
+        for stage in pipeline.stages:
+            if stage.start != expected or stage.stop <= stage.start:
+                return PlanError(
+                    f"pipeline {p} does not cover layers 0..{self.num_layers - 1} in order with non-empty "
+                    f"stages (stage {stage} should start at layer {expected})"
+                )
+            expected = stage.stop
+        return PlanError(f"pipeline {p} stops at layer {expected}, the model has {self.num_layers} layers")
+
     def layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Each worker's layers ``(start, stop)``; a worker serving several pipelines must hold the same ones."""
         return dict(self._layer_ranges)
@@ -159,7 +174,9 @@ class Plan:
     @cached_property
     def _layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Plans are immutable: what is derived from one is kept (a plan of a thousand workers is asked often)."""
-        ranges = {stage.worker: (stage.start, stage.stop) for pipeline in self.pipelines for stage in pipeline.stages}
+        ranges: dict[int, tuple[int, int]] = {}
+        for pipeline in self.pipelines:  # from what each pipeline keeps (plans share most of their pipelines)
+            ranges.update(zip(pipeline.workers, pipeline.spans))
         if len(ranges) == sum(len(pipeline.stages) for pipeline in self.pipelines):
             return ranges  # every worker in one stage: nothing to disagree
         ranges = {}
