@@ -150,7 +150,7 @@ class Coordinator:
         if not nodes:
             return None
         self._publish(ev.NodesJoined, nodes=tuple(nodes), step=step)
-        holdings = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+        holdings = _holdings(plan)
         change = Change(plan, step, self.tried + 1, joined_nodes=tuple(nodes), holdings=holdings)
         outcome = self._decide(change)
         if isinstance(outcome, Stop):
@@ -297,4 +297,10 @@ def first_holders_of(holdings: dict[int, tuple[int, ...]]) -> dict[int, tuple[in
 
 
 def first_holders(plan: Plan) -> dict[int, tuple[int, ...]]:
-    return first_holders_of({w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()})
+    return first_holders_of(_holdings(plan))
+
+
+def _holdings(plan: Plan) -> dict[int, tuple[int, ...]]:
+    """Each worker's layers in ``plan``: one tuple per range, shared by its workers (a thousand of them)."""
+    layers = {held: tuple(range(*held)) for held in plan.workers_by_range()}
+    return {worker: layers[held] for worker, held in plan.layer_ranges().items()}

@@ -252,11 +252,22 @@ class CostModel:
     def reduce_s(self, plan: Plan) -> dict[int, float]:
         """Each worker's ``ReduceGrads``: the all-reduce of each of its replica sets (issued together, so their
         costs add up on the worker's link). Workers that share no layer are left out (they reduce nothing)."""
-        reduce_s: dict[int, float] = {}
-        for holders, layers in plan.reduction_groups():
-            seconds = self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders))
-            for worker in holders:
-                reduce_s[worker] = reduce_s.get(worker, 0.0) + seconds
+        by_range = plan.workers_by_range()
+        return {worker: seconds for held, seconds in self.range_reduce_s(plan).items() for worker in by_range[held]}
+
+    def range_reduce_s(self, plan: Plan) -> dict[tuple[int, int], float]:
+        """``reduce_s`` by range of layers (``Plan.workers_by_range``): the workers of a range are in the same
+        replica sets, so their ``ReduceGrads`` cost the same."""
+        groups = [
+            (layers[0], self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders)))
+            for holders, layers in plan.reduction_groups()
+        ]
+        reduce_s: dict[tuple[int, int], float] = {}
+        for start, stop in plan.workers_by_range():
+            # A worker holds all of a group's layers or none (they have the same holders): its first one tells.
+            for first, seconds in groups:
+                if start <= first < stop:
+                    reduce_s[(start, stop)] = reduce_s.get((start, stop), 0.0) + seconds
         return reduce_s
 
     def durations(self, plan: Plan) -> Durations:

@@ -102,7 +102,13 @@ class FaultLedger:
             record.recovered_at = at
             self.bus.publish(
                 ev.Recovered(
-                    at=at, fault=self.records.index(record), fault_kind=record.kind, detect_s=record.detect_s,
+                    at=at, fault=self._index(record), fault_kind=record.kind, detect_s=record.detect_s,
                     recover_s=record.recover_s, lost_steps=record.lost_steps, transfer_bytes=record.transfer_bytes,
                 )
             )  # fmt: skip
+
+    def _index(self, record: FaultRecord) -> int:
+        """Where ``record`` is in ``records``, found by identity (two faults may have equal fields) and from the end,
+        where the faults being recovered from are (a day of a thousand GPUs has hundreds of records)."""
+        with self._lock:
+            return next(i for i in range(len(self.records) - 1, -1, -1) if self.records[i] is record)

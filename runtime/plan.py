@@ -37,9 +37,25 @@ class Pipeline:
     stages: tuple[Stage, ...]
     microbatches: tuple[int, ...]
 
-    @property
+    @cached_property
     def workers(self) -> tuple[int, ...]:
         return tuple(stage.worker for stage in self.stages)
+
+    @cached_property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """Each stage's layers ``(start, stop)``."""
+        return tuple((stage.start, stage.stop) for stage in self.stages)
+
+    @cached_property
+    def chain_stop(self) -> int | None:
+        """Where the stages stop when they are non-empty and each starts where the one before stops, from layer 0;
+        None otherwise. Kept: successive plans share most of their pipelines, and a plan checks each of them."""
+        expected = 0
+        for start, stop in self.spans:
+            if start != expected or stop <= start:
+                return None
+            expected = stop
+        return expected if self.stages else None
 
 
 @dataclass(frozen=True)
@@ -92,16 +108,29 @@ class Plan:
 
     @cached_property
     def _reduction_groups(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        # From the workers of each range: a plan has thousands of workers but few distinct ranges.
         holders: list[list[int]] = [[] for _ in range(self.num_layers)]
-        ranges = self._layer_ranges
-        for worker in sorted(ranges):
-            start, stop = ranges[worker]
+        for (start, stop), workers in self._workers_by_range.items():
             for layer in range(start, stop):
-                holders[layer].append(worker)
+                holders[layer].extend(workers)
         groups: dict[tuple[int, ...], list[int]] = {}
         for layer in range(self.num_layers):
-            groups.setdefault(tuple(holders[layer]), []).append(layer)
+            groups.setdefault(tuple(sorted(holders[layer])), []).append(layer)
         return tuple((h, tuple(ls)) for h, ls in groups.items() if len(h) > 1)
+
+    def workers_by_range(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """The workers holding each range of layers ``(start, stop)``, in the order ``layer_ranges`` names them.
+
+        Workers of one range hold the same layers, so they are in the same reduction groups: what depends only on
+        a worker's layers is computed once per range (a few dozen) rather than per worker (thousands)."""
+        return dict(self._workers_by_range)
+
+    @cached_property
+    def _workers_by_range(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        by_range: dict[tuple[int, int], list[int]] = {}
+        for worker, held in self._layer_ranges.items():
+            by_range.setdefault(held, []).append(worker)
+        return {held: tuple(workers) for held, workers in by_range.items()}
 
     def validate(self) -> None:
         """Raise PlanError unless every micro-batch and every layer is covered exactly as training needs."""
@@ -114,25 +143,29 @@ class Plan:
             raise PlanError("the plan has no pipeline: the cluster needs at least one live worker")
         seen: list[int] = []
         for p, pipeline in enumerate(self.pipelines):
-            if not pipeline.stages:
-                raise PlanError(f"pipeline {p} has no stage")
-            expected = 0
-            for stage in pipeline.stages:
-                if stage.start != expected or stage.stop <= stage.start:
-                    raise PlanError(
-                        f"pipeline {p} does not cover layers 0..{self.num_layers - 1} in order with non-empty "
-                        f"stages (stage {stage} should start at layer {expected})"
-                    )
-                expected = stage.stop
-            if expected != self.num_layers:
-                raise PlanError(f"pipeline {p} stops at layer {expected}, the model has {self.num_layers} layers")
+            if pipeline.chain_stop != self.num_layers:
+                raise self._chain_error(p, pipeline)
             seen.extend(pipeline.microbatches)
         if sorted(seen) != list(range(self.num_microbatches)):
             raise PlanError(
                 f"the pipelines must process micro-batches 0..{self.num_microbatches - 1} exactly once each "
                 f"between them; they process {sorted(seen)}"
             )
-        self.layer_ranges()
+        self._layer_ranges  # noqa: B018 - raises for a worker with two ranges
+
+    def _chain_error(self, p: int, pipeline: Pipeline) -> PlanError:
+        """What is wrong with pipeline ``p``, whose stages do not cover the model's layers in order."""
+        if not pipeline.stages:
+            return PlanError(f"pipeline {p} has no stage")
+        expected = 0
+        for stage in pipeline.stages:
+            if stage.start != expected or stage.stop <= stage.start:
+                return PlanError(
+                    f"pipeline {p} does not cover layers 0..{self.num_layers - 1} in order with non-empty "
+                    f"stages (stage {stage} should start at layer {expected})"
+                )
+            expected = stage.stop
+        return PlanError(f"pipeline {p} stops at layer {expected}, the model has {self.num_layers} layers")
 
     def layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Each worker's layers ``(start, stop)``; a worker serving several pipelines must hold the same ones."""
@@ -142,6 +175,11 @@ class Plan:
     def _layer_ranges(self) -> dict[int, tuple[int, int]]:
         """Plans are immutable: what is derived from one is kept (a plan of a thousand workers is asked often)."""
         ranges: dict[int, tuple[int, int]] = {}
+        for pipeline in self.pipelines:  # from what each pipeline keeps (plans share most of their pipelines)
+            ranges.update(zip(pipeline.workers, pipeline.spans))
+        if len(ranges) == sum(len(pipeline.stages) for pipeline in self.pipelines):
+            return ranges  # every worker in one stage: nothing to disagree
+        ranges = {}
         for _, _, stage in self.stages():
             held = ranges.setdefault(stage.worker, (stage.start, stage.stop))
             if held != (stage.start, stage.stop):

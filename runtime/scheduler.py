@@ -16,6 +16,7 @@ it the last stage waits a whole round trip (its gradient out, the next activatio
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from functools import cached_property
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.plan import Pipeline, Plan
@@ -32,12 +33,17 @@ class OneFOneB(Mapping[int, ins.Program]):
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.stage_of: dict[int, tuple[Pipeline, int]] = {
+        self._built: dict[int, ins.Program] = {}
+
+    @cached_property
+    def stage_of(self) -> dict[int, tuple[Pipeline, int]]:
+        """Each worker's pipeline and stage: built when a program is first read (the simulator reads none of a
+        pipeline of a known shape, ``disjoint`` asks the plan)."""
+        return {
             stage.worker: (pipeline, stage_id)
-            for pipeline in plan.pipelines
+            for pipeline in self.plan.pipelines
             for stage_id, stage in enumerate(pipeline.stages)
         }
-        self._built: dict[int, ins.Program] = {}
 
     def __getitem__(self, worker: int) -> ins.Program:
         program = self._built.get(worker)
@@ -54,7 +60,7 @@ class OneFOneB(Mapping[int, ins.Program]):
     @property
     def disjoint(self) -> bool:
         """No worker serves two pipelines: each pipeline's programs talk only among themselves."""
-        return len(self.stage_of) == sum(len(p.stages) for p in self.plan.pipelines)
+        return len(self.plan.workers) == sum(len(p.stages) for p in self.plan.pipelines)
 
 
 def one_f_one_b(plan: Plan) -> OneFOneB:

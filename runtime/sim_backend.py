@@ -250,7 +250,7 @@ class SimBackend(Backend, FaultTarget):
         self._armed: dict[int, tuple[int, str]] = {}
         self._timings: dict[int, IterationTiming] = {}
         self._needs: dict[int, frozenset[int]] = {}
-        """Every worker of each configured plan, by generation."""
+        """Every worker of the configured plan, by generation."""
         self._layers_dropped = True
         self._step_started = 0.0
         self._membership: Membership | None = None
@@ -294,7 +294,7 @@ class SimBackend(Backend, FaultTarget):
             self._fire_next()
         self.now = max(self.now, until)
 
-    def _wait(self, until: float, needs: set[int]) -> Failure | None:
+    def _wait(self, until: float, needs: set[int] | frozenset[int]) -> Failure | None:
         """Move the clock to ``until`` unless a failure is noticed first (then: that failure, the clock at its
         notice plus the failure window). A dead or hung worker of ``needs`` holds the wait until it is noticed."""
         while True:
@@ -337,11 +337,11 @@ class SimBackend(Backend, FaultTarget):
     # -- membership ------------------------------------------------------------------------------------------
     def membership(self) -> Membership:
         if self._membership is None:
-            nodes = sorted(self._nodes)
-            workers = {n: tuple(w for w in self.workers_of(n) if w in self._alive) for n in nodes}
+            slots = {n: tuple(self.workers_of(n)) for n in sorted(self._nodes)}
+            alive = self._alive
+            workers = {n: ws if alive.issuperset(ws) else tuple(w for w in ws if w in alive) for n, ws in slots.items()}
             self._membership = Membership(
-                workers_of_node={n: ws for n, ws in workers.items() if ws},
-                slots_of_node={n: tuple(self.workers_of(n)) for n in nodes},
+                workers_of_node={n: ws for n, ws in workers.items() if ws}, slots_of_node=slots
             )
         return self._membership
 
@@ -374,15 +374,19 @@ class SimBackend(Backend, FaultTarget):
     ) -> ConfigureReport | Failure:
         timing = self.timer.time(plan, programs)
         self._configuring = plan
-        started = self.now + self._copying(set(plan.workers))  # a worker finishes its snapshot first
-        arrival, received = self._transfer_times(transfers)
         ranges = plan.layer_ranges()
+        needs = frozenset(ranges)
+        started = self.now + self._copying(needs)  # a worker finishes its snapshot first
+        arrival, received = self._transfer_times(transfers)
         restored: dict[int, tuple[int, ...]] = {}
         slowest = 0.0
+        gaining = []
+        nothing: set[int] = set()
         for worker, (start, stop) in ranges.items():
-            held = self._held.get(worker, set())
-            if all(layer in held for layer in range(start, stop)):
+            held = self._held.get(worker, nothing)
+            if held.issuperset(range(start, stop)):
                 continue  # holds its stage already: nothing to build, receive or restore
+            gaining.append(worker)
             new = set(range(start, stop)) - held
             missing = new - set(received.get(worker, ()))
             if missing and restore is None and plan.step != 0:
@@ -400,14 +404,17 @@ class SimBackend(Backend, FaultTarget):
         self._configuring = None
         seconds = self.sim.configure_s + slowest + reading
         self._arm_transfers(plan, transfers, started + self.sim.configure_s)
-        failure = self._wait(started + seconds, needs=set(plan.workers))
+        failure = self._wait(started + seconds, needs=needs)
         if failure:
             return failure
-        for worker, (start, stop) in ranges.items():
-            self._held.setdefault(worker, set()).update(range(start, stop))
-        self._pending_joins -= {self.node_of(w) for w in plan.workers}
-        self._timings[plan.generation] = timing
-        self._needs[plan.generation] = frozenset(ranges)
+        for worker in gaining:  # the others hold their stage already
+            self._held.setdefault(worker, set()).update(range(*ranges[worker]))
+        if self._pending_joins:
+            self._pending_joins -= {self.node_of(w) for w in plan.workers}
+        # Only the plan configured last runs steps (the coordinator configures a plan before it trains it): the
+        # others' timings and worker sets are dropped, not kept for a whole simulated day of plans.
+        self._timings = {plan.generation: timing}
+        self._needs = {plan.generation: needs}
         self._layers_dropped = False
         return ConfigureReport(
             received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
@@ -435,8 +442,11 @@ class SimBackend(Backend, FaultTarget):
         self._step_started = self.now + (self._launched or 0.0)
         if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
             for worker, (start, stop) in plan.layer_ranges().items():
-                if worker in self._held:
-                    self._held[worker].intersection_update(range(start, stop))
+                held = self._held.get(worker)
+                # Configured, a worker holds its stage and maybe more (or nothing, restarted since): it holds more
+                # than its stage exactly when it holds more layers.
+                if held is not None and len(held) > stop - start:
+                    held.intersection_update(range(start, stop))
             self._layers_dropped = True
         for worker, (armed_step, phase) in list(self._armed.items()):
             at = timing.phase_at(worker, phase) if armed_step == step and worker in timing.reduce_end else None
@@ -471,7 +481,16 @@ class SimBackend(Backend, FaultTarget):
         until = self.now + max(self.sim.abort_s, self._copying(self._alive))  # survivors finish their copies first
         while (more := self._wait(until, needs=set())) is not None:
             failure.merge(more)  # a failure during the abort: fold it in
-        return {w: tuple(sorted(self._held[w])) for w in self._needs.get(plan.generation, plan.workers) if w in self._alive}
+        # Nearly every survivor holds exactly its stage of the plan: those share one tuple per stage's range.
+        ranges = plan.layer_ranges()
+        stages = {held: tuple(range(*held)) for held in plan.workers_by_range()}
+        holdings = {}
+        for worker in self._needs.get(plan.generation, plan.workers):
+            if worker in self._alive:
+                held, (start, stop) = self._held[worker], ranges[worker]
+                exact = len(held) == stop - start and held.issuperset(range(start, stop))
+                holdings[worker] = stages[(start, stop)] if exact else tuple(sorted(held))
+        return holdings
 
     def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
         if isinstance(action, TakeSnapshot):
@@ -642,7 +661,7 @@ class SimBackend(Backend, FaultTarget):
                 return "parity"
         return source.kind
 
-    def _copying(self, workers: set[int]) -> float:
+    def _copying(self, workers: set[int] | frozenset[int]) -> float:
         """How long until the copies in flight of ``workers`` are done."""
         return max([0.0, *(c.ends - self.now for c in self._copies if c.worker in workers)])
 

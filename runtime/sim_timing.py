@@ -28,8 +28,9 @@ the simulator builds and runs one pipeline of each shape. Other programs are rea
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.costs import CostModel
@@ -65,12 +66,18 @@ class IterationTiming:
     """Every worker's forward and backward time, added up."""
     reduce_end: dict[int, float]
     """When each worker leaves ReduceGrads."""
-    _phases: dict[int, tuple[ComponentTiming, int]]
+    _components: tuple[tuple[Sequence[int], ComponentTiming], ...]
+    """Each component's workers in canonical order, and its timing."""
 
     def phase_at(self, worker: int, phase: str) -> float | None:
         """When ``worker`` starts ``phase`` (forward, backward, reduce), or None if its program has none."""
         timing, index = self._phases[worker]
         return timing.phase_at[index].get(phase)
+
+    @cached_property
+    def _phases(self) -> dict[int, tuple[ComponentTiming, int]]:
+        """Each worker's component and index in it: built on the first question (a phase fault), not per plan."""
+        return {worker: (timing, i) for order, timing in self._components for i, worker in enumerate(order)}
 
 
 _Key = tuple[tuple[int, int, tuple[tuple, ...]], ...]
@@ -119,7 +126,8 @@ class IterationTimer:
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program], scale: float) -> IterationTiming:
         ranges = plan.layer_ranges()
-        missing = sorted(set(ranges) - set(programs))
+        scheduled = isinstance(programs, OneFOneB) and programs.plan == plan  # a program for each of its workers
+        missing = [] if scheduled else sorted(set(ranges) - set(programs))
         if missing:
             raise ProgramError(f"programs and plan disagree: no program for workers {missing}")
         pipelines_from: dict[int, list[Pipeline]] = defaultdict(list)
@@ -128,7 +136,7 @@ class IterationTimer:
         covered: dict[int, int] = {}
         arrival: dict[int, float] = {}
         compute = total = 0.0
-        phases: dict[int, tuple[ComponentTiming, int]] = {}
+        components = []
         for order, shape in self._split(plan, programs):
             timing = self._shapes.get((shape, scale)) if shape is not None else None
             if timing is None:
@@ -147,11 +155,11 @@ class IterationTimer:
                             "every micro-batch must run once, in one pipeline"
                         )
                     covered[mb] = order[0]
-            for index, worker in enumerate(order):
-                arrival[worker] = timing.reduce_at[index]
-                phases[worker] = (timing, index)
-                compute = max(compute, timing.compute_s[index])
-                total += timing.compute_s[index]
+            arrival.update(zip(order, timing.reduce_at))
+            components.append((order, timing))
+            compute = max(compute, *timing.compute_s)
+            for seconds in timing.compute_s:  # worker by worker, as ever: the same sum to the last bit
+                total += seconds
         if self.check:
             # A pipeline of a known shape runs its own micro-batches (which were not read): those of the plan.
             ran = sorted(covered) if not isinstance(programs, OneFOneB) else sorted(
@@ -161,24 +169,21 @@ class IterationTimer:
                 raise ProgramError(
                     f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
                 )
-        return self._reduce(plan, ranges, arrival, compute, total, phases, scale)
+        return self._reduce(plan, ranges, arrival, compute, total, tuple(components), scale)
 
-    def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[list[int], tuple | None]]:
+    def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[Sequence[int], tuple | None]]:
         """The plan's components, each with its workers in canonical order and, for the default scheduler's
         programs, its shape: the stages' layers and the micro-batch count, which determine the programs up to
         renumbering (``scheduler.stage_program``), so a pipeline of a known shape is not read at all."""
         if isinstance(programs, OneFOneB) and programs.disjoint and programs.plan == plan:
-            return [
-                ([s.worker for s in p.stages], (tuple((s.start, s.stop) for s in p.stages), len(p.microbatches)))
-                for p in plan.pipelines
-            ]
+            return [(p.workers, (p.spans, len(p.microbatches))) for p in plan.pipelines]
         ranges = plan.layer_ranges()
         return [
             (sorted(members, key=lambda w: (*ranges.get(w, (-1, -1)), w)), None) for members in _components(programs)
         ]
 
     def _run(
-        self, key: _Key, order: list[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan,
+        self, key: _Key, order: Sequence[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan,
         scale: float,
     ) -> ComponentTiming:  # fmt: skip
         """Execute (and check) one component in its canonical form."""
@@ -210,21 +215,22 @@ class IterationTimer:
 
     def _reduce(
         self, plan: Plan, ranges: dict[int, tuple[int, int]], arrival: dict[int, float], compute: float,
-        total: float, phases: dict[int, tuple[ComponentTiming, int]], scale: float,
+        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...], scale: float,
     ) -> IterationTiming:  # fmt: skip
         """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
-        last_of_range: dict[tuple[int, int], float] = {}
-        for worker, held in ranges.items():
-            last_of_range[held] = max(last_of_range.get(held, 0.0), arrival[worker])
+        # By range of layers (Plan.workers_by_range): its workers have the same co-holders and the same all-reduces.
+        by_range = plan.workers_by_range()
+        last_of_range = {held: max(0.0, *(arrival[worker] for worker in workers)) for held, workers in by_range.items()}
         latest = [0.0] * plan.num_layers
         for (start, stop), at in last_of_range.items():
             for layer in range(start, stop):
                 latest[layer] = max(latest[layer], at)
-        begins = {held: max(latest[held[0] : held[1]]) for held in last_of_range}
-        reduce_s = self.costs.reduce_s(plan)  # what durations(plan) gives ReduceGrads
-        reduce_end = {worker: begins[held] + reduce_s.get(worker, 0.0) for worker, held in ranges.items()}
+        reduce_s = self.costs.range_reduce_s(plan)  # what durations(plan) gives ReduceGrads
+        reduce_end: dict[int, float] = {}
+        for held, workers in by_range.items():
+            reduce_end.update(dict.fromkeys(workers, max(latest[held[0] : held[1]]) + reduce_s.get(held, 0.0)))
         optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
-        return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, phases)
+        return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
 
 
 def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
@@ -252,7 +258,7 @@ def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
 
 
 def _canonical(
-    order: list[int], programs: Mapping[int, ins.Program], ranges: Mapping[int, tuple[int, int]]
+    order: Sequence[int], programs: Mapping[int, ins.Program], ranges: Mapping[int, tuple[int, int]]
 ) -> tuple[_Key, list[int]]:
     """The component with workers numbered by ``order`` and micro-batches by first appearance; and the
     micro-batches in that order."""
@@ -281,7 +287,7 @@ def _instruction(entry: tuple) -> ins.Instruction:
     return kind(*fields)
 
 
-def _local_plan(order: list[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan) -> Plan:
+def _local_plan(order: Sequence[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan) -> Plan:
     """The component as a plan of its own: workers and micro-batches renumbered as in its canonical form."""
     worker_index = {w: i for i, w in enumerate(order)}
     mb_index = {mb: i for i, mb in enumerate(microbatches)}

@@ -49,7 +49,7 @@ class PipelineInstance:
     @cached_property
     def held(self) -> tuple[tuple[tuple[int, int], range], ...]:
         """((node id, local GPU), layers) of every GPU of the pipeline: kept, as every reconfiguration asks."""
-        return tuple(((self.nodes[position], gpu), layers) for position, gpu, layers in self.template.slots())
+        return tuple(((self.nodes[position], gpu), layers) for position, gpu, layers in self.template.slots)
 
 
 def instantiate(templates: TemplateSet, num_nodes: int, max_pipelines: int | None = None) -> dict[int, int]:

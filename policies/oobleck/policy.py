@@ -31,7 +31,7 @@ from ftlab.policies.oobleck.batch import BatchError, BatchSplit, distribute_batc
 from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInstance, assign_nodes, instantiate
 from ftlab.policies.oobleck.reconfigure import Impossible, Reconfigured, Slot, on_failure, on_join, reinstantiate
 from ftlab.policies.oobleck.templates import TemplateSet, generate_templates
-from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
+from ftlab.policies.oobleck.to_plan import KeptPipelines, to_plan, worker_transfers
 from ftlab.runtime.contract import Change, Decision, Job, Outcome, Policy, Protection, Source, Stop
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.scheduler import one_f_one_b
@@ -59,6 +59,8 @@ class Oobleck(Policy):
         """The pipelines of every plan this policy proposed, by generation."""
         self._proposed: dict[int, Plan] = {}
         """The plan this policy proposed for every generation: tells its own running plan from another policy's."""
+        self._kept = KeptPipelines()
+        """The last plan's runtime pipelines: the next plan reuses those it shares with it."""
 
     # -- the first plan ----------------------------------------------------------------------------------------
     def layout(self, job: Job, tensor_parallel: bool = False) -> Layout:
@@ -119,7 +121,9 @@ class Oobleck(Policy):
     ) -> Plan:  # fmt: skip
         split = self._split(pipelines, job)
         t = job.train
-        return to_plan(pipelines, split.microbatches, workers_of_node, t.global_batch, t.micro_batch, generation, step)
+        return to_plan(
+            pipelines, split.microbatches, workers_of_node, t.global_batch, t.micro_batch, generation, step, self._kept
+        )
 
     def _decision(self, plan: Plan, pipelines: tuple[PipelineInstance, ...], reason: str, **kwargs: object) -> Decision:
         self._pipelines[plan.generation] = pipelines

@@ -27,6 +27,8 @@ Copies are per GPU: with a tensor-parallel stage a copy names one GPU of the sou
 
 from __future__ import annotations
 
+import bisect
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -93,27 +95,46 @@ def _place(
     return [PipelineInstance(t, tuple(at[(i, pos)] for pos in range(t.num_nodes))) for i, t in enumerate(templates)]
 
 
-def _copies(new: Sequence[PipelineInstance], held: dict[Slot, range], layer_bytes: np.ndarray) -> tuple[LayerCopy, ...]:
-    needed: list[tuple[Slot, int]] = []  # (GPU, layer) it lacks, by GPU then layer
-    for dst, layers in sorted(holdings(new).items()):
+def _copies(moved: Sequence[PipelineInstance], held: dict[Slot, range], layer_bytes: np.ndarray) -> tuple[LayerCopy, ...]:
+    """The copies that give the GPUs of ``moved`` (the new pipelines that are not running already: the others' GPUs
+    hold their layers) the layers they lack."""
+    needed: list[tuple[Slot, int]] = []  # (GPU, layer) it lacks
+    for dst, layers in holdings(moved).items():
         have = held.get(dst, range(0))
         if have.start <= layers.start and layers.stop <= have.stop and have:
-            continue  # most GPUs keep their layers: skip them whole
+            continue
         needed.extend((dst, layer) for layer in layers if layer not in have)
+    needed.sort()  # by GPU, then layer
     wanted = {layer for _, layer in needed}
-    holders: dict[int, list[Slot]] = {}
-    for slot, layers in sorted(held.items()):
-        for layer in layers:
-            if layer in wanted:
-                holders.setdefault(layer, []).append(slot)
+    slots_of: dict[range, list[Slot]] = defaultdict(list)  # a thousand GPUs hold a few dozen distinct ranges
+    for slot, layers in held.items():
+        slots_of[layers].append(slot)
+    holders: dict[int, list[Slot]] = defaultdict(list)
+    for layers, slots in slots_of.items():
+        for layer in wanted.intersection(layers):
+            holders[layer].extend(slots)
+    for slots in holders.values():
+        slots.sort()
     sent: dict[Slot, float] = dict.fromkeys(held, 0.0)
+    nbytes = layer_bytes.tolist()
     copies = []
     for dst, layer in needed:
-        local = [s for s in holders[layer] if s[0] == dst[0]]
-        src = local[0] if local else min(holders[layer], key=lambda s: (sent[s], s))
-        sent[src] += float(layer_bytes[layer])
+        slots = holders[layer]
+        first = bisect.bisect_left(slots, (dst[0],))  # the first GPU of dst's node that holds the layer, if any
+        local = first < len(slots) and slots[first][0] == dst[0]
+        src = slots[first] if local else _least_sent(slots, sent)
+        sent[src] += nbytes[layer]
         copies.append(LayerCopy(layer, src[0], src[1], dst[0], dst[1]))
     return tuple(copies)
+
+
+def _least_sent(holders: list[Slot], sent: dict[Slot, float]) -> Slot:
+    """The holder that has been given the fewest bytes to send, the lowest among equals (``holders`` are sorted).
+    Most have sent nothing yet, and the first of those is the answer: no scan of every holder for every copy."""
+    for slot in holders:
+        if not sent[slot]:
+            return slot
+    return min(holders, key=lambda s: (sent[s], s))
 
 
 def reinstantiate(
@@ -128,17 +149,26 @@ def reinstantiate(
 
 
 def _reinstantiate_all(
-    nodes: Sequence[int], held: dict[Slot, range], templates: TemplateSet, max_pipelines: int | None, why: str
+    nodes: Sequence[int], held: dict[Slot, range], templates: TemplateSet, max_pipelines: int | None, why: str,
+    current: Iterable[PipelineInstance] = (),
 ) -> Reconfigured | Impossible:
+    """``current``: the pipelines running now; a new pipeline equal to one of them is that one, whose GPUs hold their
+    layers already (a join re-places a thousand GPUs mostly where they were: only the others are looked at)."""
     try:
         counts = instantiate(templates, len(nodes), max_pipelines)
     except InstantiationError as error:
         return Impossible(f"{why}, and re-instantiating {len(nodes)} nodes failed: {error}")
     chosen = [templates.for_nodes(size) for size in sorted(counts, reverse=True) for _ in range(counts[size])]
     layer_bytes = np.asarray(templates.layer_bytes, dtype=float)
-    new = _place(chosen, sorted(nodes), held, layer_bytes)
+    running = {p: p for p in current}
+    new, moved = [], []
+    for placed in _place(chosen, sorted(nodes), held, layer_bytes):
+        same = running.get(placed)
+        new.append(same or placed)
+        if same is None:
+            moved.append(placed)
     action = f"{why}: re-instantiated {len(nodes)} nodes as pipelines of {sorted(counts.items())} (size, count)"
-    return Reconfigured(tuple(new), _copies(new, held, layer_bytes), (action,))
+    return Reconfigured(tuple(new), _copies(moved, held, layer_bytes), (action,))
 
 
 @dataclass(eq=False)
@@ -206,17 +236,18 @@ def on_failure(
     repaired = _repair(pipelines, lost, templates)
     if repaired is None or len(repaired[0]) < templates.fault_threshold + 1:
         why = "a merged pipeline has no template" if repaired is None else "too few pipelines after merging"
-        return _reinstantiate_all(survivors, held, templates, max_pipelines, why)
+        return _reinstantiate_all(survivors, held, templates, max_pipelines, why, pipelines)
     groups, actions = repaired
     layer_bytes = np.asarray(templates.layer_bytes, dtype=float)
     kept = {p.nodes: p for p in pipelines}
-    new = []
+    new, moved = [], []
     for group in groups:
         if group.changed:
-            new.extend(_place([templates.for_nodes(len(group.nodes))], group.nodes, held, layer_bytes))
+            moved.extend(_place([templates.for_nodes(len(group.nodes))], group.nodes, held, layer_bytes))
+            new.append(moved[-1])
         else:
             new.append(kept[tuple(group.nodes)])
-    return Reconfigured(tuple(new), _copies(new, held, layer_bytes), tuple(actions))
+    return Reconfigured(tuple(new), _copies(moved, held, layer_bytes), tuple(actions))
 
 
 def on_join(
@@ -228,4 +259,4 @@ def on_join(
     """Re-instantiate every node, old and new, from the templates; new nodes receive their layers by copy."""
     nodes = sorted({n for p in pipelines for n in p.nodes} | set(joined_nodes))
     why = f"nodes {sorted(joined_nodes)} joined"
-    return _reinstantiate_all(nodes, holdings(pipelines), templates, max_pipelines, why)
+    return _reinstantiate_all(nodes, holdings(pipelines), templates, max_pipelines, why, pipelines)

@@ -15,7 +15,6 @@ micro-batches, so we pick the S with the least time per micro-batch, ``T(S) / (4
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -56,6 +55,14 @@ class PipelineTemplate:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    def __hash__(self) -> int:
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        """Hashed once: templates key the planner's memos, hundreds of lookups per plan at a thousand GPUs."""
+        return hash((self.num_nodes, self.gpus_per_node, self.num_layers, self.stages))
+
     @cached_property
     def _terms(self) -> tuple[float, float, int, float]:
         """(T1, slowest stage time, k*, T3) of the paper's Eq. 1-4; k* is the last slowest stage."""
@@ -93,11 +100,11 @@ class PipelineTemplate:
         stages = self.node_stages(position)
         return range(stages[0].start, stages[-1].stop)
 
-    def slots(self) -> Iterator[tuple[int, int, range]]:
-        """(node position, local GPU, layers it holds) for every GPU of the pipeline."""
-        for stage in self.stages:
-            for gpu in stage.gpus:
-                yield stage.node, gpu, stage.layers
+    @cached_property
+    def slots(self) -> tuple[tuple[int, int, range], ...]:
+        """(node position, local GPU, layers it holds) for every GPU of the pipeline: kept, since every pipeline
+        instantiated from the template (hundreds per reconfiguration at a thousand GPUs) reads it."""
+        return tuple((stage.node, gpu, stage.layers) for stage in self.stages for gpu in stage.gpus)
 
 
 @dataclass(frozen=True)
