@@ -59,6 +59,7 @@ import math
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +405,17 @@ def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+def log_study(
+    tracker: Any, name: str, rows: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str],
+    plot: Callable[[list[dict[str, Any]], Path], Path], local: Path,
+) -> None:  # fmt: skip  # noqa: ANN401 - a Tracker
+    """Print a study's table and log it with its plot (``<name>.md``, ``<name>.png``)."""
+    text = render(rows)
+    print(text)
+    tracker.log_text(f"{name}.md", text)
+    tracker.log_file(plot(rows, local / f"{name}.png"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="one model and trace, two cluster sizes, 6 hours; one model, layout 4x8 and 0, 2, 8 failed GPUs")
@@ -430,31 +442,19 @@ def main() -> None:
     try:
         local = Path(tempfile.mkdtemp(prefix="ftlab-sim-paper-"))
         if not args.no_table2:
-            rows = table2(models, traces)
-            found["table2"] = rows
-            text = render_table2(rows)
-            print(text)
-            tracker.log_text("table2.md", text)
-            tracker.log_file(plot_table2(rows, local / "table2.png"))
+            rows = found["table2"] = table2(models, traces)
+            log_study(tracker, "table2", rows, render_table2, plot_table2, local)
             for r in rows:
                 tracker.log_metrics({f"table2/{r['model']}/{r['trace']}/{r['policy']}": r["samples_per_s"]}, 0)
         if not args.no_recycle:
-            rows = recycle_study(recycle_models, layouts, counts)
-            found["recycle"] = rows
-            text = render_recycle(rows)
-            print(text)
-            tracker.log_text("recycle.md", text)
-            tracker.log_file(plot_recycle(rows, local / "recycle.png"))
+            rows = found["recycle"] = recycle_study(recycle_models, layouts, counts)
+            log_study(tracker, "recycle", rows, render_recycle, plot_recycle, local)
             for r in rows:
                 if r["relative"] is not None:
                     tracker.log_metrics({f"recycle/{r['model']}/{r['layout']}/{r['policy']}": r["relative"]}, r["failed"])
         if not args.no_sweep:
-            rows = sweep(sizes, hours, sources)
-            found["sweep"] = rows
-            text = render_sweep(rows)
-            print(text)
-            tracker.log_text("mtbf_sweep.md", text)
-            tracker.log_file(plot_sweep(rows, local / "mtbf_sweep.png"))
+            rows = found["sweep"] = sweep(sizes, hours, sources)
+            log_study(tracker, "mtbf_sweep", rows, render_sweep, plot_sweep, local)
             for r in rows:
                 name = r["combination"].replace("+", "_with_")
                 tracker.log_metrics({f"sweep/{r['source']}/{name}/goodput": r["goodput"]}, r["gpus"])
