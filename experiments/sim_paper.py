@@ -244,10 +244,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.set_ylim(0, 1.05)
         ax.set_title(f"failures at {source} rates")
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 # -- ReCycle's comparison ------------------------------------------------------------------------------------------
@@ -375,10 +372,7 @@ def plot_recycle(rows: list[dict[str, Any]], path: Path) -> Path:
             ax.set_ylabel("throughput / fault-free")
             ax.set_title(f"{model}, {layout}")
             ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
@@ -399,6 +393,12 @@ def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
         ax.set_title(model)
         ax.set_ylabel("samples/s")
         ax.legend(fontsize="small")
+    return _saved(fig, path)
+
+
+def _saved(fig: Any, path: Path) -> Path:  # noqa: ANN401 - a matplotlib Figure
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
