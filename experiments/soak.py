@@ -15,7 +15,7 @@ job with ``faults=none``, run once per distinct job). Checks:
 - every step's loss, as finally committed, equals the twin's within the equivalence tolerance (rel 1e-5);
 - every fault that was noticed has its lost steps measured, and within what the recovery promises: none when the
   survivors kept running, at most the checkpoint interval when workers restarted;
-- no process of the job and no shared-memory segment of it is left behind.
+- no process of the job and no shared-memory segment of it is left behind (nor of its twin).
 
 The generator keeps every scenario recoverable by its policy (enough nodes survive for the pipelines it needs), so
 a stop is a finding too. A failing scenario prints the one command that reproduces it. The last line is one JSON
@@ -253,14 +253,24 @@ def shm_segments(coordinator_pid: str) -> list[str]:
     return sorted(p.name for p in shm.ROOT.glob(f"ftlab-{coordinator_pid}-*"))
 
 
+def leftover_problems(done: subprocess.CompletedProcess[str], mark: str) -> list[tuple[str, list[str]]]:
+    """What a finished job left: its processes (by ``mark``) and its node memories (by its coordinator's pid)."""
+    return [("processes", leftovers(mark)), ("shared-memory segments", shm_segments(done.args[-1]))]
+
+
 def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], cache: Path) -> Outcome:
     began = time.monotonic()
     problems: list[str] = []
     key = " ".join(scenario.job)
     if key not in twins:
-        done, store = run_ftlab([*scenario.job, "faults=none"], root / f"twin-{len(twins)}", cache, f"twin-{len(twins)}")
+        mark = f"twin-{len(twins)}-{os.getpid()}"
+        done, store = run_ftlab([*scenario.job, "faults=none"], root / f"twin-{len(twins)}", cache, mark)
         if done.returncode != 0:
             return Outcome(False, [f"the fault-free twin failed: {done.stderr.strip()[-400:]}"], time.monotonic() - began)
+        time.sleep(1.0)  # as after a scenario, below
+        left = [f"the fault-free twin left {what}: {found}" for what, found in leftover_problems(done, mark) if found]
+        if left:
+            return Outcome(False, left, time.monotonic() - began)
         twins[key] = final_losses(store)[1]
     mark = f"scenario-{scenario.index}-{os.getpid()}"
     done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark)
@@ -278,12 +288,7 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
         if wrong:
             problems.append(f"losses differ from the fault-free twin at steps {wrong[:5]}")
         problems += lost_step_problems(events, scenario.every)
-    left = leftovers(mark)
-    if left:
-        problems.append(f"processes left behind: {left}")
-    left_shm = shm_segments(done.args[-1])
-    if left_shm:
-        problems.append(f"shared-memory segments left behind: {left_shm}")
+    problems += [f"{what} left behind: {found}" for what, found in leftover_problems(done, mark) if found]
     return Outcome(not problems, problems, time.monotonic() - began)
 
 

@@ -179,8 +179,8 @@ def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: li
             assert coordinator.poll() is None, "the job ended early"
             time.sleep(0.2)
         coordinator.send_signal(sig)
-        coordinator.wait(timeout=60)
-        deadline = time.monotonic() + 30
+        coordinator.wait(timeout=300)  # generous: a loaded machine slows the shutdown, which is not what is tested
+        deadline = time.monotonic() + 120
         while segments(coordinator.pid) and time.monotonic() < deadline:
             time.sleep(0.1)  # a killed coordinator's agents free their nodes' memory on their own SIGTERM
         assert segments(coordinator.pid) == set(), "the job left its nodes' memory in /dev/shm"
