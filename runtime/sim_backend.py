@@ -204,6 +204,15 @@ class _Copy:
     ends: float
 
 
+@dataclass(frozen=True)
+class _Configured:
+    """The plan configured last: its generation, iteration timing and workers."""
+
+    generation: int
+    timing: IterationTiming
+    workers: frozenset[int]
+
+
 class SimBackend(Backend, FaultTarget):
     def __init__(
         self,
@@ -248,9 +257,9 @@ class SimBackend(Backend, FaultTarget):
         """Hung workers (alive to everyone) and when their silence is noticed."""
         self._pending_joins: set[int] = set()
         self._armed: dict[int, tuple[int, str]] = {}
-        self._timings: dict[int, IterationTiming] = {}
-        self._needs: dict[int, frozenset[int]] = {}
-        """Every worker of the configured plan, by generation."""
+        self._configured: _Configured | None = None
+        """The plan configured last: the only one that runs steps (the coordinator configures a plan before it trains
+        it), so no other plan's timing is kept for a whole simulated day of plans."""
         self._layers_dropped = True
         self._step_started = 0.0
         self._membership: Membership | None = None
@@ -411,10 +420,7 @@ class SimBackend(Backend, FaultTarget):
             self._held.setdefault(worker, set()).update(range(*ranges[worker]))
         if self._pending_joins:
             self._pending_joins -= {self.node_of(w) for w in plan.workers}
-        # Only the plan configured last runs steps (the coordinator configures a plan before it trains it): the
-        # others' timings and worker sets are dropped, not kept for a whole simulated day of plans.
-        self._timings = {plan.generation: timing}
-        self._needs = {plan.generation: needs}
+        self._configured = _Configured(plan.generation, timing, needs)
         self._layers_dropped = False
         return ConfigureReport(
             received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
@@ -437,7 +443,7 @@ class SimBackend(Backend, FaultTarget):
         return replace(source, records=intact)
 
     def begin_step(self, plan: Plan, step: int) -> None:
-        timing = self._timings[plan.generation]
+        timing = self._running(plan).timing
         self._launched, self._launch_s = (self._launch_s if self._launch_s else None), 0.0
         self._step_started = self.now + (self._launched or 0.0)
         if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
@@ -454,8 +460,8 @@ class SimBackend(Backend, FaultTarget):
                 self._step_timers.append(self.call_at(self._step_started + at, self._at_phase(worker, step, phase)))
 
     def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
-        timing = self._timings[plan.generation]
-        needs = self._needs[plan.generation]
+        running = self._running(plan)
+        timing, needs = running.timing, running.workers
         waits = {  # a writer reports ready once its gradients are reduced and its copy is done
             c.worker: max(0.0, c.ends - self._step_started - timing.reduce_end.get(c.worker, timing.ready_s))
             for c in self._copies if c.worker in needs
@@ -472,9 +478,13 @@ class SimBackend(Backend, FaultTarget):
 
     def commit(self, plan: Plan, step: int) -> None:
         for worker, (armed_step, phase) in list(self._armed.items()):
-            if armed_step == step and phase == "optimizer" and worker in self._needs[plan.generation]:
+            if armed_step == step and phase == "optimizer" and worker in self._running(plan).workers:
                 self._at_phase(worker, step, phase)()
-        self._advance(self.now + self.sim.control_s + self._timings[plan.generation].optimizer_s)
+        self._advance(self.now + self.sim.control_s + self._running(plan).timing.optimizer_s)
+
+    def _running(self, plan: Plan) -> _Configured:
+        assert self._configured is not None and self._configured.generation == plan.generation, "plan not configured"
+        return self._configured
 
     def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
         self._cancel_step_timers()
@@ -485,7 +495,11 @@ class SimBackend(Backend, FaultTarget):
         ranges = plan.layer_ranges()
         stages = {held: tuple(range(*held)) for held in plan.workers_by_range()}
         holdings = {}
-        for worker in self._needs.get(plan.generation, plan.workers):
+        configured = self._configured
+        running = plan.workers
+        if configured is not None and configured.generation == plan.generation:
+            running = configured.workers
+        for worker in running:
             if worker in self._alive:
                 held, (start, stop) = self._held[worker], ranges[worker]
                 exact = len(held) == stop - start and held.issuperset(range(start, stop))
