@@ -66,6 +66,20 @@ def _key(instr: ins.Instruction) -> int:
     return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.layer  # type: ignore[attr-defined]
 
 
+Channel = tuple[str, int, int, int]
+"""(kind, sender, receiver, micro-batch or layer): where a message travels, matched FIFO."""
+
+
+def channel_of(worker: int, instr: ins.Instruction) -> tuple[Channel, bool] | None:
+    """The channel ``instr`` on ``worker`` sends to (True) or receives from (False); None if it is no transfer."""
+    kind = type(instr)
+    if kind in _SENDS:
+        return (_SENDS[kind], worker, _peer(instr), _key(instr)), True
+    if kind in _RECVS:
+        return (_RECVS[kind], _peer(instr), worker, _key(instr)), False
+    return None
+
+
 def worker_layers(plan: Plan) -> dict[int, tuple[int, int]]:
     """Each worker's layer range ``(start, stop)``; a worker named in several pipelines must hold the same layers."""
     try:
@@ -96,8 +110,8 @@ class _Machine:
         self.pc = dict.fromkeys(programs, 0)
         self.clock = dict.fromkeys(programs, 0.0)
         # (kind, sender, receiver, micro-batch or layer) -> messages in flight: (arrival time, layer boundary)
-        self.channels: dict[tuple[str, int, int, int], deque[tuple[float, int]]] = defaultdict(deque)
-        self.sent: set[tuple[str, int, int, int]] = set()
+        self.channels: dict[Channel, deque[tuple[float, int]]] = defaultdict(deque)
+        self.sent: set[Channel] = set()
         self.reduce_arrival: dict[int, float] = {}
         self.events: list[Event] = []
         if plan is not None:
@@ -153,16 +167,17 @@ class _Machine:
         """Execute ``instr`` on ``w`` if it can run now; False when it blocks."""
         start = self.clock[w]
         cost = self.durations(w, instr)
-        if type(instr) in _RECVS:
-            queue = self.channels[(_RECVS[type(instr)], _peer(instr), w, _key(instr))]
+        transfer = channel_of(w, instr)
+        if transfer is not None and not transfer[1]:
+            queue = self.channels[transfer[0]]
             if not queue:
                 return False  # the matching send wakes this worker
             arrival, boundary = queue.popleft()
             if self.plan is not None:
                 self._receive(w, instr, boundary)
             end = max(start, arrival) + cost
-        elif type(instr) in _SENDS:
-            channel = (_SENDS[type(instr)], w, _peer(instr), _key(instr))
+        elif transfer is not None:
+            channel = transfer[0]
             if channel in self.sent:
                 self._fail(w, instr, f"sends the same {channel[0]} to worker {channel[2]} twice")
             self.sent.add(channel)

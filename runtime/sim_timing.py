@@ -37,6 +37,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
+from ftlab.runtime.shared_host import run_shared
 
 PHASES = ("forward", "backward", "reduce")
 _COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
@@ -88,10 +89,10 @@ class IterationTimer:
 
     ``instruction_s``: the runtime's own cost per forward or backward instruction, beyond the profiled layers'.
     ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
-    layer profiled alone on one core). When more workers compute at once than there are cores, each computes
-    slower: compute (forward, backward, optimizer) is scaled by the mean number of workers computing at once over
-    the cores, found as a fixed point (the scale lengthens the iteration, which lowers the mean). ``None``: each
-    worker has a device of its own.
+    layer profiled alone on one core). The whole plan then runs as one, under processor sharing
+    (``runtime.shared_host``): a small plan, and its components are not independent, since they share the cores.
+    The optimizer steps, every worker's at once, are slowed by the workers over the cores. ``None``: each worker has
+    a device of its own.
     """
 
     def __init__(
@@ -102,8 +103,8 @@ class IterationTimer:
         self.cores = cores
         self.instruction_s = instruction_s
         """Added to every forward and backward instruction: the runtime's own cost beyond the layers'."""
-        self._components: dict[tuple[_Key, float], ComponentTiming] = {}
-        self._shapes: dict[tuple[tuple, float], ComponentTiming] = {}
+        self._components: dict[_Key, ComponentTiming] = {}
+        self._shapes: dict[tuple, ComponentTiming] = {}
 
     @property
     def components(self) -> int:
@@ -111,20 +112,37 @@ class IterationTimer:
         return len(self._components)
 
     def time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
-        timing = self._time(plan, programs, 1.0)
-        if not self.cores:
-            return timing
-        scale = 1.0
-        for _ in range(8):
-            busy = timing.total_compute_s / timing.ready_s if timing.ready_s > 0 else 0.0
-            wanted = max(1.0, busy / self.cores)
-            if abs(wanted - scale) <= 1e-3 * scale:
-                break
-            scale = round(wanted, 4)
-            timing = self._time(plan, programs, scale)
-        return timing
+        if self.cores:
+            return self._time_shared(plan, programs, self.cores)
+        return self._time(plan, programs)
 
-    def _time(self, plan: Plan, programs: Mapping[int, ins.Program], scale: float) -> IterationTiming:
+    def _time_shared(self, plan: Plan, programs: Mapping[int, ins.Program], cores: float) -> IterationTiming:
+        """Every worker of ``plan`` on one host of ``cores`` cores."""
+        ranges = plan.layer_ranges()
+        workers = sorted(ranges)
+        missing = [w for w in workers if w not in programs]
+        if missing:
+            raise ProgramError(f"programs and plan disagree: no program for workers {missing}")
+        own = {w: list(programs[w]) for w in workers}
+        if self.check:
+            check_programs(plan, own)
+        durations = self.costs.durations(plan)
+
+        def cost(worker: int, instruction: ins.Instruction) -> float:
+            extra = self.instruction_s if isinstance(instruction, _COMPUTE) else 0.0
+            return durations(worker, instruction) + extra
+
+        run = run_shared(own, cost, cores)
+        whole = ComponentTiming(
+            tuple(run.reduce_at[w] for w in workers),
+            tuple(dict(run.phase_at.get(w, {})) for w in workers),
+            tuple(run.compute_s.get(w, 0.0) for w in workers),
+        )
+        compute = max(whole.compute_s, default=0.0)
+        optimizers = max(1.0, len(workers) / cores)
+        return self._reduce(plan, ranges, run.reduce_at, compute, sum(whole.compute_s), ((workers, whole),), optimizers)
+
+    def _time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
         ranges = plan.layer_ranges()
         scheduled = isinstance(programs, OneFOneB) and programs.plan == plan  # a program for each of its workers
         missing = [] if scheduled else sorted(set(ranges) - set(programs))
@@ -138,16 +156,16 @@ class IterationTimer:
         compute = total = 0.0
         components = []
         for order, shape in self._split(plan, programs):
-            timing = self._shapes.get((shape, scale)) if shape is not None else None
+            timing = self._shapes.get(shape) if shape is not None else None
             if timing is None:
                 key, microbatches = _canonical(order, programs, ranges)
-                timing = self._components.get((key, scale))
+                timing = self._components.get(key)
                 if timing is None:
                     pipelines = [p for w in order for p in pipelines_from.get(w, ())]
-                    timing = self._run(key, order, pipelines, microbatches, plan, scale)
-                    self._components[(key, scale)] = timing
+                    timing = self._run(key, order, pipelines, microbatches, plan)
+                    self._components[key] = timing
                 if shape is not None:
-                    self._shapes[(shape, scale)] = timing
+                    self._shapes[shape] = timing
                 for mb in microbatches:
                     if mb in covered:
                         raise ProgramError(
@@ -169,7 +187,7 @@ class IterationTimer:
                 raise ProgramError(
                     f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
                 )
-        return self._reduce(plan, ranges, arrival, compute, total, tuple(components), scale)
+        return self._reduce(plan, ranges, arrival, compute, total, tuple(components))
 
     def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[Sequence[int], tuple | None]]:
         """The plan's components, each with its workers in canonical order and, for the default scheduler's
@@ -183,9 +201,8 @@ class IterationTimer:
         ]
 
     def _run(
-        self, key: _Key, order: Sequence[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan,
-        scale: float,
-    ) -> ComponentTiming:  # fmt: skip
+        self, key: _Key, order: Sequence[int], pipelines: list[Pipeline], microbatches: list[int], plan: Plan
+    ) -> ComponentTiming:
         """Execute (and check) one component in its canonical form."""
         programs = {index: [_instruction(entry) for entry in program] for index, (_, _, program) in enumerate(key)}
         local = _local_plan(order, pipelines, microbatches, plan)
@@ -197,7 +214,7 @@ class IterationTimer:
             if isinstance(instruction, (ins.ReduceGrads, ins.OptimizerStep)):
                 return 0.0
             if isinstance(instruction, _COMPUTE):
-                return scale * (durations(worker, instruction) + self.instruction_s)
+                return durations(worker, instruction) + self.instruction_s
             return durations(worker, instruction)
 
         reduce_at = [0.0] * len(order)
@@ -215,9 +232,10 @@ class IterationTimer:
 
     def _reduce(
         self, plan: Plan, ranges: dict[int, tuple[int, int]], arrival: dict[int, float], compute: float,
-        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...], scale: float,
+        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...], optimizers: float = 1.0,
     ) -> IterationTiming:  # fmt: skip
-        """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
+        """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces.
+        ``optimizers``: how much slower than profiled the optimizer steps run (on a shared host)."""
         # By range of layers (Plan.workers_by_range): its workers have the same co-holders and the same all-reduces.
         by_range = plan.workers_by_range()
         last_of_range = {held: max(0.0, *(arrival[worker] for worker in workers)) for held, workers in by_range.items()}
@@ -229,7 +247,7 @@ class IterationTimer:
         reduce_end: dict[int, float] = {}
         for held, workers in by_range.items():
             reduce_end.update(dict.fromkeys(workers, max(latest[held[0] : held[1]]) + reduce_s.get(held, 0.0)))
-        optimizer = scale * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
+        optimizer = optimizers * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
 
 

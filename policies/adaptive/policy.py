@@ -89,6 +89,10 @@ here, a predicted iteration time is off by about 20% (``experiments/bench_polici
 shared by two plans of one job on one machine (the same constants, the same cost per instruction), so their
 difference is known much better than either; the margin keeps a review from paying a pause, layer copies and a
 window in which a failure finds a reconfiguration half done for a gain the size of the model's noise between plans."""
+FIRST_PLAN_TIE = 0.01
+"""First plans whose predicted iterations differ by less than 1% are a tie, which the earlier candidate in
+``policy.candidates`` wins. Often they are the same layout (a grid is also one Oobleck instantiation), and which one
+starts must not turn on the last digits of a profile or a constant."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,8 @@ class Adaptive(Policy):
 
     # -- the first plan --------------------------------------------------------------------------------------------
     def plan(self, job: Job, protection: Protection) -> Decision:
-        """Every candidate's first plan (each needs its own to plan from later); the fastest iteration is run."""
+        """Every candidate's first plan (each needs its own to plan from later); the fastest iteration is run
+        (``FIRST_PLAN_TIE``)."""
         options: list[tuple[str, Decision, float]] = []
         for name, candidate in list(self.candidates.items()):
             try:
@@ -186,7 +191,8 @@ class Adaptive(Policy):
             options.append((name, decision, self._iteration_s(decision, job)))
         if not options:
             raise PlanError(f"policy=adaptive: no candidate can plan this job: {self.excluded}")
-        name, chosen, iter_s = min(options, key=lambda o: (o[2], list(self.candidates).index(o[0])))
+        fastest = min(s for _, _, s in options)
+        name, chosen, iter_s = next(o for o in options if o[2] <= (1 + FIRST_PLAN_TIE) * fastest)  # in their order
         self._iter_s[chosen.plan.generation] = iter_s
         self._owner[chosen.plan.generation] = name
         self._failed_at = job.start_step

@@ -1,0 +1,123 @@
+"""One iteration's programs on workers that share the cores of one host: processor sharing, in time order.
+
+The local runtime runs every worker as a single-threaded process on one machine with a few cores, and its layers
+were profiled alone on one core. Whenever more workers compute than the host has cores, the operating system shares
+the cores out, and each computing worker advances at ``cores / computing`` of its profiled speed. A slowdown
+averaged over the iteration misses how the pipelines of a plan move: in lockstep, so their workers compute at the
+same moments and wait at the same moments, and a computation meets the contention of the moment it runs in (on a
+4 x 2 grid on two cores, a mean slowdown predicted 30% less compute than the workers measured). Here the programs
+run in time order and every computing worker's rate changes the moment a worker starts or ends a computation.
+
+Communication is charged as on the checker's abstract machine (``program_check.timeline``): a send costs its sender
+nothing and its message arrives after the link's cost; a receive waits for its message. Each program runs up to its
+``ReduceGrads``: the reduction and the optimizer step are charged by the caller (``sim_timing``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.program_check import Channel, ProgramError, channel_of, show
+
+_COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
+
+
+@dataclass
+class SharedRun:
+    """Each worker's times, from the iteration's start."""
+
+    reduce_at: dict[int, float] = field(default_factory=dict)
+    """When each worker reaches its ReduceGrads."""
+    phase_at: dict[int, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    """When each worker starts each phase (``instructions.phase_of``)."""
+    compute_s: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    """Wall seconds each worker spent in forward and backward instructions, waits for a core included (what the
+    runtime's workers measure)."""
+
+
+def run_shared(
+    programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float], cores: float
+) -> SharedRun:
+    """Execute ``programs`` up to their ReduceGrads on a host of ``cores`` cores; ``cost``: an instruction's seconds
+    on a core of its own (a transfer's: the link's). ProgramError on a deadlock."""
+    return _Host(programs, cost, cores).run()
+
+
+class _Host:
+    def __init__(
+        self, programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float],
+        cores: float,
+    ) -> None:  # fmt: skip
+        if cores <= 0:
+            raise ValueError(f"a host needs a positive number of cores, not {cores}")
+        self.programs = programs
+        self.cost = cost
+        self.cores = cores
+        self.now = 0.0
+        self.pc = dict.fromkeys(programs, 0)
+        self.work_left: dict[int, float] = {}  # computing worker -> seconds of work (on a core of its own) left
+        self.started: dict[int, float] = {}  # computing worker -> when its instruction started
+        self.waiting: dict[int, Channel] = {}  # blocked worker -> the channel it receives from
+        self.messages: dict[Channel, deque[float]] = defaultdict(deque)  # arrival times, in order
+        self.out = SharedRun()
+
+    def run(self) -> SharedRun:
+        for worker in self.programs:
+            self._advance(worker)
+        while self.work_left or self.waiting:
+            rate = min(1.0, self.cores / len(self.work_left)) if self.work_left else 0.0
+            least = min(self.work_left.values(), default=None)
+            arrivals = [q[0] for q in (self.messages[c] for c in self.waiting.values()) if q]
+            until = min([*arrivals, *([self.now + least / rate] if least is not None else [])], default=None)
+            if until is None:
+                raise ProgramError("deadlock: no worker can progress; " + "; ".join(
+                    f"worker {w} waits at {show(self.programs[w][self.pc[w]])} for the matching send"
+                    for w in sorted(self.waiting)
+                ))  # fmt: skip
+            elapsed = until - self.now
+            self.now = until
+            done = [w for w, left in self.work_left.items() if left - elapsed * rate <= 1e-12 * max(1.0, left)]
+            for worker in self.work_left:
+                self.work_left[worker] -= elapsed * rate
+            for worker in done:
+                del self.work_left[worker]
+                self.out.compute_s[worker] += self.now - self.started.pop(worker)
+                self.pc[worker] += 1
+                self._advance(worker)
+            for worker, channel in list(self.waiting.items()):
+                if self.messages[channel] and self.messages[channel][0] <= self.now:
+                    del self.waiting[worker]
+                    self._advance(worker)
+        return self.out
+
+    def _advance(self, worker: int) -> None:
+        """Run ``worker`` at ``now`` until it computes, waits for a message or reaches its ReduceGrads."""
+        program = self.programs[worker]
+        while self.pc[worker] < len(program):
+            instr = program[self.pc[worker]]
+            phase = ins.phase_of(instr)
+            if phase:
+                self.out.phase_at[worker].setdefault(phase, self.now)
+            if isinstance(instr, (ins.ReduceGrads, ins.OptimizerStep)):
+                self.out.reduce_at[worker] = self.now
+                return
+            transfer = channel_of(worker, instr)
+            if transfer is None:
+                seconds = self.cost(worker, instr)
+                if seconds > 0 or isinstance(instr, _COMPUTE):  # whatever takes a worker's time takes its core
+                    self.work_left[worker] = seconds
+                    self.started[worker] = self.now
+                    return
+            elif transfer[1]:
+                self.messages[transfer[0]].append(self.now + self.cost(worker, instr))
+            else:
+                queue = self.messages[transfer[0]]
+                if not queue or queue[0] > self.now:
+                    self.waiting[worker] = transfer[0]
+                    return
+                queue.popleft()
+            self.pc[worker] += 1
+        self.out.reduce_at[worker] = self.now  # a program without ReduceGrads ends here

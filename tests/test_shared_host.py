@@ -1,0 +1,67 @@
+"""Programs on workers sharing a host's cores (``runtime.shared_host``): processor sharing, worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftlab.runtime import instructions as ins
+from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.shared_host import run_shared
+
+END = [ins.ReduceGrads(), ins.OptimizerStep()]
+
+
+def cost(_worker: int, instr: ins.Instruction) -> float:
+    """One second a forward or backward, a quarter of a second on the link, nothing else."""
+    if isinstance(instr, (ins.ForwardPass, ins.BackwardPass)):
+        return 1.0
+    return 0.25 if isinstance(instr, (ins.SendActivation, ins.SendGrad)) else 0.0
+
+
+def alone(forwards: int) -> ins.Program:
+    return [ins.ForwardPass(mb) for mb in range(forwards)] + END
+
+
+def test_workers_that_fit_the_cores_run_at_their_profiled_speed() -> None:
+    run = run_shared({0: alone(2), 1: alone(3)}, cost, cores=2)
+    assert run.reduce_at == {0: 2.0, 1: 3.0}
+    assert run.compute_s == {0: 2.0, 1: 3.0}
+
+
+def test_more_workers_than_cores_share_them_and_speed_up_when_one_stops() -> None:
+    # Three workers on two cores: each at 2/3 speed until worker 0 has done its one second (1.5 s), then the other
+    # two alone on a core each: worker 1 finishes its 2nd second at 2.0 s, worker 2 its 3rd at 3.0 s.
+    run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=2)
+    assert run.reduce_at == pytest.approx({0: 1.5, 1: 2.5, 2: 3.5})
+    assert run.compute_s == pytest.approx({0: 1.5, 1: 2.5, 2: 3.5})
+
+
+def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -> None:
+    programs = {
+        0: [ins.ForwardPass(0), ins.SendActivation(0, 1), ins.RecvGrad(0, 1), ins.BackwardPass(0), *END],
+        1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), ins.BackwardPass(0), ins.SendGrad(0, 0), *END],
+        2: alone(4),  # a third worker beside them, on one core with them
+    }
+    run = run_shared(programs, cost, cores=1)
+    # 0 forwards beside 2 at half speed (until 2.0; 2 has 3 s left); the activation arrives at 2.25 (2 alone
+    # meanwhile: 2.75 left); 1 forwards and backwards beside 2 at half speed (until 6.25; 0.75 left); the gradient
+    # arrives at 6.5 (2 alone: 0.5 left); 0's backward and 2 share the core until 2 ends at 7.5; 0 ends at 8.0.
+    assert run.reduce_at == pytest.approx({0: 8.0, 1: 6.25, 2: 7.5})
+    assert run.phase_at[1]["backward"] == pytest.approx(4.25)  # its BackwardPass, after its forward at half speed
+
+
+def test_with_a_core_each_it_agrees_with_the_checkers_machine() -> None:
+    programs = {
+        0: [ins.ForwardPass(0), ins.SendActivation(0, 1), ins.ForwardPass(1), ins.SendActivation(1, 1),
+            ins.RecvGrad(0, 1), ins.BackwardPass(0), ins.RecvGrad(1, 1), ins.BackwardPass(1), *END],
+        1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), ins.BackwardPass(0), ins.SendGrad(0, 0),
+            ins.RecvActivation(1, 0), ins.ForwardPass(1), ins.BackwardPass(1), ins.SendGrad(1, 0), *END],
+    }  # fmt: skip
+    machine = {e.worker: e.start for e in timeline(programs, cost) if isinstance(e.instruction, ins.ReduceGrads)}
+    assert run_shared(programs, cost, cores=2).reduce_at == pytest.approx(machine)
+
+
+def test_a_receive_without_its_send_is_a_deadlock() -> None:
+    programs = {0: [ins.RecvActivation(0, 1), *END], 1: alone(1)}
+    with pytest.raises(ProgramError, match="worker 0 waits"):
+        run_shared(programs, cost, cores=1)
