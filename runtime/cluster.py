@@ -107,15 +107,17 @@ class LocalCluster:
         self._server = msg.ControlServer(coordinator_addr, coordinator_port, self.secret, self._register)
         self.port = self._server.address[1]
         # The rendezvous store lives in the coordinator, which outlives every generation of workers. TCPStore
-        # would listen on every interface: it is handed a socket bound to the coordinator's address instead.
+        # would listen on every interface: it is handed a socket bound to the coordinator's address instead. Only
+        # held here: its server serves the workers as long as this reference lives (``shutdown`` drops it).
         self._store_socket = socket.create_server((coordinator_addr, store_port), backlog=128)
-        self.store = dist.TCPStore(
+        self._store: dist.TCPStore | None = dist.TCPStore(
             coordinator_addr, self._store_socket.getsockname()[1], is_master=True, wait_for_workers=False,
             master_listen_fd=self._store_socket.fileno(),
         )  # fmt: skip
+        self.store_port: int = self._store.port
         self._store_socket.detach()  # the store's server owns the descriptor now
         log.info("control server on %s:%d, rendezvous store on %s:%d", coordinator_addr, self.port, coordinator_addr,
-                 self.store.port)  # fmt: skip
+                 self.store_port)  # fmt: skip
         self.memory_root = shm.job_root(f"{os.getpid()}-{secrets.token_hex(4)}")
         """The nodes' host memories (``node-N`` each, owned by its agent); removed when the job ends."""
 
@@ -327,6 +329,16 @@ class LocalCluster:
         shm.remove(self.memory_root)  # agents free their own; this catches those that were killed
         self._server.close()
         self.launcher.close()
+        # The job is over and its peers are gone: their connections go too, or a process running job after job
+        # (a sweep, a test session) would keep every one of them open.
+        for member in [*self.agents.values(), *self.workers.values()]:
+            member.conn.close()
+            if member.aborts is not None:
+                member.aborts.close()
+        for parts in self._connecting.values():
+            for conn, _ in parts.values():
+                conn.close()
+        self._store = None  # a TCPStore has no close(): its server and sockets go with the last reference
 
 
 def _send(member: Member | None, message: object) -> bool:

@@ -81,7 +81,7 @@ class LocalBackend(Backend, FaultTarget):
             self._helpers[plan.generation] = helpers
         for worker in (*plan.workers, *helpers):
             configure = msg.Configure(
-                plan.to_dict(), programs.get(worker, []), self.cluster.store.port, self.setup, restore,
+                plan.to_dict(), programs.get(worker, []), self.cluster.store_port, self.setup, restore,
                 tuple(transfers.get(worker, ())), helpers,
             )  # fmt: skip
             self.cluster.send(worker, configure)

@@ -158,7 +158,16 @@ class ControlServer:
 
     def close(self) -> None:
         self._closing = True
+        # close() alone does not wake the thread blocked in accept() on Linux: the socket would go on listening,
+        # and that thread would keep this server and its coordinator's tables alive. shutdown() wakes it.
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected: some platforms refuse shutdown() on a listening socket, and close() suffices there
         self._sock.close()
+        # The callback is bound to the coordinator's tables: dropped, they go when the job does, not at the next
+        # garbage collection (the rendezvous store's sockets with them). A peer still authenticating is turned away.
+        self._on_connection = Connection.close
 
 
 # -- sent to the coordinator ---------------------------------------------------------------------------------------

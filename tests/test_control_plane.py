@@ -115,7 +115,7 @@ def test_the_secret_is_in_no_command_line_and_the_store_listens_on_loopback_only
             assert cluster.secret.encode() not in _cmdline(pid)
         assert cluster.secret[:8] not in str(cluster.memory_root)
         listening = Path("/proc/net/tcp").read_text()
-        port = f":{cluster.store.port:04X} "
+        port = f":{cluster.store_port:04X} "
         lines = [line for line in listening.splitlines() if port in line and line.split()[3] == "0A"]
         assert lines and all(line.split()[1].startswith("0100007F") for line in lines), lines
     finally:

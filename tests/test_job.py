@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,28 @@ def test_a_short_job_records_metrics_params_tags_and_artifacts(run, tmp_path: Pa
     assert Plan.from_json(local.read_text()) == result.plans[0]
     events = Path(client.download_artifacts(record.info.run_id, "events.jsonl", str(tmp_path))).read_text()
     assert [json.loads(line)["kind"] for line in events.splitlines()] == ["plan"]
+
+
+def open_sockets() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the directory's own descriptor, closed by now
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_a_job_leaves_no_socket_or_server_thread_in_the_process_that_ran_it(run) -> None:  # noqa: ANN001
+    # A sweep or a test session runs job after job in one process: each one's listening socket, rendezvous store
+    # and every peer's connection must go with it.
+    before = open_sockets()
+    run("train.steps=2")
+    assert open_sockets() <= before
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("control-")]
 
 
 def test_a_plan_that_leaves_a_layer_without_replica_is_refused() -> None:
