@@ -2,6 +2,7 @@
 
     .venv/bin/python -m ftlab.experiments.bench_policies            # the full comparison (local-8, 30 steps)
     .venv/bin/python -m ftlab.experiments.bench_policies --smoke    # local-6, 12 steps: that it runs and prints
+    .venv/bin/python -m ftlab.experiments.bench_policies --rounds 3 # each policy three times: its median run
 
 The job: gpt2-tiny, ``train.stages=2``, each device granted 40 MB (so every policy's pipelines have two stages and
 the schedule's victims sit in known stages of the 2 x N grid: even workers hold stage 0, odd ones stage 1). The
@@ -26,7 +27,10 @@ run's fault-free iterations, the total pause (``ft/recover_s`` summed over the f
 policy that predicts (adaptive) the prediction error: per recovery, |predicted - measured| / measured of the pause
 (predicted ``ft/predicted_recover_s`` against ``ft/recover_s``) and of the iteration time (``predicted_iter_s``
 against the median ``iter_s`` of the plan it chose; a switch at a review counts too), the median over recoveries.
-The last line is one JSON object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over
+With ``--rounds N`` every policy runs N times, each round in an order rotated by one, and the figures are each
+policy's run of median goodput (every round's goodput beside them): one run of a policy and the next differ by
+5-10% on this shared machine, as much as the policies' own differences on this schedule. The last line is one JSON
+object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over
 the best single policy's), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
@@ -149,6 +153,16 @@ def measure(result: Any) -> dict[str, Any]:
     return figures
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median goodput (the lower of two middle ones), with every round's goodput beside it; a policy
+    that failed in any round is reported failed."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {**failed[0], "error": f"failed in {len(failed)} of {len(runs)} rounds: {failed[0]['error']}"}
+    ranked = sorted(runs, key=lambda r: r["goodput"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_goodput": [r["goodput"] for r in runs]}
+
+
 def table(report: dict[str, dict[str, Any]]) -> str:
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{100 * value:.0f}%"
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
     parser.add_argument("--policies", nargs="*", default=list(POLICIES))
     parser.add_argument("--keep", action="store_true", help="keep the jobs' MLflow stores and checkpoints")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every policy this many times, in rotated order; report each one's median run")
     parser.add_argument("--cores-as-measured", action="store_true",
                         help="predict for conf/sim/measured.yaml's idle host, not the share of it measured now")  # fmt: skip
     args = parser.parse_args(argv)
@@ -187,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-policies-"))
     try:
         workers = None if args.cores_as_measured else args.nodes
-        report = {policy: run_policy(policy, overrides, scratch, workers) for policy in args.policies}
+        runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in args.policies}
+        for round_ in range(args.rounds):
+            # Each round starts one policy later: a load that drifts over the bench falls on every policy alike.
+            first = round_ % len(args.policies)
+            for policy in [*args.policies[first:], *args.policies[:first]]:
+                runs[policy].append(run_policy(policy, overrides, scratch, workers))
+        report = {policy: median_run(tried) for policy, tried in runs.items()}
     finally:
         if args.keep:
             print(f"job stores kept in {scratch}")

@@ -251,8 +251,9 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     dist.destroy_process_group()
 
 
-def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing queue
-    """A single-threaded CPU-bound process for ``seconds`` of wall time: the share of a core it got."""
+def _spin(go: Any, seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing event and queue
+    """A single-threaded CPU-bound process for ``seconds`` of wall time from ``go``: the share of a core it got."""
+    go.wait()
     started, cpu = time.perf_counter(), time.thread_time()
     while time.perf_counter() - started < seconds:
         sum(range(10_000))
@@ -262,12 +263,16 @@ def _spin(seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing
 def host_share(processes: int, seconds: float = 1.5) -> float:
     """How many cores ``processes`` CPU-bound processes get now: the shares of a core each got, running side by
     side for ``seconds`` (its CPU time over the wall time), added up. On a shared machine this is what a job of as
-    many worker processes gets from the scheduler beside everyone else's processes (``sim.host_cores``)."""
+    many worker processes gets from the scheduler beside everyone else's processes (``sim.host_cores``).
+
+    The spinners start spinning together, once every one of them has started: one started early would spin alone
+    for a while and count cores that the job's workers, all busy at once, never get."""
     context = mp.get_context("fork")  # a spinner needs nothing of this process: the cheapest start
-    out = context.Queue()
-    procs = [context.Process(target=_spin, args=(seconds, out)) for _ in range(processes)]
+    out, go = context.Queue(), context.Event()
+    procs = [context.Process(target=_spin, args=(go, seconds, out)) for _ in range(processes)]
     for proc in procs:
         proc.start()
+    go.set()
     shares = [out.get() for _ in procs]
     for proc in procs:
         proc.join()
