@@ -118,7 +118,7 @@ def draw(seed: int, index: int) -> Scenario:
     if policy in ("checkpoint_restart", "recycle"):
         stages = rng.randint(1, min(3, layers, nodes * wpn))
         every = rng.choice([2, 3, 4])
-        job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every)]
+        job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every, nodes * wpn >= 2 * stages)]
         # The grid shrinks to the workers left (fewer stages if need be); ReCycle reroutes until a stage loses every
         # replica, then restarts like checkpoint-restart from its protection's state.
         spare_nodes = nodes - 1
@@ -141,13 +141,17 @@ def draw(seed: int, index: int) -> Scenario:
     return Scenario(index, job, faults, every, notes)
 
 
-def draw_protection(rng: random.Random, every: int) -> list[str]:
+def draw_protection(rng: random.Random, every: int, replicated: bool = True) -> list[str]:
     """Storage checkpoints every ``every`` steps, or REFT's snapshots every step with a flush to storage every
-    ``every`` steps: either way a restart loses at most ``every`` committed steps."""
+    ``every`` steps: either way a restart loses at most ``every`` committed steps. ``replicated``: the first plan
+    holds every stage at least twice, which REFT's copies and parity need (ftlab refuses it otherwise)."""
+    storage = ["protection=storage", f"protection.every={every}"]
     if rng.random() < 0.5:
-        return ["protection=storage", f"protection.every={every}"]
-    return ["protection=reft", f"protection.mode={rng.choice(['arc', 'aec'])}", "protection.interval=1",
-            f"protection.flush_every={every}"]  # fmt: skip
+        return storage
+    mode = rng.choice(["arc", "aec"])  # drawn either way: a scenario's later draws do not depend on this one's fate
+    if not replicated:
+        return storage
+    return ["protection=reft", f"protection.mode={mode}", "protection.interval=1", f"protection.flush_every={every}"]
 
 
 def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: int) -> tuple[list[str], list[str]]:
@@ -264,7 +268,8 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
     key = " ".join(scenario.job)
     if key not in twins:
         mark = f"twin-{len(twins)}-{os.getpid()}"
-        done, store = run_ftlab([*scenario.job, "faults=none"], root / f"twin-{len(twins)}", cache, mark)
+        # Named by scenario: a twin that failed is not kept, and the next one must not find its store.
+        done, store = run_ftlab([*scenario.job, "faults=none"], root / f"twin-{scenario.index}", cache, mark)
         if done.returncode != 0:
             return Outcome(False, [f"the fault-free twin failed: {done.stderr.strip()[-400:]}"], time.monotonic() - began)
         time.sleep(1.0)  # as after a scenario, below

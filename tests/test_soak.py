@@ -27,6 +27,16 @@ def test_every_drawn_scenario_composes_and_its_faults_fit_the_cluster(index: int
     assert len([e for e in events if e.kind != "join"]) <= 3
 
 
+def test_reft_is_drawn_only_where_the_grid_holds_every_stage_twice() -> None:
+    # Seed 31337's scenario 10 drew REFT's copies for one pipeline of 3 stages on 5 nodes, which ftlab refuses.
+    assert "protection=storage" in soak.draw(31337, 10).job
+    for index in range(300):
+        drawn = dict(o.split("=", 1) for o in soak.draw(5, index).job if "=" in o)
+        if drawn.get("protection") == "reft" and drawn["policy"] in ("checkpoint_restart", "recycle"):
+            workers = int(drawn["cluster.nodes"]) * int(drawn["cluster.workers_per_node"])
+            assert workers >= 2 * int(drawn["train.stages"]), drawn
+
+
 @pytest.mark.slow
 def test_a_seeded_slice_passes_every_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert soak.main(["--seed", "2026", "--scenarios", "2", "--workdir", str(tmp_path)]) == 0, capsys.readouterr().out
