@@ -144,12 +144,15 @@ class LocalBackend(Backend, FaultTarget):
         survivors = {*plan.workers, *self._helpers.get(plan.generation, ())} & set(self.cluster.alive_workers())
         for worker in survivors:
             self.cluster.abort(worker, msg.Abort(plan.generation))
+        # Acknowledgements that came before a failure interrupted the wait are kept: a survivor answers once.
+        acknowledged: dict[int, msg.AbortDone] = {}
         while True:
-            done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation)
+            done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation, got=acknowledged)
             if not isinstance(done, Failure):
                 break
             failure.merge(done)  # a failure during the abort: fold it in, wait for the rest
             survivors &= set(self.cluster.alive_workers())
+            acknowledged = {w: m for w, m in acknowledged.items() if w in survivors}
         # The invariant every policy relies on: no two replicas of a layer at different steps. (Workers restarted
         # a moment ago hold no layer yet.)
         behind = {w: m.step for w, m in done.items() if m.layers and m.step != committed}
@@ -260,11 +263,13 @@ class LocalBackend(Backend, FaultTarget):
 
     # -- waiting for messages ----------------------------------------------------------------------------------
     def _collect(
-        self, expected: set[int], kind: type[M], accept: Callable[[M], bool], role: str = "worker"
+        self, expected: set[int], kind: type[M], accept: Callable[[M], bool], role: str = "worker",
+        got: dict[int, M] | None = None,
     ) -> dict[int, M] | Failure:
-        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait."""
-        got: dict[int, M] = {}
-        while set(got) < expected:
+        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait.
+        ``got``: the messages already received, which this wait adds to (and which outlive an interrupted one)."""
+        got = {} if got is None else got
+        while not expected <= got.keys():
             failure = Failure()
             event = self._next_event(failure)
             if failure:

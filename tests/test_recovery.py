@@ -93,6 +93,16 @@ def test_a_hung_worker_is_detected_fenced_and_recovered(run, tmp_path: Path, fau
     assert hung["workers"] == [3]
 
 
+def test_a_hang_and_a_node_loss_in_one_step_are_one_recovery(run, fault_free: list[float]) -> None:  # noqa: ANN001
+    # The node's loss starts the abort; the hung worker never acknowledges it, and is found only at the heartbeat
+    # timeout, after the others did. Their acknowledgements must outlive that interruption of the wait (seed
+    # 31338's soak scenario 27 waited for them again, forever).
+    result = run(*COMMON, "cluster.heartbeat_timeout_s=2",
+                 *explicit("{kind: hang, node: 0, worker: 0, at_step: 4}", "{kind: node, node: 3, at_step: 4, phase: forward}"))  # fmt: skip
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert sorted(f.kind for f in result.faults) == ["hang", "node"]
+
+
 def test_a_joined_node_is_absorbed_at_the_next_restart(run, fault_free: list[float]) -> None:  # noqa: ANN001
     result = run(
         *COMMON,
