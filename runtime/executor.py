@@ -118,7 +118,7 @@ class Executor:
             if isinstance(instruction, ins.OptimizerStep):
                 break
             loss += self._execute(instruction, buffers, receives, step)
-            if isinstance(instruction, (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)):
+            if isinstance(instruction, ins.COMPUTE):
                 compute += time.perf_counter() - started
         return StepResult(loss=loss, compute_s=compute)
 

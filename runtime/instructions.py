@@ -124,6 +124,10 @@ class RecvLayer(LayerInstruction):
 Program = list[Instruction]
 
 
+COMPUTE = (ForwardPass, BackwardPass, BackwardInput, BackwardWeight)
+"""The instructions that run the model's layers: what a worker's compute time counts."""
+
+
 def phase_of(instruction: Instruction) -> str:
     """The phase of an iteration an instruction belongs to (where a phase fault stops a worker): forward,
     backward, reduce, or "" for the others. The optimizer phase begins at the coordinator's commit."""

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.program_check import Channel, ProgramError, channel_of, show
 
-_COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
-
 
 @dataclass
 class SharedRun:
@@ -107,7 +105,7 @@ class _Host:
             transfer = channel_of(worker, instr)
             if transfer is None:
                 seconds = self.cost(worker, instr)
-                if seconds > 0 or isinstance(instr, _COMPUTE):  # whatever takes a worker's time takes its core
+                if seconds > 0 or isinstance(instr, ins.COMPUTE):  # whatever takes a worker's time takes its core
                     self.work_left[worker] = seconds
                     self.started[worker] = self.now
                     return

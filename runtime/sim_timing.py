@@ -40,7 +40,6 @@ from ftlab.runtime.scheduler import OneFOneB
 from ftlab.runtime.shared_host import run_shared
 
 PHASES = ("forward", "backward", "reduce")
-_COMPUTE = (ins.ForwardPass, ins.BackwardPass, ins.BackwardInput, ins.BackwardWeight)
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ class IterationTimer:
         durations = self.costs.durations(plan)
 
         def cost(worker: int, instruction: ins.Instruction) -> float:
-            extra = self.instruction_s if isinstance(instruction, _COMPUTE) else 0.0
+            extra = self.instruction_s if isinstance(instruction, ins.COMPUTE) else 0.0
             return durations(worker, instruction) + extra
 
         run = run_shared(own, cost, cores)
@@ -213,7 +212,7 @@ class IterationTimer:
         def until_reduce(worker: int, instruction: ins.Instruction) -> float:
             if isinstance(instruction, (ins.ReduceGrads, ins.OptimizerStep)):
                 return 0.0
-            if isinstance(instruction, _COMPUTE):
+            if isinstance(instruction, ins.COMPUTE):
                 return durations(worker, instruction) + self.instruction_s
             return durations(worker, instruction)
 
@@ -226,7 +225,7 @@ class IterationTimer:
                 phase_at[event.worker].setdefault(phase, event.start)
             if isinstance(event.instruction, ins.ReduceGrads):
                 reduce_at[event.worker] = event.start
-            elif isinstance(event.instruction, _COMPUTE):
+            elif isinstance(event.instruction, ins.COMPUTE):
                 compute[event.worker] += event.end - event.start
         return ComponentTiming(tuple(reduce_at), tuple(phase_at), tuple(compute))
 
