@@ -25,6 +25,7 @@ from omegaconf import DictConfig, open_dict
 
 from ftlab.experiments import sweep
 from ftlab.experiments.config import register
+from ftlab.experiments.stop_signals import Stopped, exit_status, stop_on_signals
 from ftlab.faults.schedules import FaultConfigError
 from ftlab.runtime.backend import WorkerCrashed
 from ftlab.runtime.contract import ConfigError
@@ -144,8 +145,15 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """The ``ftlab`` command: the Hydra app, then a non-zero exit if a sweep had failed jobs."""
-    main()
+    """The ``ftlab`` command: the Hydra app, then a non-zero exit if a sweep had failed jobs. Stopped from outside
+    (Ctrl-C, SIGTERM, SIGHUP: ``stop_signals``), it says so in a line, having marked the job's run FAILED, and exits
+    with the shell's status for the signal."""
+    stop_on_signals()
+    try:
+        main()
+    except (KeyboardInterrupt, Stopped) as exc:
+        print(f"ftlab: {str(exc) or 'stopped by SIGINT'}", file=sys.stderr)
+        sys.exit(exit_status(exc))
     if sweep.failed_jobs:
         sys.exit(1)
 

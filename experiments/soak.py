@@ -41,6 +41,7 @@ from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import GIB
 from ftlab.runtime import shm
+from ftlab.runtime.agent import terminate_with_parent
 from ftlab.runtime.costs import layer_bytes, stage_memory
 from ftlab.runtime.model_spec import ModelConfig, layer_specs
 
@@ -216,12 +217,19 @@ def run_ftlab(overrides: list[str], workdir: Path, cache: Path, mark: str) -> tu
     command = [sys.executable, "-m", "ftlab.experiments.main", *overrides, "progress=false", f"tracking.uri={store}",
                f"train.cache_dir={cache}", f"train.checkpoint_dir={workdir}/checkpoints", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
     env = {**os.environ, MARK: mark}
-    with subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    # The job stops with the campaign (a SIGTERM, which it answers by marking its run FAILED and freeing its workers
+    # and memory), and so does a job that outlives its time.
+    with subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=terminate_with_parent) as proc:  # fmt: skip
         try:
             out, err = proc.communicate(timeout=1800)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
     return subprocess.CompletedProcess([*command, str(proc.pid)], proc.returncode, out, err), store
 
 

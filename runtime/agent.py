@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None, own_group: bool = False) -> None:
     if own_group and os.getpgrp() != os.getpid():
         os.setpgid(0, 0)  # the node is this group: the agent and the workers it starts
     memory = shm.node_dir(args.memory_root, args.node)
+    # A terminal's Ctrl-C and hangup go to its whole foreground group, which on one machine holds the agents and the
+    # workers too. They are the coordinator's to answer, by shutting the job down in order; an agent or worker that
+    # died of them first would look like a failure (and print its traceback). Ignored signals stay ignored in the
+    # workers started from here. The coordinator's end still ends us: by SIGTERM (PR_SET_PDEATHSIG) or, for an agent
+    # of another host, by its closed connection.
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
     def terminated(signum: int, frame: object) -> None:
         shm.remove(memory)

@@ -23,7 +23,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -108,11 +108,16 @@ class Worker:
 
     # -- threads -----------------------------------------------------------------------------------------------
     def _receive(self) -> Any:
-        """The next control message. The main thread reads them itself: a message wakes it with no hand-off."""
+        """The next control message. The main thread reads them itself: a message wakes it with no hand-off. A
+        ``Shutdown`` ends the process wherever it comes: between steps when the job is done, or in the middle of one
+        when the coordinator was stopped (a signal), which shuts the job down without ending the step."""
         try:
-            return self.channel.conn.recv()
+            message = self.channel.conn.recv()
         except (EOFError, OSError):
             os._exit(3)  # the coordinator is gone: nothing this worker holds is of use any more
+        if isinstance(message, msg.Shutdown):
+            _exit_cleanly()
+        return message
 
     def _watch_aborts(self) -> None:
         """The coordinator repeats every Abort on a second connection, read here, because the main thread may be
@@ -138,13 +143,12 @@ class Worker:
             time.sleep(self.heartbeat_s)
 
     # -- main loop ---------------------------------------------------------------------------------------------
-    def serve(self) -> None:
+    def serve(self) -> NoReturn:
+        """Carry out the coordinator's messages until its ``Shutdown`` (``_receive``) or its loss ends the process."""
         threading.Thread(target=self._watch_aborts, daemon=True, name="aborts").start()
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         while True:
             message = self._receive()
-            if isinstance(message, msg.Shutdown):
-                return
             if isinstance(message, msg.Configure):
                 self._configure(message)
             elif isinstance(message, msg.RunStep):
@@ -499,6 +503,9 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - reported to the coordinator, which marks the run failed
         channel.send(msg.Crashed(traceback.format_exc()))
         raise
+
+
+def _exit_cleanly() -> NoReturn:
     # Retired process groups may still own threads stuck in aborted operations; running their destructors at
     # interpreter exit would abort the process. Everything worth keeping was committed or checkpointed.
     os._exit(0)

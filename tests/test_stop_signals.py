@@ -1,0 +1,66 @@
+"""``ftlab`` stopped from outside while it trains: ``kill`` (SIGTERM to the command), Ctrl-C and a closed terminal
+(SIGINT, SIGHUP to its whole foreground group: the agents and workers too). The job's MLflow run ends FAILED with the
+signal's name, no worker or agent outlives it, its node memories are gone, and the command says what stopped it in a
+line, with the shell's exit status for the signal, and no process prints a traceback."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ftlab.experiments.soak import MARK, leftovers
+from ftlab.runtime import shm
+
+FTLAB = str(Path(sys.executable).with_name("ftlab"))
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow), pytest.param(signal.SIGHUP, marks=pytest.mark.slow)],
+    ids=lambda s: signal.Signals(s).name,
+)  # fmt: skip
+def test_a_job_stopped_by_a_signal_is_failed_in_mlflow_and_leaves_nothing_behind(
+    sig: int, tmp_path: Path, token_cache: Path
+) -> None:
+    mark = secrets.token_hex(4)
+    command = [
+        FTLAB, "experiment=plain", "cluster=local-4", "cluster.nodes=2", "train.steps=100000", "progress=true",
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"train.cache_dir={token_cache}",
+        f"train.checkpoint_dir={tmp_path}/checkpoints",
+    ]  # fmt: skip
+    env = {**os.environ, MARK: mark, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # a group of its own, as a terminal's foreground job  # fmt: skip
+        assert proc.stderr is not None
+        for line in proc.stderr:  # training has begun once the progress line reports a step
+            if line.startswith("step "):
+                break
+        else:
+            pytest.fail(f"the job ended before its first step: {proc.communicate()}")
+        assert len(leftovers(mark)) >= 1 + 2 + 2, "the coordinator, two agents and two workers run"
+        if sig == signal.SIGTERM:
+            proc.send_signal(sig)
+        else:
+            os.killpg(proc.pid, sig)
+        out, err = proc.communicate(timeout=120)
+    name = signal.Signals(sig).name
+    assert proc.returncode == 128 + sig, err
+    assert err.strip().splitlines()[-1] == f"ftlab: stopped by {name}", err
+    assert "Traceback" not in err, err
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert run.info.status == "FAILED"
+    assert name in run.data.tags["failure_reason"] or sig == signal.SIGINT, run.data.tags["failure_reason"]
+    deadline = time.monotonic() + 10  # a process reaped by init a moment after its parent's exit
+    while leftovers(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert leftovers(mark) == []
+    assert list(shm.ROOT.glob(f"ftlab-{proc.pid}-*")) == []
