@@ -14,11 +14,12 @@ same run and tags (``tracked``), the same subscribers (``observe``) and the same
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from ftlab.faults.schedules import (
 from ftlab.runtime import checkpoint
 from ftlab.runtime import events as ev
 from ftlab.runtime.backend import Membership
-from ftlab.runtime.config import ClusterConfig
+from ftlab.runtime.config import ClusterConfig, SimConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
 from ftlab.runtime.coordinator import JobStopped
@@ -179,6 +180,10 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
         )
+    machinery = sim_problems(cfg.sim)
+    if machinery:
+        raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
+                          f"more, rates above 0 and host cores of 0 (not shared) or more")  # fmt: skip
     try:
         cfg.model.check()
     except ValueError as exc:
@@ -188,6 +193,23 @@ def check_settings(cfg: JobConfig) -> None:
             f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
             "end-of-line tokens: use at least 3"
         )
+
+
+def sim_problems(sim: SimConfig) -> list[str]:
+    """The machinery constants no machine has (a real job's adaptive policy predicts with them too): each as
+    ``sim.name=value``. ``sim.horizon_s`` is the simulator's own to check."""
+    bad = []
+    for name in (f.name for f in fields(sim)):
+        value = getattr(sim, name)
+        if name.endswith("bytes_per_s"):
+            ok = value > 0
+        elif (name.endswith("_s") and name != "horizon_s") or name == "host_cores":
+            ok = value >= 0
+        else:
+            continue
+        if not (ok and math.isfinite(value)):
+            bad.append(f"sim.{name}={value}")
+    return bad
 
 
 def check_device(cfg: JobConfig) -> None:

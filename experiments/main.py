@@ -151,6 +151,9 @@ def cli() -> None:
     stop_on_signals()
     try:
         main()
+    except user_errors() as exc:  # a sweep's own settings, refused before its first job (its store, for one)
+        print(f"ftlab: {exc}", file=sys.stderr)
+        sys.exit(1)
     except (KeyboardInterrupt, Stopped) as exc:
         print(f"ftlab: {str(exc) or 'stopped by SIGINT'}", file=sys.stderr)
         sys.exit(exit_status(exc))

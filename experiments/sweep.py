@@ -118,16 +118,13 @@ class SweepCallback(Callback):
         return {"_progress": None, "_sweep": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from mlflow.tracking import MlflowClient
-
-        from ftlab.runtime.tracking import ensure_experiment
+        from ftlab.runtime.tracking import open_store
 
         global failed_jobs
         failed_jobs = 0
         overrides = [str(o) for o in config.hydra.overrides.task]
         uri, experiment = str(config.tracking.uri), str(config.tracking.experiment)
-        client = MlflowClient(uri)
-        experiment_id = ensure_experiment(client, experiment, uri)
+        client, experiment_id = open_store(uri, experiment)
         sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         total = count_jobs(overrides)
         parent = client.create_run(

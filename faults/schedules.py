@@ -318,7 +318,10 @@ def clock_of(cfg: FaultsConfig) -> str | None:
     in_steps, in_seconds = (getattr(cfg, name) is not None for name in _RATES[cfg.schedule])
     if in_steps and in_seconds:
         a, b = _RATES[cfg.schedule]
-        raise FaultConfigError(f"faults.{a} and faults.{b} are both set; give the {cfg.schedule} rate in one clock")
+        raise FaultConfigError(
+            f"faults.{a}={getattr(cfg, a)} and faults.{b}={getattr(cfg, b)} are both set; give the {cfg.schedule} "
+            f"rate in one clock and the other null (faults.{a}=null to count in seconds)"
+        )
     if not in_steps and not in_seconds and cfg.schedule != "trace":
         a, b = _RATES[cfg.schedule]
         raise FaultConfigError(

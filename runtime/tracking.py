@@ -25,10 +25,12 @@ from typing import Any
 
 import mlflow
 from mlflow.entities import Metric, RunStatus
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from ftlab.runtime import events as ev
 from ftlab.runtime.config import TrackingConfig
+from ftlab.runtime.contract import ConfigError
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -111,10 +113,24 @@ _METRIC_FLUSH_S = 1.0
 _METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
 
 
+def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
+    """A client of the store at ``tracking.uri`` and the experiment's id (``ensure_experiment``). A store MLflow
+    cannot open (an unknown scheme, a server that does not answer) is a ``ConfigError`` saying what to give
+    instead: nothing can be recorded without it, so nothing may start."""
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        return client, ensure_experiment(client, experiment, uri)
+    except MlflowException as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"tracking.uri={uri}: MLflow cannot open this store ({why}); give sqlite:///PATH.db (a store in a local "
+            f"file, the default) or the http(s):// address of a running MLflow server"
+        ) from None
+
+
 class Tracker:
     def __init__(self, cfg: TrackingConfig) -> None:
-        self.client = MlflowClient(tracking_uri=cfg.uri)
-        self.experiment_id = ensure_experiment(self.client, cfg.experiment, cfg.uri)
+        self.client, self.experiment_id = open_store(cfg.uri, cfg.experiment)
         self.cfg = cfg
         self.run_id: str | None = None
         self.local = Path(tempfile.mkdtemp(prefix="ftlab-run-"))

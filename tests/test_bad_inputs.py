@@ -50,6 +50,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("slurm loopback", ["cluster.launcher=slurm"], ConfigError, "the SLURM nodes cannot reach"),
     ("local remote hosts", ["cluster.hosts=[gpu7]"], ConfigError, "use loopback addresses (127.0.0.x) or cluster.launcher=ssh"),
     ("control port", ["cluster.coordinator_port=70000"], ConfigError, "cluster.coordinator_port=70000"),
+    ("sim constant", ["sim.host_cores=-1", "sim.codec_bytes_per_s=0"], ConfigError,
+     "sim.codec_bytes_per_s=0.0, sim.host_cores=-1.0: the simulator's constants"),
     ("heads", ["model.hidden=130"], ConfigError, "model.hidden=130 does not split into model.heads=4"),
     ("no heads", ["model.heads=0"], ConfigError, "model.heads=0"),
     ("vocabulary", ["model.vocab_size=2"], ConfigError, "model.vocab_size=2"),
@@ -138,4 +140,16 @@ def test_the_command_says_what_to_change_without_a_traceback(tmp_path: Path, ove
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 1
     assert f"ftlab: " in done.stderr and advice in done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["job", "sweep"])
+def test_a_store_mlflow_cannot_open_is_refused_without_a_traceback(tmp_path: Path, sweep: bool) -> None:
+    """No run can record the refusal (there is no store), so the command alone says it, for a job and a sweep."""
+    command = [sys.executable, "-m", "ftlab.experiments.main", *(["-m"] if sweep else []), "experiment=plain",
+               "tracking.uri=bogus://x", f"hydra.run.dir={tmp_path}/hydra", f"hydra.sweep.dir={tmp_path}/multirun"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 1
+    assert "ftlab: tracking.uri=bogus://x: MLflow cannot open this store" in done.stderr
+    assert "give sqlite:///PATH.db" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
