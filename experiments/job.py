@@ -13,6 +13,7 @@ same run and tags (``tracked``), the same subscribers (``observe``) and the same
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -162,8 +163,13 @@ def check_settings(cfg: JobConfig) -> None:
             f"cluster.heartbeat_s={c.heartbeat_s} s: every worker would be declared hung; use at least "
             f"{2 * c.heartbeat_s:g} (the default is 10)"
         )
+    if not c.start_timeout_s > 0:
+        raise ConfigError(f"cluster.start_timeout_s={c.start_timeout_s}: give the seconds the nodes may take to "
+                          f"start, > 0")  # fmt: skip
     if t.steps < 1:
         raise ConfigError(f"train.steps={t.steps}: train for at least one step")
+    if not 0 <= t.seed < 2**63:
+        raise ConfigError(f"train.seed={t.seed}: use a seed from 0 to 2**63 - 1 (numpy's and torch's range)")
     if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
         raise ConfigError(
             f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
@@ -193,6 +199,18 @@ def check_settings(cfg: JobConfig) -> None:
             f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
             "end-of-line tokens: use at least 3"
         )
+
+
+def writable_dir(path: Path, setting: str) -> None:
+    """``path`` exists (made now if need be) as a folder this process can write, else a ConfigError naming
+    ``setting``: a job must not find out at its first checkpoint, its workers running."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as exc:
+        raise ConfigError(f"{setting}={path}: cannot write there ({exc.strerror or exc}); give a folder this user "
+                          f"can create and write") from None  # fmt: skip
 
 
 def sim_problems(sim: SimConfig) -> list[str]:
@@ -354,6 +372,9 @@ def check_job(cfg: JobConfig) -> Preflight:
 def preflight(cfg: JobConfig) -> Preflight:
     """Everything checkable before a worker starts; a real job also needs its corpus and a torch backend."""
     checked = check_job(cfg)
+    # The job's checkpoints go to <train.checkpoint_dir>/<run id> (``tracked``): the folder the user gave must take them.
+    writable_dir(Path(cfg.train.checkpoint_dir).parent, "train.checkpoint_dir")
+    writable_dir(Path(cfg.train.cache_dir), "train.cache_dir")
     tokens = tokenize_corpus(cfg.train.data, cfg.model.vocab_size, Path(cfg.train.cache_dir))
     if len(load_tokens(tokens)) <= cfg.model.seq_len:
         raise ConfigError(
