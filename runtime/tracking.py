@@ -20,6 +20,9 @@ import json
 import math
 import tempfile
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -117,15 +120,31 @@ def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
     """A client of the store at ``tracking.uri`` and the experiment's id (``ensure_experiment``). A store MLflow
     cannot open (an unknown scheme, a server that does not answer) is a ``ConfigError`` saying what to give
     instead: nothing can be recorded without it, so nothing may start."""
+    advice = "give sqlite:///PATH.db (a store in a local file, the default) or the http(s):// address of a running " \
+        "MLflow server"  # fmt: skip
+    unanswered = _server_silent(uri)
+    if unanswered:
+        raise ConfigError(f"tracking.uri={uri}: no server answers there ({unanswered}); start it, or {advice}")
     try:
         client = MlflowClient(tracking_uri=uri)
         return client, ensure_experiment(client, experiment, uri)
     except MlflowException as exc:
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"tracking.uri={uri}: MLflow cannot open this store ({why}); give sqlite:///PATH.db (a store in a local "
-            f"file, the default) or the http(s):// address of a running MLflow server"
-        ) from None
+        raise ConfigError(f"tracking.uri={uri}: MLflow cannot open this store ({why}); {advice}") from None
+
+
+def _server_silent(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why a tracking server's address does not answer, or None (it does, or the store is not a server). MLflow's
+    own client retries a silent server with back-off for minutes before it gives up."""
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return None
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered (a proxy's or an authenticating server's refusal is MLflow's to report)
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
+    return None
 
 
 class Tracker:

@@ -148,13 +148,20 @@ def test_the_command_says_what_to_change_without_a_traceback(tmp_path: Path, ove
     assert "Traceback" not in done.stdout + done.stderr
 
 
+STORES = [("bogus://x", "MLflow cannot open this store"), ("http://127.0.0.1:1", "no server answers there")]
+
+
 @pytest.mark.parametrize("sweep", [False, True], ids=["job", "sweep"])
-def test_a_store_mlflow_cannot_open_is_refused_without_a_traceback(tmp_path: Path, sweep: bool) -> None:
-    """No run can record the refusal (there is no store), so the command alone says it, for a job and a sweep."""
+@pytest.mark.parametrize(("uri", "why"), STORES, ids=[u for u, _ in STORES])
+def test_a_store_mlflow_cannot_open_is_refused_without_a_traceback(
+    tmp_path: Path, uri: str, why: str, sweep: bool
+) -> None:
+    """No run can record the refusal (there is no store), so the command alone says it, for a job and a sweep; a
+    server that does not answer is refused at once (MLflow's client would retry it for minutes)."""
     command = [sys.executable, "-m", "ftlab.experiments.main", *(["-m"] if sweep else []), "experiment=plain",
-               "tracking.uri=bogus://x", f"hydra.run.dir={tmp_path}/hydra", f"hydra.sweep.dir={tmp_path}/multirun"]  # fmt: skip
+               f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/hydra", f"hydra.sweep.dir={tmp_path}/multirun"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 1
-    assert "ftlab: tracking.uri=bogus://x: MLflow cannot open this store" in done.stderr
+    assert f"ftlab: tracking.uri={uri}: {why}" in done.stderr
     assert "give sqlite:///PATH.db" in done.stderr
     assert "Traceback" not in done.stdout + done.stderr
