@@ -4,8 +4,9 @@ Python answers SIGINT with ``KeyboardInterrupt``, but SIGTERM and SIGHUP end the
 runs, so the job's MLflow run would stay RUNNING forever, a sweep's parent run too, and the node memories of
 /dev/shm would stay behind. ``stop_on_signals`` makes SIGTERM and SIGHUP unwind the main thread the way Ctrl-C does
 (``Stopped``): the job's run is marked FAILED with the signal's name, the workers are shut down, the memory is freed,
-an unfinished sweep's parent is closed as KILLED. Once: a second signal while that happens ends the process at
-once, as a second Ctrl-C would be expected to.
+an unfinished sweep's parent is closed as KILLED and its children still running as FAILED (``sweep``: a launcher's
+job processes are killed outright). Once: a second signal while that happens ends the process at once, as a second
+Ctrl-C would be expected to.
 """
 
 from __future__ import annotations

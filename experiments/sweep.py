@@ -155,16 +155,28 @@ class SweepCallback(Callback):
         atexit.register(self._abandoned)
 
     def _abandoned(self) -> None:
-        """The process exits with the sweep unfinished (an override Hydra refused, Ctrl-C): close the parent run as
-        KILLED rather than leave it running."""
+        """The process exits with the sweep unfinished (an override Hydra refused, Ctrl-C, SIGTERM): close the parent
+        run as KILLED rather than leave it running, and every child run still running as FAILED. A job in this
+        process has marked its own run already; a job process of a launcher (joblib's workers) is killed outright
+        when the sweep is stopped, and could not."""
         if self._sweep is None:
             return
         from mlflow.entities import RunStatus
         from mlflow.tracking import MlflowClient
 
-        MlflowClient(self._sweep.tracking_uri).set_terminated(
-            self._sweep.parent_run_id, RunStatus.to_string(RunStatus.KILLED)
-        )
+        from ftlab.runtime.tracking import PARENT_TAG
+
+        sweep = self._sweep
+        client = MlflowClient(sweep.tracking_uri)
+        experiment = client.get_experiment_by_name(sweep.experiment)
+        running = client.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{sweep.parent_run_id}' and attributes.status = 'RUNNING'",
+        ) if experiment is not None else []  # fmt: skip
+        for run in running:
+            client.set_tag(run.info.run_id, "failure_reason", f"sweep {sweep.sweep_id} was stopped before this job ended")
+            client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+        client.set_terminated(sweep.parent_run_id, RunStatus.to_string(RunStatus.KILLED))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global failed_jobs

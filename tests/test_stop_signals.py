@@ -64,3 +64,42 @@ def test_a_job_stopped_by_a_signal_is_failed_in_mlflow_and_leaves_nothing_behind
         time.sleep(0.1)
     assert leftovers(mark) == []
     assert list(shm.ROOT.glob(f"ftlab-{proc.pid}-*")) == []
+
+
+@pytest.mark.slow
+def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_parent(
+    tmp_path: Path, token_cache: Path
+) -> None:
+    """joblib's job processes are killed outright when the sweep's process stops, and cannot mark their runs: the
+    sweep marks them as it ends."""
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    command = [
+        FTLAB, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "experiment=plain", "cluster=local-4",
+        "cluster.nodes=2", "train.steps=100000", "train.seed=1,2", f"tracking.uri={store}",
+        f"train.cache_dir={token_cache}", f"train.checkpoint_dir={tmp_path}/checkpoints",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+    ]  # fmt: skip
+    with subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:  # fmt: skip
+        assert proc.stderr is not None
+        for line in proc.stderr:  # the sweep's progress: both jobs have started
+            if "2 running" in line:
+                break
+        else:
+            pytest.fail(f"the sweep ended before its jobs ran: {proc.communicate()}")
+        client = MlflowClient(store)
+        experiment = client.get_experiment_by_name("ftlab").experiment_id
+        deadline = time.monotonic() + 300
+        while len(client.search_runs([experiment])) < 3 and time.monotonic() < deadline:  # the jobs' runs are open
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    runs = client.search_runs([experiment])
+    (parent,) = [r for r in runs if r.data.tags.get("kind") == "sweep"]
+    children = [r for r in runs if r is not parent]
+    assert parent.info.status == "KILLED"
+    assert len(children) == 2
+    for child in children:
+        assert child.info.status == "FAILED"
+        assert "was stopped before this job ended" in child.data.tags["failure_reason"]
