@@ -47,9 +47,10 @@ fault-ci: setup
 	$(PYTHON) -m ftlab.experiments.fault_ci
 
 # Seeded random fault scenarios checked against their fault-free twins: make soak N=200 SEED=7 (SEED: today's date).
+# FIRST=100 carries a campaign on from scenario 100.
 N ?= 10
 soak: setup
-	$(PYTHON) -m ftlab.experiments.soak --scenarios $(N) $(if $(SEED),--seed $(SEED))
+	$(PYTHON) -m ftlab.experiments.soak --scenarios $(N) $(if $(SEED),--seed $(SEED)) $(if $(FIRST),--first $(FIRST))
 
 bench: setup
 	$(PYTHON) -m ftlab.experiments.bench_runtime

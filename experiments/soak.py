@@ -2,6 +2,7 @@
 
     .venv/bin/python -m ftlab.experiments.soak --seed 7 --scenarios 200     # a campaign
     .venv/bin/python -m ftlab.experiments.soak --seed 7 --only 42           # one scenario again
+    .venv/bin/python -m ftlab.experiments.soak --seed 7 --first 100 --scenarios 100   # the campaign's next 100
 
 A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
 workers per node, up to 8 workers), a policy with a protection, and a fault schedule: explicit events of every kind
@@ -327,10 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=int(time.strftime("%Y%m%d")), help="default: today's date")
     parser.add_argument("--scenarios", type=int, default=10)
+    parser.add_argument("--first", type=int, default=0, help="start at scenario FIRST (to carry a campaign on)")
     parser.add_argument("--only", type=int, default=None, help="run scenario ONLY of the seed, alone")
     parser.add_argument("--workdir", type=Path, default=None, help="keep every scenario's files here")
     args = parser.parse_args(argv)
-    indices = [args.only] if args.only is not None else list(range(args.scenarios))
+    indices = [args.only] if args.only is not None else list(range(args.first, args.first + args.scenarios))
     print(f"soak: seed {args.seed}, scenarios {indices[0]}..{indices[-1]}", flush=True)
     root = args.workdir or Path(tempfile.mkdtemp(prefix=f"ftlab-soak-{args.seed}-"))
     cache = root / "cache"
