@@ -9,7 +9,8 @@ The node's memory is a directory under /dev/shm (``runtime.shm``): its workers w
 and they outlive a worker's crash but not the node. The agent creates it, answers inventories of it (which records
 of a step pass their checksums, read without torch) and removes it whenever it ends: shut down, its coordinator
 gone, or terminated. A node killed outright cannot clean up: the coordinator removes its memory, as the loss of the
-machine would.
+machine would. A job killed outright, coordinator and agents alike, leaves its memories to the next agent that starts
+on the host: an agent holds its node's memory (``shm.claim``) while it lives, and frees any memory nobody holds.
 
 Started by hand or by a launcher on another host (``ftlab-agent``, ``runtime.launchers``), the agent takes the
 coordinator's address on its command line and the job's secret from ``--secret-file`` (``-``: standard input) or
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from ftlab.runtime import messages as msg
 from ftlab.runtime import shm
 from ftlab.runtime.placement import visible_gpus
 
+log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -56,7 +59,6 @@ class Agent:
         self._send_lock = threading.Lock()
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self.memory = shm.node_dir(args.memory_root, args.node)
-        self.memory.mkdir(parents=True, exist_ok=True)
 
     def send(self, message: object) -> None:
         with self._send_lock:
@@ -164,7 +166,11 @@ def main(argv: list[str] | None = None, own_group: bool = False) -> None:
     secret = msg.job_secret(args.secret_file)
     if own_group and os.getpgrp() != os.getpid():
         os.setpgid(0, 0)  # the node is this group: the agent and the workers it starts
+    # Memories of earlier jobs killed outright, agents and all, are freed here, where they are: on this host.
+    for stale in shm.remove_stale():
+        log.warning("freed %s, left by a job that was killed outright", stale)
     memory = shm.node_dir(args.memory_root, args.node)
+    shm.claim(memory)  # held until this process ends: a memory nobody holds is stale
     # A terminal's Ctrl-C and hangup go to its whole foreground group, which on one machine holds the agents and the
     # workers too. They are the coordinator's to answer, by shutting the job down in order; an agent or worker that
     # died of them first would look like a failure (and print its traceback). Ignored signals stay ignored in the

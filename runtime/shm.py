@@ -15,8 +15,10 @@ header is valid and its bytes match the header's checksum, so a torn or corrupte
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import re
 import shutil
 import struct
 import zlib
@@ -30,6 +32,8 @@ HEADER_BYTES = 64
 PAGE = 4096
 SLOTS = 2
 ROOT = Path("/dev/shm")
+JOB_ROOT_NAME = re.compile(r"ftlab-\d+-[0-9a-f]+")
+"""``job_root``'s names: the coordinator's pid and a random tag."""
 
 
 class ChecksumError(RuntimeError):
@@ -141,6 +145,58 @@ def remove(directory: Path) -> None:
             directory.parent.rmdir()
         except OSError:
             pass  # another node's memory is still there (or the directory is gone already)
+
+
+def claim(directory: Path) -> int:
+    """Create a node's memory and hold it as long as this process lives: a shared lock on the directory, which the
+    kernel drops when the process ends, SIGKILL included. A held memory is in use; one nobody holds is stale
+    (``remove_stale``). Returns the descriptor that holds it (not inherited by the workers)."""
+    while True:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # removed as stale (an empty job directory) between the two calls: make it again
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a cleaner holds it to remove it
+        try:
+            now = os.stat(directory)
+            if (now.st_dev, now.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the directory locked was removed meanwhile: claim a new one
+
+
+def remove_stale(root: Path = ROOT) -> list[Path]:
+    """Remove this user's node memories that no live process holds (``claim``), and the job directories they
+    leave empty. They are those of jobs killed outright, agents included (a SIGKILL to the job's whole process tree,
+    the kernel's OOM killer), which nobody was left to free: without this they would hold the host's memory until
+    it reboots. Returns the node memories removed."""
+    removed = []
+    for job in root.glob("ftlab-*"):
+        if not JOB_ROOT_NAME.fullmatch(job.name):
+            continue
+        for node in job.glob("node-*"):
+            try:
+                fd = os.open(node, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                continue  # removed meanwhile, or not ours to read
+            try:
+                if os.fstat(fd).st_uid != os.getuid():
+                    continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its agent lives
+            else:
+                shutil.rmtree(node, ignore_errors=True)  # under the lock: a new claim waits, then finds it gone
+                removed.append(node)
+            finally:
+                os.close(fd)
+        try:
+            job.rmdir()
+        except OSError:
+            pass  # a node's memory is still in it (or it is gone, or another user's)
+    return removed
 
 
 def job_root(tag: str) -> Path:

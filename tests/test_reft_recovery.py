@@ -187,3 +187,55 @@ def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: li
     finally:
         if coordinator.poll() is None:
             os.kill(coordinator.pid, signal.SIGKILL)
+
+
+HOLD = ("import sys, time; from pathlib import Path; from ftlab.runtime import shm; "
+        "shm.claim(Path(sys.argv[1])); print(flush=True); time.sleep(600)")
+"""A process that holds a node's memory, as an agent does, until it is killed."""
+
+
+def test_memory_nobody_holds_is_freed_and_memory_held_is_kept(tmp_path: Path) -> None:
+    held, orphaned = shm.node_dir(tmp_path / "ftlab-11-aa", 0), shm.node_dir(tmp_path / "ftlab-12-bb", 3)
+    foreign = tmp_path / "ftlab-constants-x" / "node-0"  # not a job's: never touched
+    foreign.mkdir(parents=True)
+    holders = [subprocess.Popen([sys.executable, "-c", HOLD, str(d)], stdout=subprocess.PIPE) for d in (held, orphaned)]
+    try:
+        for holder in holders:
+            holder.stdout.readline()  # type: ignore[union-attr]
+        (orphaned / "record").write_bytes(b"x" * 100)
+        assert shm.remove_stale(tmp_path) == [] and orphaned.is_dir()
+        holders[1].kill()
+        holders[1].wait()
+        assert shm.remove_stale(tmp_path) == [orphaned]
+        assert not orphaned.parent.exists() and held.is_dir() and foreign.is_dir()
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+def test_memory_of_a_job_killed_outright_is_freed_by_the_next_job_on_the_host(
+    job_overrides: list[str], tmp_path: Path
+) -> None:
+    from ftlab.experiments.job import compose_config, run_job
+
+    # The coordinator, its agents and their workers all SIGKILLed at once (a scheduler's kill of the whole tree, the
+    # OOM killer): nobody is left to free the nodes' memory.
+    command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
+    killed = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(shm.ROOT.glob(f"ftlab-{killed.pid}-*/node-*/L*")):
+            assert time.monotonic() < deadline, "the job wrote no snapshot"
+            assert killed.poll() is None, "the job ended early"
+            time.sleep(0.2)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pgrep", "-s", str(killed.pid)], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "the killed job's workers outlived it"
+        time.sleep(0.1)  # its workers die with their agents (PR_SET_PDEATHSIG)
+    assert segments(killed.pid), "the killed job left no memory: there is nothing to test"
+    run_job(compose_config([*job_overrides, *REFT, "train.steps=1"]))
+    assert segments(killed.pid) == set(), "the next job left the killed job's memory in /dev/shm"
