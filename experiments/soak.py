@@ -5,10 +5,10 @@
     .venv/bin/python -m ftlab.experiments.soak --seed 7 --first 100 --scenarios 100   # the campaign's next 100
 
 A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
-workers per node, up to 8 workers), a policy with a protection, and a fault schedule: explicit events of every kind
-(node, process, hang, join) at random steps and phases, simultaneous ones included, or a generated schedule (fixed,
-exponential with a mean time between failures shorter than a restart, Weibull) or a replayed spot trace, so faults
-land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i) alone.
+workers per node, up to 8 workers), a policy (adaptive included) with a protection, and a fault schedule: explicit
+events of every kind (node, process, hang, join) at random steps and phases, simultaneous ones included, or a
+generated schedule (fixed, exponential with a mean time between failures shorter than a restart, Weibull) or a
+replayed spot trace, so faults land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i) alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
 job with ``faults=none``, run once per distinct job). Checks:
@@ -115,14 +115,17 @@ def draw(seed: int, index: int) -> Scenario:
         f"train.steps={steps}", "train.global_batch=16", f"train.micro_batch={micro_batch}",
         f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3", f"cluster.start_timeout_s={START_TIMEOUT_S}",
     ]  # fmt: skip
-    policy = rng.choice(["checkpoint_restart", "recycle", "oobleck", "oobleck"])
+    policy = rng.choice(["checkpoint_restart", "recycle", "adaptive", "oobleck", "oobleck"])
     every = None
-    if policy in ("checkpoint_restart", "recycle"):
+    if policy in ("checkpoint_restart", "recycle", "adaptive"):
         stages = rng.randint(1, min(3, layers, nodes * wpn))
         every = rng.choice([2, 3, 4])
         job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every, nodes * wpn >= 2 * stages)]
+        if policy == "adaptive":  # reviews every few steps too, so that it may also switch plans without a failure
+            job.append(f"policy.review_every={rng.choice([0, 2, 3, 5])}")
         # The grid shrinks to the workers left (fewer stages if need be); ReCycle reroutes until a stage loses every
-        # replica, then restarts like checkpoint-restart from its protection's state.
+        # replica, then restarts like checkpoint-restart from its protection's state; adaptive has that restart
+        # among its choices too.
         spare_nodes = nodes - 1
     else:
         split = rng.random() < 0.5
