@@ -170,7 +170,10 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(f"train.steps={t.steps}: train for at least one step")
     if not 0 <= t.seed < 2**63:
         raise ConfigError(f"train.seed={t.seed}: use a seed from 0 to 2**63 - 1 (numpy's and torch's range)")
-    if t.micro_batch < 1 or t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
+    if t.micro_batch < 1 or t.global_batch < 1:
+        raise ConfigError(f"train.global_batch={t.global_batch}, train.micro_batch={t.micro_batch}: both are counts "
+                          f"of samples, at least 1")  # fmt: skip
+    if t.global_batch < t.micro_batch or t.global_batch % t.micro_batch:
         raise ConfigError(
             f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
             f"{t.micro_batch}: set train.global_batch to a multiple of train.micro_batch"

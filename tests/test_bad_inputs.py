@@ -27,6 +27,7 @@ def explicit(event: str) -> list[str]:
 BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("batch", ["train.global_batch=15"], ConfigError, "set train.global_batch to a multiple of train.micro_batch"),
     ("micro-batch", ["train.micro_batch=0"], ConfigError, "train.micro_batch=0"),
+    ("empty batch", ["train.global_batch=0"], ConfigError, "train.global_batch=0, train.micro_batch=2: both are counts"),
     ("stages", ["train.stages=8"], ConfigError, "cannot form a pipeline of 8 stages"),
     ("stages over layers", ["cluster.nodes=10", "train.stages=9"], ConfigError, "use at most 8 stages"),
     ("steps", ["train.steps=0"], ConfigError, "train.steps=0"),

@@ -168,16 +168,30 @@ def test_a_job_stopped_by_a_failure_leaves_no_memory(run) -> None:  # noqa: ANN0
         run("experiment=plain", "protection=reft", "train.steps=4", *explicit("{kind: node, node: 2, at_step: 2}"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "coordinator-killed"])
-def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: list[str], sig: int) -> None:
+def start_snapshotting_job(job_overrides: list[str], start_new_session: bool = False) -> subprocess.Popen[bytes]:
+    """A long REFT job run as ``ftlab``, once its nodes' memory holds a snapshot."""
     command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
-    coordinator = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=start_new_session)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        while not list(shm.ROOT.glob(f"ftlab-{coordinator.pid}-*/node-*/L*")):
+        while not list(shm.ROOT.glob(f"ftlab-{job.pid}-*/node-*/L*")):
             assert time.monotonic() < deadline, "the job wrote no snapshot"
-            assert coordinator.poll() is None, "the job ended early"
+            assert job.poll() is None, "the job ended early"
             time.sleep(0.2)
+    except BaseException:
+        if start_new_session:
+            os.killpg(job.pid, signal.SIGKILL)  # its agents and workers too
+        else:
+            job.kill()
+        raise
+    return job
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["interrupted", "coordinator-killed"])
+def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: list[str], sig: int) -> None:
+    coordinator = start_snapshotting_job(job_overrides)
+    try:
         coordinator.send_signal(sig)
         coordinator.wait(timeout=300)  # generous: a loaded machine slows the shutdown, which is not what is tested
         deadline = time.monotonic() + 120
@@ -221,17 +235,9 @@ def test_memory_of_a_job_killed_outright_is_freed_by_the_next_job_on_the_host(
 
     # The coordinator, its agents and their workers all SIGKILLed at once (a scheduler's kill of the whole tree, the
     # OOM killer): nobody is left to free the nodes' memory.
-    command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
-    killed = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not list(shm.ROOT.glob(f"ftlab-{killed.pid}-*/node-*/L*")):
-            assert time.monotonic() < deadline, "the job wrote no snapshot"
-            assert killed.poll() is None, "the job ended early"
-            time.sleep(0.2)
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)
-        killed.wait()
+    killed = start_snapshotting_job(job_overrides, start_new_session=True)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
     deadline = time.monotonic() + 60
     while subprocess.run(["pgrep", "-s", str(killed.pid)], capture_output=True).returncode == 0:
         assert time.monotonic() < deadline, "the killed job's workers outlived it"
