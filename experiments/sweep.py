@@ -31,11 +31,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from ftlab.runtime.held_signals import store_access
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 SWEEP_ENV = "FTLAB_SWEEP"
 SWEEP_FILE = "sweep.json"
@@ -127,33 +132,21 @@ class SweepCallback(Callback):
         client, experiment_id = open_store(uri, experiment)
         sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         total = count_jobs(overrides)
-        parent = client.create_run(
-            experiment_id,
-            run_name=f"sweep-{sweep_id}",
-            tags={
-                "sweep_id": sweep_id,
-                "sweep_overrides": " ".join(overrides),
-                "kind": "sweep",
-                "mlflow.note.content": f"Sweep of {total or 'several'} jobs: `ftlab -m {' '.join(overrides)}`. "
-                "The comparison of its jobs is written here when the sweep ends.",
-            },
-        )
-        for override in overrides:
-            key, _, value = override.partition("=")
-            client.log_param(parent.info.run_id, f"sweep.{key.lstrip('+~')}", value[:6000])
+        parent_run_id = open_parent_run(client, experiment_id, sweep_id, overrides, total)
         folder = Path(str(config.hydra.sweep.dir)) / "ftlab-sweep"
         folder.mkdir(parents=True, exist_ok=True)
-        self._sweep = SweepContext(sweep_id, parent.info.run_id, uri, experiment, str(folder))
+        self._sweep = SweepContext(sweep_id, parent_run_id, uri, experiment, str(folder))
         (folder / SWEEP_FILE).write_text(json.dumps(asdict(self._sweep)))
         for stale in (folder / "jobs").glob("*"):  # a sweep folder given twice (hydra.sweep.dir=...) starts afresh
             stale.unlink()
         (folder / "jobs").mkdir(exist_ok=True)
         os.environ[SWEEP_ENV] = str(folder)
-        print(f"ftlab sweep {sweep_id}: {total or 'several'} jobs, MLflow parent run {parent.info.run_id}", flush=True)
+        print(f"ftlab sweep {sweep_id}: {total or 'several'} jobs, MLflow parent run {parent_run_id}", flush=True)
         self._progress = SweepProgress(folder, total)
         self._progress.start()
         atexit.register(self._abandoned)
 
+    @store_access
     def _abandoned(self) -> None:
         """The process exits with the sweep unfinished (an override Hydra refused, Ctrl-C, SIGTERM): close the parent
         run as KILLED rather than leave it running, and every child run still running as FAILED. A job in this
@@ -202,6 +195,27 @@ class SweepCallback(Callback):
         print("\n".join(lines), flush=True)
 
 
+@store_access
+def open_parent_run(client: MlflowClient, experiment_id: str, sweep_id: str, overrides: list[str], total: int) -> str:
+    """The sweep's parent run, with its overrides as parameters; its id."""
+    parent = client.create_run(
+        experiment_id,
+        run_name=f"sweep-{sweep_id}",
+        tags={
+            "sweep_id": sweep_id,
+            "sweep_overrides": " ".join(overrides),
+            "kind": "sweep",
+            "mlflow.note.content": f"Sweep of {total or 'several'} jobs: `ftlab -m {' '.join(overrides)}`. "
+            "The comparison of its jobs is written here when the sweep ends.",
+        },
+    )
+    for override in overrides:
+        key, _, value = override.partition("=")
+        client.log_param(parent.info.run_id, f"sweep.{key.lstrip('+~')}", value[:6000])
+    return parent.info.run_id
+
+
+@store_access
 def record_comparison(sweep: SweepContext, total: int, failed: int) -> list[str]:
     """Write the comparison of the sweep's child runs to the parent run and close it; lines for the user."""
     from mlflow.entities import RunStatus

@@ -34,6 +34,7 @@ from mlflow.tracking import MlflowClient
 from ftlab.runtime import events as ev
 from ftlab.runtime.config import TrackingConfig
 from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.held_signals import store_access
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -82,6 +83,7 @@ def _view_state() -> str:
     })  # fmt: skip
 
 
+@store_access
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     """The experiment's id, created (store and all) if it does not exist, and marked to open on its runs.
 
@@ -157,6 +159,7 @@ class Tracker:
         self._metrics: list[Metric] = []
         self._flushed_at = time.monotonic()
 
+    @store_access
     def start(
         self, config: dict[str, Any], tags: dict[str, str], config_yaml: str, name: str | None = None, note: str = ""
     ) -> str:
@@ -191,6 +194,7 @@ class Tracker:
         if time.monotonic() - self._flushed_at >= _METRIC_FLUSH_S:
             self.flush()
 
+    @store_access
     def flush(self) -> None:
         assert self.run_id is not None
         for i in range(0, len(self._metrics), _METRICS_PER_BATCH):
@@ -198,19 +202,23 @@ class Tracker:
         self._metrics.clear()
         self._flushed_at = time.monotonic()
 
+    @store_access
     def describe(self, note: str) -> None:
         """Replace the run's description (markdown, shown on the run's page and in the runs table)."""
         assert self.run_id is not None
         self.client.set_tag(self.run_id, NOTE_TAG, note)
 
+    @store_access
     def set_tag(self, key: str, value: str) -> None:
         assert self.run_id is not None
         self.client.set_tag(self.run_id, key, value)
 
+    @store_access
     def log_text(self, path: str, text: str) -> None:
         assert self.run_id is not None
         self.client.log_text(self.run_id, text, path)
 
+    @store_access
     def log_file(self, local: Path, folder: str | None = None) -> None:
         assert self.run_id is not None
         self.client.log_artifact(self.run_id, str(local), folder)
@@ -226,6 +234,7 @@ class Tracker:
         with open(self.events_path, "a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
+    @store_access
     def finish(self, failure: str | None = None) -> None:
         if self.run_id is None:
             return

@@ -103,3 +103,45 @@ def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_
     for child in children:
         assert child.info.status == "FAILED"
         assert "was stopped before this job ended" in child.data.tags["failure_reason"]
+
+
+
+INTERRUPTED_WRITES = """
+import os, random, sys, threading
+from ftlab.experiments.stop_signals import Stopped, stop_on_signals
+from ftlab.runtime.config import TrackingConfig
+from ftlab.runtime.tracking import Tracker
+
+uri, sig, attempts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for attempt in range(attempts):
+    stop_on_signals()  # again: a stop leaves SIGTERM and SIGHUP to their default, as a second one should find them
+    tracker = Tracker(TrackingConfig(uri=uri))
+    tracker.start({}, {}, "")
+    threading.Timer(random.Random(attempt).uniform(0.01, 0.2), os.kill, (os.getpid(), sig)).start()
+    try:
+        while True:  # nothing but writes to the store: the signal lands in one
+            tracker.log_metrics({"loss": 1.0}, 0)
+            tracker.flush()
+    except (KeyboardInterrupt, Stopped) as exc:
+        tracker.finish(failure=type(exc).__name__)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+def test_a_signal_in_the_middle_of_a_write_to_the_store_still_lets_the_run_be_failed(sig: int, tmp_path: Path) -> None:
+    # Raised inside a write to SQLite, the signal's exception left the store locked, and the write of the FAILED
+    # status waited for it forever: an interrupted job hung with its run RUNNING.
+    uri, attempts = f"sqlite:///{tmp_path}/mlflow.db", 20
+    writing = subprocess.Popen([sys.executable, "-c", INTERRUPTED_WRITES, uri, str(sig), str(attempts)])
+    try:
+        assert writing.wait(timeout=300) == 0
+    except subprocess.TimeoutExpired:
+        pytest.fail("a run could not be closed after the signal")
+    finally:
+        writing.kill()
+        writing.wait()
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"] * attempts
+    stopped_by = "KeyboardInterrupt" if sig == signal.SIGINT else "Stopped"
+    assert {r.data.tags["failure_reason"] for r in runs} == {stopped_by}
