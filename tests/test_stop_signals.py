@@ -107,12 +107,13 @@ def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_
 
 
 INTERRUPTED_WRITES = """
-import os, random, sys, threading
+import os, random, signal, sys, threading
 from ftlab.experiments.stop_signals import Stopped, stop_on_signals
 from ftlab.runtime.config import TrackingConfig
 from ftlab.runtime.tracking import Tracker
 
 uri, sig, attempts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a test run in the background ignores it
 for attempt in range(attempts):
     stop_on_signals()  # again: a stop leaves SIGTERM and SIGHUP to their default, as a second one should find them
     tracker = Tracker(TrackingConfig(uri=uri))
