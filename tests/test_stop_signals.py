@@ -105,7 +105,6 @@ def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_
         assert "was stopped before this job ended" in child.data.tags["failure_reason"]
 
 
-
 INTERRUPTED_WRITES = """
 import os, random, signal, sys, threading
 from ftlab.experiments.stop_signals import Stopped, stop_on_signals
