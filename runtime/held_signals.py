@@ -36,8 +36,7 @@ def signals_held() -> Iterator[None]:
         if signum not in came:
             came.append(signum)
 
-    handlers = {sig: signal.getsignal(sig) for sig in HELD}
-    handlers = {sig: handler for sig, handler in handlers.items() if callable(handler)}
+    handlers = {sig: handler for sig in HELD if callable(handler := signal.getsignal(sig))}
     for sig in handlers:
         signal.signal(sig, hold)
     try:
