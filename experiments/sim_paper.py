@@ -99,6 +99,14 @@ COMBINATIONS = {  # policy x protection, every pair that can run
                                 "protection.flush_every=50", *HOST_MEMORY],
     "oobleck+reft": ["policy=oobleck", "protection=reft", "protection.interval=1", "protection.flush_every=50",
                      *HOST_MEMORY],
+    "recycle+none": ["policy=recycle", "protection=none"],
+    "recycle+storage": ["policy=recycle", "protection=storage", "protection.every=50"],
+    "recycle+reft": ["policy=recycle", "protection=reft", "protection.interval=1", "protection.flush_every=50",
+                     *HOST_MEMORY],
+    "adaptive+none": ["policy=adaptive", "protection=none"],
+    "adaptive+storage": ["policy=adaptive", "protection=storage", "protection.every=50"],
+    "adaptive+reft": ["policy=adaptive", "protection=reft", "protection.interval=1", "protection.flush_every=50",
+                      *HOST_MEMORY],
 }
 LLAMA3_GPU_S = 54 * 24 * 3600 * 16384 / 419
 META_MTTF = ((1024, 7.9 * 3600), (16384, 1.8 * 3600))

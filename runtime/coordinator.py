@@ -106,6 +106,7 @@ class Coordinator:
         """Run steps of the configured ``plan`` until the job is done (no decision), or a failure or a join asks for
         a new decision. Each committed step is reported while the workers compute the next one."""
         unreported: ev.StepCommitted | None = None
+        writers: dict[int, tuple[int, ...]] | None = None  # found at the first save, then kept: the plan is fixed here
         while step < self.steps:
             switch = self._joins(plan, step)
             if switch is None:
@@ -134,7 +135,8 @@ class Coordinator:
             for action in self.protection.after_commit(step, plan):
                 self._report(unreported)
                 unreported = None
-                failure = self._save(step, action, first_holders(plan), plan.num_layers)
+                writers = writers or first_holders(plan)
+                failure = self._save(step, action, writers, plan.num_layers)
                 if failure:
                     return self._recover(failure, plan, step)
         self._report(unreported)
