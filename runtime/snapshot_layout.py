@@ -12,8 +12,12 @@ the optimizer chunk it owns.
 
 **Records** (``contract.MemoryRecord``), each written by one member into its node's memory:
 - ``shard`` i: the member i's shard (every mode; a group of one member has only this, and no protection);
-- ``copy`` of shard i+1 mod m, by member i (ARC: each member also keeps a peer's shard; AOR: the peer's optimizer
-  chunk recomputed on this member's host from the peer's gradient chunk, so the copy is the peer's shard);
+- ``copy`` of shard i+d mod m, by member i (ARC: each member also keeps a peer's shard; AOR: the peer's optimizer
+  chunk recomputed on this member's host from the peer's gradient chunk, so the copy is the peer's shard). d is 1
+  when every member has a node of its own; where a node runs several members of a group, d is the most any node
+  runs (``copy_distance``), so a copy never shares its shard's node and a node's loss is survived (with d = 1 the
+  next member's copy sat beside the shard, and a node lost both). AOR keeps d = 1: its copy is computed from the
+  gradient chunk its next member sends it;
 - ``parity`` p_k, by member k (AEC): each shard is cut into q = m - 1 sub-chunks; sub-chunk j of shard i is
   protected by the parity of member ``others(i)[j]`` (the members other than i, in order), which XORs one
   sub-chunk of every shard but its own: p_k = XOR over i != k of s_i[others(i).index(k)]. Each parity is C / q
@@ -124,15 +128,30 @@ def records_to_write(plan: Plan, mode: str, workers_per_node: int) -> dict[int, 
     written: dict[int, list[MemoryRecord]] = {w: [] for w in plan.workers}
     for group in groups_of(plan):
         m = group.members
+        # AOR's copy is the next member's, whose gradient chunk it is sent (runtime.zero); ARC's may be any member's
+        ahead = 1 if mode == "aor" else copy_distance(group, workers_per_node)
         for i, worker in enumerate(group.holders):
             node = worker // workers_per_node
             mine = [MemoryRecord(node, group.layers, m, i, "shard")]
             if m > 1 and mode in ("arc", "aor", "arc+aec"):
-                mine.append(MemoryRecord(node, group.layers, m, (i + 1) % m, "copy"))
+                mine.append(MemoryRecord(node, group.layers, m, (i + ahead) % m, "copy"))
             if m > 1 and mode in ("aec", "arc+aec"):
                 mine.append(MemoryRecord(node, group.layers, m, i, "parity"))
             written[worker] += mine
     return written
+
+
+def copy_distance(group: Group, workers_per_node: int) -> int:
+    """How many members ahead of itself an ARC member copies a shard from, so that no copy sits on its shard's node.
+
+    Members are in worker order, so those of one node are consecutive, at most ``c`` of them: a member c ahead (mod
+    m) is on another node whenever m >= 2c. A node running more than half of the group has more shards than the
+    other nodes have copies, and its loss is not survived whatever the choice: then 1, the paper's neighbour."""
+    per_node: dict[int, int] = {}
+    for worker in group.holders:
+        per_node[worker // workers_per_node] = per_node.get(worker // workers_per_node, 0) + 1
+    most = max(per_node.values())
+    return most if 2 * most <= group.members else 1
 
 
 def record_bytes(record: MemoryRecord, numel: int) -> int:

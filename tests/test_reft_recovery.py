@@ -102,6 +102,19 @@ def test_each_mode_rebuilds_a_lost_member_of_its_group(
     assert result.faults[0].lost_steps == 0
 
 
+def test_a_node_running_two_members_of_a_group_is_restored_from_memory(
+    run, tmp_path: Path, fault_free: JobResult  # noqa: ANN001
+) -> None:
+    # Two nodes of two workers, one stage: node 1 runs members 2 and 3 of the one group. Their shards' copies are
+    # kept on node 0 (each member copies the shard two ahead); the next member's copy would have died with them.
+    result = run(*REFT, "cluster.nodes=2", "cluster.workers_per_node=2", "train.stages=1",
+                 *explicit("{kind: node, node: 1, at_step: 4, phase: backward}"))  # fmt: skip
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
+    (restore,) = restores(events_of(result, tmp_path))
+    assert (restore["source"], restore["step"]) == ("memory", 4)
+    assert result.faults[0].lost_steps == 0
+
+
 def test_two_nodes_of_one_group_lost_fall_back_to_the_flush(run, tmp_path: Path, fault_free: JobResult) -> None:  # noqa: ANN001
     result = run(*REFT, "protection.flush_every=3",
                  *explicit("{kind: node, node: 0, at_step: 5}", "{kind: node, node: 2, at_step: 5}"))  # fmt: skip

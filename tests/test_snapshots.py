@@ -46,6 +46,26 @@ def test_each_member_writes_its_shard_and_its_protection(mode: str, kinds: list[
         assert records[4][kinds.index("copy")].index == 0, "the last member keeps the first one's shard"
 
 
+@pytest.mark.parametrize("mode", ["arc", "arc+aec"])
+@pytest.mark.parametrize(("workers", "stages", "per_node"), [(4, 1, 2), (9, 1, 3), (16, 2, 4), (12, 2, 4), (128, 2, 8)])
+def test_where_nodes_run_several_members_a_copy_never_sits_beside_its_shard(
+    mode: str, workers: int, stages: int, per_node: int
+) -> None:
+    plan = grid_plan(list(range(workers)), stages, 4 * stages, workers, 1)
+    records = [r for rs in records_to_write(plan, mode, per_node).values() for r in rs]
+    owner_node = {(r.layers, r.index): r.node for r in records if r.kind == "shard"}
+    assert all(r.node != owner_node[(r.layers, r.index)] for r in records if r.kind == "copy")
+    for node in range(workers // per_node):
+        assert lost_shards(plan, [r for r in records if r.node != node]) == [], f"node {node}'s loss"
+
+
+def test_a_node_running_most_of_a_group_keeps_the_neighbours_copy() -> None:
+    # Stage 0's members are workers 0, 2, 4 on nodes 0, 0, 1: node 0 has two shards and node 1 one copy to spare.
+    plan = grid_plan(list(range(6)), 2, 4, 6, 1)
+    copies = {w: [r.index for r in rs if r.kind == "copy"] for w, rs in records_to_write(plan, "arc", 3).items()}
+    assert copies == {0: [1], 1: [1], 2: [2], 3: [2], 4: [0], 5: [0]}
+
+
 def source_of(plan: Plan, mode: str, lost_nodes: set[int]) -> MemorySource:
     records = [r for rs in records_to_write(plan, mode, 1).values() for r in rs if r.node not in lost_nodes]
     return MemorySource(5, plan=plan, workers_per_node=1, records=tuple(records))
