@@ -181,11 +181,17 @@ def test_a_job_stopped_by_a_failure_leaves_no_memory(run) -> None:  # noqa: ANN0
         run("experiment=plain", "protection=reft", "train.steps=4", *explicit("{kind: node, node: 2, at_step: 2}"))
 
 
+def answer_ctrl_c() -> None:
+    """Run in the job's process before ``ftlab`` starts: SIGINT as a terminal leaves it. A test run started in the
+    background hands its children SIGINT ignored, and Python keeps it ignored, so Ctrl-C would never reach the job."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_snapshotting_job(job_overrides: list[str], start_new_session: bool = False) -> subprocess.Popen[bytes]:
     """A long REFT job run as ``ftlab``, once its nodes' memory holds a snapshot."""
     command = [sys.executable, "-m", "ftlab.experiments.main", *job_overrides, *REFT, "train.steps=1000"]
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=start_new_session)  # fmt: skip
+                           start_new_session=start_new_session, preexec_fn=answer_ctrl_c)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not list(shm.ROOT.glob(f"ftlab-{job.pid}-*/node-*/L*")):
