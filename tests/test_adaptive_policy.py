@@ -115,6 +115,19 @@ def test_few_steps_until_the_next_change_favour_the_recovery_without_a_pause() -
     assert outcome.details["candidates"]["reroute"]["horizon_steps"] == 1  # type: ignore[union-attr]
 
 
+def test_a_rate_in_seconds_weighs_every_candidate_over_the_same_steps() -> None:
+    # A failure every 20 s, about 400 steps of the first plan: over them Oobleck's plan (a fifth faster an iteration
+    # than overloading the only peer) repays its extra pause many times. Counted at each candidate's own iteration
+    # time, the steps made every cost pause + 20 s, and the shorter pause, rerouting's, won.
+    cluster = Cluster("faults=exponential", "faults.mtbf_steps=null", "faults.mtbf_s=20", "faults.seed=0")
+    outcome = cluster.kill_workers(cluster.first.plan, 1)
+    assert chosen(outcome) == "reconfigure"
+    predictions = outcome.details["candidates"]
+    (horizon,) = {p["horizon_steps"] for p in predictions.values()}  # type: ignore[union-attr]
+    assert horizon == pytest.approx(20 / cluster.first.predicted_iter_s, rel=1e-3)
+    assert predictions["reroute"]["pause_s"] < predictions["reconfigure"]["pause_s"]
+
+
 def test_a_stage_without_any_replica_left_restarts_from_saved_state() -> None:
     cluster = Cluster(*AMPLE, "protection=storage")
     outcome = cluster.kill_workers(cluster.first.plan, 1, 3, 5, 7)

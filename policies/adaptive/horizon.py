@@ -16,8 +16,8 @@ next, which is what makes a review (``Adaptive.review``) leave a plan chosen for
 that pays its pause back over a long one (a reconfiguration). For k > 1 (wear-out) m(t) shrinks.
 
 Our choices: joins are not modelled (no schedule says when a node will join), so the next change is the next
-failure; a rate in seconds is turned into steps at the iteration time of the plan being costed, and so are the
-seconds since the last failure (``steps x iteration time``: the measured seconds would make the choice depend on
+failure; a rate in seconds is turned into steps at the iteration time the caller gives (``policy.adaptive``: one
+for every candidate of a decision), and so are the seconds since the last failure (``steps x iteration time``: the measured seconds would make the choice depend on
 the machine's load, and it must be the same on every run).
 """
 

@@ -21,10 +21,13 @@ costed on the one cost model:
   what it restores (storage: at the storage's read bandwidth; memory: decoded from the host's /dev/shm at the codec
   bandwidth: a coarser figure than the simulator's, which reads local records at the snapshot copy rate and
   fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
-- the steps until the next change come from the fault schedule's rate (``Job.failure_rate`` at the candidate's
-  iteration time), else ``policy.mtbf_steps``, at most the steps the job has left: at a failure the mean time
-  between failures, later the mean residual life given the steps since the last failure (``horizon``: the same
-  for exponential gaps, longer for the bursty Weibull ones).
+- the steps until the next change come from the fault schedule's rate (``Job.failure_rate``), else
+  ``policy.mtbf_steps``, at most the steps the job has left: at a failure the mean time between failures, later the
+  mean residual life given the steps since the last failure (``horizon``: the same for exponential gaps, longer for
+  the bursty Weibull ones). A rate in seconds becomes steps at the iteration time of the plan that ran when the
+  change came (adaptive's prediction of it; the fastest candidate's if adaptive did not propose it), one horizon
+  for every candidate: at each candidate's own iteration time the cost would be pause + iteration x (mean seconds /
+  iteration), the iteration time would cancel, and the choice would weigh pauses alone.
 
 The cheapest answer is carried out; ties go to the order reroute, reconfigure, restart (and a ``Keep``, on a join,
 before all: it pauses nothing). The choice is a pure function of the change, the job and the profile: the same
@@ -214,13 +217,20 @@ class Adaptive(Policy):
                 answers[name] = candidate.on_change(change, job, protection)
             except PlanError as exc:  # e.g. no batch split fits its pipelines: this candidate cannot answer
                 answers[name] = Stop(str(exc))
-        predictions: list[tuple[Prediction, Decision | Keep]] = []
-        for name, answer in answers.items():
-            if isinstance(answer, Decision):
-                predictions.append((self.predict(name, answer, change, job), answer))
+        predictions: list[tuple[Prediction, Decision | Keep]] = [
+            (self.predict(name, answer, change, job), answer)
+            for name, answer in answers.items()
+            if isinstance(answer, Decision)
+        ]
         if not change.is_failure and change.plan.generation in self._iter_s:
             keep = Keep(f"{change.describe()}: keep the running plan")
-            predictions.append((self._keep(change, job), keep))
+            predictions.append((Prediction("keep", "keep", 0.0, self._iter_s[change.plan.generation], 0, 0.0), keep))
+        if predictions:
+            # One horizon for every candidate: counted in steps at each one's own iteration time, a rate in seconds
+            # would cost each pause + iteration x (mean seconds / iteration), and the iteration time would cancel.
+            reference = self._iter_s.get(change.plan.generation, min(p.iter_s for p, _ in predictions))
+            horizon = self._horizon(change, job, reference)
+            predictions = [(replace(p, horizon_steps=horizon), a) for p, a in predictions]
         refused = {
             n: f"{type(a).__name__.lower()}: {a.reason}" for n, a in answers.items() if not isinstance(a, Decision)
         }
@@ -312,15 +322,11 @@ class Adaptive(Policy):
 
     # -- predictions -----------------------------------------------------------------------------------------------
     def predict(self, name: str, decision: Decision, change: Change, job: Job) -> Prediction:
-        """``decision``'s cost, on the one cost model and the simulator's measured constants."""
+        """``decision``'s cost, on the one cost model and the simulator's measured constants, over no horizon yet
+        (the caller sets the one it weighs every candidate over)."""
         iter_s = self._iteration_s(decision, job)
         lost = change.step - decision.plan.step
-        return Prediction(name, decision.kind, self._pause_s(decision, change, job), iter_s, lost,
-                          self._horizon(change, job, iter_s))  # fmt: skip
-
-    def _keep(self, change: Change, job: Job) -> Prediction:
-        iter_s = self._iter_s[change.plan.generation]
-        return Prediction("keep", "keep", 0.0, iter_s, 0, self._horizon(change, job, iter_s))
+        return Prediction(name, decision.kind, self._pause_s(decision, change, job), iter_s, lost, 0.0)
 
     def _horizon(self, change: Change, job: Job, iter_s: float) -> float:
         """Steps expected until the next change (``horizon``), at most the steps the job has left."""
