@@ -32,6 +32,7 @@ Every worker computes the same plan from the same inputs, so senders and receive
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -147,10 +148,7 @@ def copy_distance(group: Group, workers_per_node: int) -> int:
     Members are in worker order, so those of one node are consecutive, at most ``c`` of them: a member c ahead (mod
     m) is on another node whenever m >= 2c. A node running more than half of the group has more shards than the
     other nodes have copies, and its loss is not survived whatever the choice: then 1, the paper's neighbour."""
-    per_node: dict[int, int] = {}
-    for worker in group.holders:
-        per_node[worker // workers_per_node] = per_node.get(worker // workers_per_node, 0) + 1
-    most = max(per_node.values())
+    most = max(Counter(worker // workers_per_node for worker in group.holders).values())
     return most if 2 * most <= group.members else 1
 
 

@@ -17,8 +17,8 @@ that pays its pause back over a long one (a reconfiguration). For k > 1 (wear-ou
 
 Our choices: joins are not modelled (no schedule says when a node will join), so the next change is the next
 failure; a rate in seconds is turned into steps at the iteration time the caller gives (``policy.adaptive``: one
-for every candidate of a decision), and so are the seconds since the last failure (``steps x iteration time``: the measured seconds would make the choice depend on
-the machine's load, and it must be the same on every run).
+for every candidate of a decision), and so are the seconds since the last failure (``steps x iteration time``: the
+measured seconds would make the choice depend on the machine's load, and it must be the same on every run).
 """
 
 from __future__ import annotations
