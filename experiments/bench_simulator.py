@@ -13,10 +13,12 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
 - ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction.
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
-and after each real job the bench measures the cores its workers can have (``runtime.profiler.host_share``: as many
-CPU-bound processes as the job has workers, side by side, each's CPU time over the wall time, added up) and gives
-the simulation of that job ``sim.host_cores`` = the mean of the two: the environment the real run met, measured
-beside it, not fitted to its result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+and after each real job the bench measures the cores its workers can have (``runtime.profiler.compute_share``: one
+process per worker of the job's first plan, each computing that worker's layers, side by side; each's rate over its
+rate alone, added up: the cores' worth the workers get, what their working sets and switching between more
+processes than cores cost included) and gives the simulation of that job ``sim.host_cores`` = the mean of the two:
+the environment the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
+``conf/sim/measured.yaml``'s.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
@@ -81,10 +83,18 @@ def error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
+def workers_share(cfg: Any, plan: Any) -> float:  # noqa: ANN401 - a JobConfig and a Plan
+    """The cores the workers of ``plan`` get computing side by side now (``runtime.profiler.compute_share``)."""
+    from ftlab.runtime.profiler import compute_share
+
+    ranges = list(plan.layer_ranges().values())
+    m = cfg.model
+    return compute_share(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker)
+
+
 def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
     from ftlab.experiments.job import compose_config, run_job
     from ftlab.experiments.simulate import simulate
-    from ftlab.runtime.profiler import host_share
 
     out: dict[str, Any] = {}
     for name, overrides in JOBS.items():
@@ -93,13 +103,13 @@ def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
             "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
             f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
         ]  # fmt: skip
-        cfg = compose_config([*common, *overrides])
-        workers = cfg.cluster.nodes * cfg.cluster.workers_per_node
-        before = host_share(workers) if measure_cores else None
+        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate"]))
+        first = simulate(sim_cfg).result.plans[0]  # the real run's first plan too: both run the same policy code
+        before = workers_share(sim_cfg, first) if measure_cores else None
         print(f"[{name}] real ...", flush=True)
-        real = figures(run_job(cfg))
+        real = figures(run_job(compose_config([*common, *overrides])))
         # The machine's load drifts over the job: the mean of what its workers could have before and after it.
-        cores = [f"sim.host_cores={(before + host_share(workers)) / 2:.2f}"] if measure_cores else []
+        cores = [f"sim.host_cores={(before + workers_share(sim_cfg, first)) / 2:.2f}"] if measure_cores else []
         print(f"[{name}] simulated ({' '.join(cores) or 'cores as measured'}) ...", flush=True)
         sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *cores]))
         sim = figures(simulate(sim_cfg).result)

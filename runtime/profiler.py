@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, profile_from_specs
+from ftlab.runtime.host_allocator import steady_allocations
 from ftlab.runtime.model_spec import ModelConfig, layer_specs, num_layers
 
 if TYPE_CHECKING:
@@ -66,9 +67,10 @@ class ProfileKey:
     links: bool
     threads: int = 0
     """Torch's compute threads while measuring (0: whatever the measuring process had)."""
-    format: int = 4
+    format: int = 5
     """The profile's own format: 2 measures the optimizer step and the link latency; 3 records the threads; 4 times
-    a one-thread CPU layer on its thread's CPU time (``layer_clock``)."""
+    a one-thread CPU layer on its thread's CPU time (``layer_clock``); 5 times layers with the workers' fixed malloc
+    thresholds (``runtime.host_allocator``)."""
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:20]
@@ -251,6 +253,81 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     dist.destroy_process_group()
 
 
+def compute_share(
+    cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
+    seconds: float = 2.0,
+) -> float:  # fmt: skip
+    """How many cores a job's workers get when they all compute at once: one process per worker, each computing the
+    forward and backward of its layers ``ranges[i]`` (start, stop) over and over, first alone, then all side by
+    side; each's rate side by side over its rate alone, added up.
+
+    Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
+    each other: their working sets in the shared caches and the switches between more processes than cores. On two
+    cores here, four processes of gpt2-tiny's whole model got 1.72 cores' worth of their solo speed and six 1.54,
+    where spinners got 2.0. Alone means alone among these processes: other load on the machine slows both runs."""
+    context = mp.get_context("spawn")  # each process builds its layers with torch of its own
+    out = context.Queue()
+    alone = [context.Event() for _ in ranges]
+    together = context.Event()
+    procs = [
+        context.Process(
+            target=_compute,
+            args=(i, cfg, start, stop, micro_batch, seq_len, threads, seconds, alone[i], together, out),
+        )
+        for i, (start, stop) in enumerate(ranges)
+    ]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    try:
+        solo = []
+        for event in alone:  # one at a time, the others built and waiting
+            event.set()
+            solo.append(out.get(timeout=300))
+        together.set()
+        side_by_side = [out.get(timeout=300) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    rates = dict(solo)
+    return max(sum(rate / rates[i] for i, rate in side_by_side), 0.05)
+
+
+def _compute(
+    index: int, cfg: ModelConfig, start: int, stop: int, micro_batch: int, seq_len: int, threads: int, seconds: float,
+    alone: Any, together: Any, out: Any,  # noqa: ANN401 - multiprocessing events and queue
+) -> None:  # fmt: skip
+    """``compute_share``'s process ``index``: layers [start, stop) computed as their worker computes them."""
+    import torch
+
+    from ftlab.runtime.model import StageModule, build_layer
+
+    torch.set_num_threads(threads)
+    steady_allocations()
+    stage = StageModule(cfg, {i: build_layer(cfg, i, seed=0) for i in range(start, stop)})
+    generator = torch.Generator().manual_seed(start)
+    if start == 0:
+        x = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator)
+    else:
+        x = torch.randn(micro_batch, seq_len, cfg.hidden, generator=generator, requires_grad=True)
+    labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator) if stage.is_last else None
+
+    def rate(duration: float) -> float:
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < duration:
+            result = stage(x, labels)
+            result.backward(None if stage.is_last else torch.ones_like(result))
+            done += 1
+        return done / (time.perf_counter() - started)
+
+    rate(0.2)  # warm-up: first allocations, caches
+    alone.wait()
+    out.put((index, rate(seconds / 2)))
+    together.wait()
+    out.put((index, rate(seconds)))
+
+
 def _spin(go: Any, seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing event and queue
     """A single-threaded CPU-bound process for ``seconds`` of wall time from ``go``: the share of a core it got."""
     go.wait()
@@ -345,6 +422,7 @@ def measure_profile(
 
     import torch
 
+    steady_allocations()  # as in the workers that will run these layers (``runtime.host_allocator``)
     torch_dtype = getattr(torch, dtype)
     clock = layer_clock(device, threads)
     before = torch.get_num_threads()

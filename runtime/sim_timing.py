@@ -37,7 +37,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
-from ftlab.runtime.shared_host import run_shared
+from ftlab.runtime.shared_host import Reduction, run_shared
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -89,9 +89,9 @@ class IterationTimer:
     ``instruction_s``: the runtime's own cost per forward or backward instruction, beyond the profiled layers'.
     ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
     layer profiled alone on one core). The whole plan then runs as one, under processor sharing
-    (``runtime.shared_host``): a small plan, and its components are not independent, since they share the cores.
-    The optimizer steps, every worker's at once, are slowed by the workers over the cores. ``None``: each worker has
-    a device of its own.
+    (``runtime.shared_host``), its all-reduces included: a small plan, and its components are not independent, since
+    they share the cores. The optimizer steps, every worker's at once, are slowed by the workers over the cores.
+    ``None``: each worker has a device of its own.
     """
 
     def __init__(
@@ -131,15 +131,24 @@ class IterationTimer:
             extra = self.instruction_s if isinstance(instruction, ins.COMPUTE) else 0.0
             return durations(worker, instruction) + extra
 
-        run = run_shared(own, cost, cores)
+        peers: dict[int, set[int]] = defaultdict(set)
+        for holders, _ in plan.reduction_groups():
+            for worker in holders:
+                peers[worker].update(holders)
+        reduce_s = self.costs.reduce_s(plan)
+        reductions = {w: Reduction(frozenset(peers[w] - {w}), reduce_s.get(w, 0.0)) for w in workers}
+        run = run_shared(own, cost, cores, reductions)
         whole = ComponentTiming(
             tuple(run.reduce_at[w] for w in workers),
             tuple(dict(run.phase_at.get(w, {})) for w in workers),
             tuple(run.compute_s.get(w, 0.0) for w in workers),
         )
         compute = max(whole.compute_s, default=0.0)
-        optimizers = max(1.0, len(workers) / cores)
-        return self._reduce(plan, ranges, run.reduce_at, compute, sum(whole.compute_s), ((workers, whole),), optimizers)
+        optimizer = max(1.0, len(workers) / cores) * max(self.costs.optimizer_s(*ranges[w]) for w in workers)
+        return IterationTiming(
+            max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
+            ((workers, whole),),
+        )  # fmt: skip
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
         ranges = plan.layer_ranges()
@@ -231,10 +240,9 @@ class IterationTimer:
 
     def _reduce(
         self, plan: Plan, ranges: dict[int, tuple[int, int]], arrival: dict[int, float], compute: float,
-        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...], optimizers: float = 1.0,
+        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...],
     ) -> IterationTiming:  # fmt: skip
-        """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces.
-        ``optimizers``: how much slower than profiled the optimizer steps run (on a shared host)."""
+        """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
         # By range of layers (Plan.workers_by_range): its workers have the same co-holders and the same all-reduces.
         by_range = plan.workers_by_range()
         last_of_range = {held: max(0.0, *(arrival[worker] for worker in workers)) for held, workers in by_range.items()}
@@ -246,7 +254,7 @@ class IterationTimer:
         reduce_end: dict[int, float] = {}
         for held, workers in by_range.items():
             reduce_end.update(dict.fromkeys(workers, max(latest[held[0] : held[1]]) + reduce_s.get(held, 0.0)))
-        optimizer = optimizers * max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
+        optimizer = max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
 
 

@@ -36,6 +36,7 @@ from ftlab.runtime.comm import Aborted, CommError, GenerationComm
 from ftlab.runtime.contract import MemorySource, Source, StorageSource
 from ftlab.runtime.data import Batches
 from ftlab.runtime.executor import Executor
+from ftlab.runtime.host_allocator import steady_allocations
 from ftlab.runtime.instructions import Instruction
 from ftlab.runtime.layer_state import decode, encode, layer_state
 from ftlab.runtime.model import StageModule, build_layer
@@ -489,6 +490,7 @@ def main() -> None:
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    steady_allocations()  # every iteration at one speed, the one the profile measured
     # The secret comes from the environment the agent gave this process (never its command line); it is not kept.
     secret = os.environ.pop(msg.SECRET_ENV)
     channel = Channel(msg.connect(args.coordinator_addr, args.coordinator_port, secret))

@@ -266,9 +266,11 @@ def test_its_predictions_are_what_the_simulator_charges(
         analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
     kills = "[{kind: process, node: 1, worker: 0, at_step: 2}, {kind: node, node: 3, at_step: 4}, " \
             "{kind: node, node: 5, at_step: 6}, {kind: node, node: 4, at_step: 8}]"  # fmt: skip
+    # A failure expected every step: the pauses decide, and the first failure is rerouted by a margin (3%) that
+    # re-measured host constants do not undo; over the job's 8 steps left the two came within 0.1% of each other.
     overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-6",
                  "cluster.device_memory_gb=0.04", "train.stages=2", "train.steps=10", "protection=storage",
-                 "protection.every=2", "faults=explicit", f"faults.events={kills}"]  # fmt: skip
+                 "protection.every=2", "policy.mtbf_steps=1", "faults=explicit", f"faults.events={kills}"]  # fmt: skip
     result = simulate(OmegaConf.to_object(compose_config(overrides))).result
     decided = [e for e in result.events if isinstance(e, ev.Decided)]
     recovered = [e for e in result.events if isinstance(e, ev.Recovered)]

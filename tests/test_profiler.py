@@ -149,3 +149,17 @@ def test_a_one_thread_cpu_layer_is_not_charged_for_a_process_beside_it_on_its_co
 def test_link_bandwidths_and_latency_between_two_gloo_processes_are_positive() -> None:
     p2p, allreduce, latency = measure_links(nbytes=1 << 20, rounds=2)
     assert 0 < p2p < math.inf and 0 < allreduce < math.inf and 0 < latency < 1
+
+
+def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> None:
+    """``compute_share`` counts what the workers' layers get side by side, against each alone: two pinned to one
+    core get about half their solo speed each, one core's worth together (spinners' CPU time would say the same;
+    what it adds, caches and switching, only lowers it)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})  # the measuring processes inherit it
+    try:
+        share = profiler.compute_share(TINY, [(0, 2), (2, len(layer_specs(TINY)))], micro_batch=2, seq_len=16,
+                                       seconds=1.0)  # fmt: skip
+    finally:
+        os.sched_setaffinity(0, before)
+    assert 0.5 < share < 1.3

@@ -6,7 +6,7 @@ import pytest
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.shared_host import run_shared
+from ftlab.runtime.shared_host import Reduction, run_shared
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 
@@ -59,6 +59,23 @@ def test_with_a_core_each_it_agrees_with_the_checkers_machine() -> None:
     }  # fmt: skip
     machine = {e.worker: e.start for e in timeline(programs, cost) if isinstance(e.instruction, ins.ReduceGrads)}
     assert run_shared(programs, cost, cores=2).reduce_at == pytest.approx(machine)
+
+
+def test_replicas_reduce_once_all_have_arrived_and_share_the_cores_with_the_computing_workers() -> None:
+    # Workers 0 and 1 replicate layers (a one-second all-reduce each), worker 2 holds its own (four seconds of
+    # work). On two cores: all three compute at 2/3 speed until 0 has done its second (1.5 s); 0 waits for 1. Then
+    # 1 and 2 run at full speed until 1 arrives (2.5 s; 2 has 2 s left). 0 and 1 reduce beside 2, all three at 2/3
+    # speed, until the reductions end (4.0 s; 2 has 1 s left), and 2 finishes alone (5.0 s).
+    reductions = {0: Reduction(frozenset({1}), 1.0), 1: Reduction(frozenset({0}), 1.0), 2: Reduction(frozenset(), 0.0)}
+    run = run_shared({0: alone(1), 1: alone(2), 2: alone(4)}, cost, cores=2, reductions=reductions)
+    assert run.reduce_at == pytest.approx({0: 1.5, 1: 2.5, 2: 5.0})
+    assert run.reduce_end == pytest.approx({0: 4.0, 1: 4.0, 2: 5.0})
+    assert run.compute_s == pytest.approx({0: 1.5, 1: 2.5, 2: 5.0}), "a reduction is not compute"
+
+
+def test_without_reductions_a_worker_leaves_its_reduce_as_it_arrives() -> None:
+    run = run_shared({0: alone(1), 1: alone(2)}, cost, cores=2)
+    assert run.reduce_end == run.reduce_at == {0: 1.0, 1: 2.0}
 
 
 def test_a_receive_without_its_send_is_a_deadlock() -> None:
