@@ -34,10 +34,10 @@ object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodp
 the best single policy's), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
-constants, and this machine is shared. Before each job the bench measures the share of the machine as many processes
-as the job has workers get now (``runtime.profiler.host_share``, as ``bench_simulator`` does) and gives it to the job
-as ``sim.host_cores``: the host the real run meets, measured beside it, not fitted to its result
-(``--cores-as-measured``: the idle host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it
+constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
+plan get computing their layers side by side now (``runtime.profiler.compute_share``, as ``bench_simulator`` does)
+and gives them to the job as ``sim.host_cores``: the host the real run meets, measured beside it, not fitted to its
+result (``--cores-as-measured``: the idle host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it
 works.
 """
 
@@ -79,19 +79,19 @@ def schedule(nodes: int, steps: int, phase: str) -> list[str]:
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
-def run_policy(policy: str, overrides: list[str], scratch: Path, workers: int | None) -> dict[str, Any]:
-    """One job in this process; a job that stops or crashes is reported with its reason. ``workers``: measure the
-    share of the machine that many processes get now and give it to the job as ``sim.host_cores``, the host its
-    predictions are for (None: ``conf/sim/measured.yaml``'s idle host)."""
+def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: bool) -> dict[str, Any]:
+    """One job in this process; a job that stops or crashes is reported with its reason. ``measure_cores``: measure
+    the cores the workers of the job's first plan get computing side by side now and give them to the job as
+    ``sim.host_cores``, the host its predictions are for (False: ``conf/sim/measured.yaml``'s idle host)."""
+    from ftlab.experiments.bench_simulator import first_plan, workers_share
     from ftlab.experiments.job import compose_config, run_job
-    from ftlab.runtime.profiler import host_share
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
               f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    if workers:
-        common.append(f"sim.host_cores={host_share(workers):.2f}")
-    print(f"  {policy}: {' '.join(overrides)} {common[-1] if workers else ''}", flush=True)
+    if measure_cores:
+        common.append(f"sim.host_cores={workers_share(*first_plan([*common, *overrides])):.2f}")
+    print(f"  {policy}: {' '.join(overrides)} {common[-1] if measure_cores else ''}", flush=True)
     started = time.monotonic()
     try:
         result = run_job(compose_config([*common, *overrides]))
@@ -202,13 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-policies-"))
     try:
-        workers = None if args.cores_as_measured else args.nodes
         runs: dict[str, list[dict[str, Any]]] = {policy: [] for policy in args.policies}
         for round_ in range(args.rounds):
             # Each round starts one policy later: a load that drifts over the bench falls on every policy alike.
             first = round_ % len(args.policies)
             for policy in [*args.policies[first:], *args.policies[:first]]:
-                runs[policy].append(run_policy(policy, overrides, scratch, workers))
+                runs[policy].append(run_policy(policy, overrides, scratch, not args.cores_as_measured))
         report = {policy: median_run(tried) for policy, tried in runs.items()}
     finally:
         if args.keep:

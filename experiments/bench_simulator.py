@@ -3,6 +3,7 @@
     .venv/bin/python -m experiments.bench_simulator            # the validation jobs, then the scale run
     .venv/bin/python -m experiments.bench_simulator --smoke    # shorter jobs (what CI and a busy machine can afford)
     .venv/bin/python -m experiments.bench_simulator --no-real  # the scale run only
+    .venv/bin/python -m experiments.bench_simulator --rounds 3 # each real job three times: medians compared
 
 Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
 composed config is simulated (``mode=simulate``) from the profile measured on this machine (the one the real run's
@@ -19,6 +20,10 @@ rate alone, added up: the cores' worth the workers get, what their working sets 
 processes than cores cost included) and gives the simulation of that job ``sim.host_cores`` = the mean of the two:
 the environment the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
 ``conf/sim/measured.yaml``'s.
+
+With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
+of the real and of the simulated rounds are compared: two runs of one job here differ by up to 15% in their
+iteration time, more than the targets.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan), the recovery time (the sum of ``ft/recover_s`` over the job's faults: kill to
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -83,6 +89,15 @@ def error(sim: float | None, real: float | None) -> float | None:
     return abs(sim - real) / abs(real)
 
 
+def first_plan(overrides: list[str]) -> tuple[Any, Any]:
+    """The simulated job's config and first plan: the real run's first plan too (the same policy code plans it)."""
+    from ftlab.experiments.job import compose_config
+    from ftlab.experiments.simulate import simulate
+
+    cfg = OmegaConf.to_object(compose_config([*overrides, "mode=simulate"]))
+    return cfg, simulate(cfg).result.plans[0]
+
+
 def workers_share(cfg: Any, plan: Any) -> float:  # noqa: ANN401 - a JobConfig and a Plan
     """The cores the workers of ``plan`` get computing side by side now (``runtime.profiler.compute_share``)."""
     from ftlab.runtime.profiler import compute_share
@@ -92,33 +107,52 @@ def workers_share(cfg: Any, plan: Any) -> float:  # noqa: ANN401 - a JobConfig a
     return compute_share(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker)
 
 
-def validate(steps: int, scratch: Path, measure_cores: bool) -> dict[str, Any]:
-    from ftlab.experiments.job import compose_config, run_job
-    from ftlab.experiments.simulate import simulate
-
+def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int) -> dict[str, Any]:
+    """Each job ``rounds`` times for real, each round simulated on the cores measured beside it; per measure, the
+    median of the real rounds against the median of the simulated ones."""
     out: dict[str, Any] = {}
     for name, overrides in JOBS.items():
-        d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
-        common = [
-            "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
-            f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
-        ]  # fmt: skip
-        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate"]))
-        first = simulate(sim_cfg).result.plans[0]  # the real run's first plan too: both run the same policy code
-        before = workers_share(sim_cfg, first) if measure_cores else None
-        print(f"[{name}] real ...", flush=True)
-        real = figures(run_job(compose_config([*common, *overrides])))
-        # The machine's load drifts over the job: the mean of what its workers could have before and after it.
-        cores = [f"sim.host_cores={(before + workers_share(sim_cfg, first)) / 2:.2f}"] if measure_cores else []
-        print(f"[{name}] simulated ({' '.join(cores) or 'cores as measured'}) ...", flush=True)
-        sim_cfg = OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *cores]))
-        sim = figures(simulate(sim_cfg).result)
+        paired = [pair(name, overrides, steps, scratch, measure_cores) for _ in range(rounds)]
+        real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}
+        sim = {m: _median([s[m] for _, s, _ in paired]) for m in paired[0][1]}
         errors = {measure: error(sim[measure], real[measure]) for measure in real}
-        out[name] = {"real": real, "sim": sim, "error": errors, "host_cores": cores}
+        out[name] = {"real": real, "sim": sim, "error": errors, "host_cores": [c for _, _, c in paired],
+                     "rounds": [{"real": r, "sim": s} for r, s, _ in paired]}  # fmt: skip
         print(f"[{name}] " + "  ".join(
             f"{m}: real {_fmt(real[m])} sim {_fmt(sim[m])} error {_pct(errors[m])}" for m in real
         ), flush=True)  # fmt: skip
     return out
+
+
+def pair(
+    name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool
+) -> tuple[dict[str, float | None], dict[str, float | None], float | None]:
+    """One real run of a job and its simulation; (real figures, simulated figures, the cores simulated)."""
+    from ftlab.experiments.job import compose_config, run_job
+    from ftlab.experiments.simulate import simulate
+
+    d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
+    common = [
+        "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
+        f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
+    ]  # fmt: skip
+    sim_cfg, first = first_plan([*common, *overrides])
+    before = workers_share(sim_cfg, first) if measure_cores else None
+    print(f"[{name}] real ...", flush=True)
+    real = figures(run_job(compose_config([*common, *overrides])))
+    # The machine's load drifts over the job: the mean of what its workers could have before and after it.
+    cores = (before + workers_share(sim_cfg, first)) / 2 if before is not None else None
+    print(f"[{name}] simulated ({'cores as measured' if cores is None else f'sim.host_cores={cores:.2f}'}) ...",
+          flush=True)  # fmt: skip
+    given = [] if cores is None else [f"sim.host_cores={cores:.2f}"]
+    sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)
+    print(f"[{name}]   round: " + "  ".join(f"{m} real {_fmt(real[m])} sim {_fmt(sim[m])}" for m in real), flush=True)
+    return real, sim, cores
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def scale(record: bool, scratch: Path) -> dict[str, float]:
@@ -161,9 +195,11 @@ def main() -> None:
     parser.add_argument("--no-real", action="store_true", help="skip the validation jobs")
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
+    parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
-    jobs = {} if args.no_real else validate(14 if args.smoke else 30, scratch, not args.cores_as_measured)
+    steps = 14 if args.smoke else 30
+    jobs = {} if args.no_real else validate(steps, scratch, not args.cores_as_measured, args.rounds)
     speed = scale(not args.no_record, scratch)
 
     def worst(measure: str) -> float | None:

@@ -148,8 +148,8 @@ class _Host:
         self._arrive(worker)  # a program without ReduceGrads ends here
 
     def _arrive(self, worker: int) -> None:
-        """``worker`` reaches its ReduceGrads: its all-reduces, and those of workers that waited only for it,
-        start if every worker they wait for is there."""
+        """``worker`` reaches its ReduceGrads: its all-reduces, and those of the workers that waited for it, start
+        once every worker they wait for is there."""
         self.out.reduce_at[worker] = self.now
         for ready in [worker, *self.arrived_at.pop(worker, ())]:
             self._start_reduction(ready)
