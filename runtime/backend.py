@@ -74,11 +74,12 @@ class SaveReport:
 
 @dataclass(frozen=True)
 class SaveProgress:
-    """One writer's part of an asynchronous save, done."""
+    """Writers' parts of an asynchronous save, done (a writer's own on the runtime; the simulator reports the writers
+    whose copies ended together at once)."""
 
     step: int
     action: Action
-    worker: int
+    workers: tuple[int, ...]
     records: tuple[MemoryRecord, ...]
     complete: bool
     """Every writer of the save is done now."""

@@ -200,7 +200,7 @@ class LocalBackend(Backend, FaultTarget):
         complete = not snapshot.waiting
         if complete:
             del self._snapshots[report.step]
-        self._progress.append(SaveProgress(report.step, snapshot.action, worker, report.records, complete,
+        self._progress.append(SaveProgress(report.step, snapshot.action, (worker,), report.records, complete,
                                            snapshot.nbytes, snapshot.copy_s))  # fmt: skip
 
     def restart_workers(self) -> Failure | None:

@@ -279,8 +279,10 @@ def compute_share(
     for proc in procs:
         proc.start()
     try:
+        for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
+            out.get(timeout=300)
         solo = []
-        for event in alone:  # one at a time, the others built and waiting
+        for event in alone:  # one at a time, the others waiting
             event.set()
             solo.append(out.get(timeout=300))
         together.set()
@@ -322,6 +324,7 @@ def _compute(
         return done / (time.perf_counter() - started)
 
     rate(0.2)  # warm-up: first allocations, caches
+    out.put((index, 0.0))
     alone.wait()
     out.put((index, rate(seconds / 2)))
     together.wait()

@@ -191,13 +191,40 @@ class _Part:
     nbytes: int
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
+class _Writers:
+    """Writers of a snapshot whose copies begin and end together, and their parts, in worker order. The writers of
+    one part size that start at the launch (all of them, unless one still copies the last snapshot) are one of
+    these: a snapshot of a thousand writers is simulated as a few copies, not a thousand."""
+
+    workers: tuple[int, ...]
+    parts: tuple[_Part, ...]
+    members: frozenset[int]
+    records: tuple[MemoryRecord, ...]
+    """Every part's records, in worker order: what the writers report."""
+    nbytes: int
+
+    @staticmethod
+    def of(pairs: list[tuple[int, _Part]]) -> _Writers:
+        pairs = sorted(pairs, key=lambda pair: pair[0])
+        parts = tuple(part for _, part in pairs)
+        return _Writers(
+            tuple(w for w, _ in pairs), parts, frozenset(w for w, _ in pairs),
+            tuple(r for part in parts for r in part.records), sum(part.nbytes for part in parts),
+        )  # fmt: skip
+
+    def without(self, gone: set[int] | frozenset[int]) -> _Writers | None:
+        """These writers but ``gone``; None if none is left."""
+        kept = [(w, part) for w, part in zip(self.workers, self.parts) if w not in gone]
+        return _Writers.of(kept) if kept else None
+
+
+@dataclass(frozen=True)
 class _Copy:
-    """One writer's part of a snapshot in flight."""
+    """Writers' parts of a snapshot in flight, copied side by side."""
 
     step: int
-    worker: int
-    part: _Part
+    writers: _Writers
     keep: int
     """The snapshot whose slots the copy must not overwrite."""
     begins: float
@@ -274,8 +301,12 @@ class SimBackend(Backend, FaultTarget):
         self._launched: float | None = None
         """The launch the running step began after (None: no snapshot since the step before)."""
         self._configuring: Plan | None = None
-        self._layout: tuple[TakeSnapshot, dict[int, _Part]] | None = None
-        """The writers' parts of the running plan's snapshots (the same for every snapshot of it)."""
+        self._layout: tuple[TakeSnapshot, dict[int, _Part], list[_Writers]] | None = None
+        """The writers' parts of the running plan's snapshots (the same for every snapshot of it), and the writers
+        grouped by their part's size."""
+        self._reduced_by: dict[_Writers, float] = {}
+        """When the first of a group of writers leaves its ReduceGrads in the configured plan's iteration (each step
+        waits for the copies that end later)."""
 
     # -- clock and timers ------------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -421,6 +452,7 @@ class SimBackend(Backend, FaultTarget):
         if self._pending_joins:
             self._pending_joins -= {self.node_of(w) for w in plan.workers}
         self._configured = _Configured(plan.generation, timing, needs)
+        self._reduced_by.clear()
         self._layers_dropped = False
         return ConfigureReport(
             received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
@@ -462,19 +494,30 @@ class SimBackend(Backend, FaultTarget):
     def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
         running = self._running(plan)
         timing, needs = running.timing, running.workers
-        waits = {  # a writer reports ready once its gradients are reduced and its copy is done
-            c.worker: max(0.0, c.ends - self._step_started - timing.reduce_end.get(c.worker, timing.ready_s))
-            for c in self._copies if c.worker in needs
-        }  # fmt: skip
-        ready = max([self._step_started + timing.ready_s, *(c.ends for c in self._copies if c.worker in needs)])
+        ready = self._step_started + timing.ready_s
+        longest: float | None = None  # a writer reports ready once its gradients are reduced and its copy is done
+        for copy in self._copies:
+            if needs.isdisjoint(copy.writers.members):
+                continue
+            ready = max(ready, copy.ends)
+            wait = max(0.0, copy.ends - self._step_started - self._reduced(copy.writers, timing, needs))
+            longest = wait if longest is None else max(longest, wait)
         failure = self._wait(ready, needs=needs)
         self._cancel_step_timers()
         if failure:
             return failure
         snapshot_s = None
-        if self._launched is not None or waits:
-            snapshot_s = (self._launched or 0.0) + max(waits.values(), default=0.0)
+        if self._launched is not None or longest is not None:
+            snapshot_s = (self._launched or 0.0) + (longest or 0.0)
         return StepReport(loss=math.nan, compute_s=timing.compute_s, snapshot_s=snapshot_s)
+
+    def _reduced(self, writers: _Writers, timing: IterationTiming, needs: frozenset[int]) -> float:
+        """When the first of ``writers`` that the step needs leaves its ReduceGrads (from the step's start)."""
+        if not needs.issuperset(writers.members):
+            return min(timing.reduce_end.get(w, timing.ready_s) for w in writers.workers if w in needs)
+        if writers not in self._reduced_by:
+            self._reduced_by[writers] = min(timing.reduce_end.get(w, timing.ready_s) for w in writers.workers)
+        return self._reduced_by[writers]
 
     def commit(self, plan: Plan, step: int) -> None:
         for worker, (armed_step, phase) in list(self._armed.items()):
@@ -530,57 +573,83 @@ class SimBackend(Backend, FaultTarget):
     def completed_saves(self) -> list[SaveProgress]:
         done: list[_Copy] = []
         copying: list[_Copy] = []
-        for copy in self._copies:  # a hung writer reports nothing (its copy is dropped when it is fenced)
-            (done if copy.ends <= self.now and copy.worker not in self._hung else copying).append(copy)
+        for copy in self._copies:
+            if copy.ends > self.now:
+                copying.append(copy)
+                continue
+            hung = copy.writers.members.intersection(self._hung)
+            if hung:  # a hung writer reports nothing (its copy is dropped when it is fenced)
+                stalled = _Writers.of([(w, part) for w, part in _pairs(copy.writers) if w in hung])
+                copying.append(replace(copy, writers=stalled))
+                reporting = copy.writers.without(hung)
+                if reporting is None:
+                    continue
+                copy = replace(copy, writers=reporting)
+            done.append(copy)
         self._copies = copying
         progress = []
-        for copy in sorted(done, key=lambda c: (c.ends, c.worker)):
-            records = copy.part.records
-            for record, name in zip(records, copy.part.names):  # two slots: the kept snapshot's and this one's
-                memory = self._memory.setdefault(record.node, {})
-                kept = memory.get(name, {}).get(copy.keep)
-                memory[name] = {copy.step: record} if kept is None else {copy.keep: kept, copy.step: record}
+        for copy in _in_report_order(done):
+            for part in copy.writers.parts:  # two slots a record name: the kept snapshot's and this one's
+                for record, name in zip(part.records, part.names):
+                    memory = self._memory.setdefault(record.node, {})
+                    kept = memory.get(name, {}).get(copy.keep)
+                    memory[name] = {copy.step: record} if kept is None else {copy.keep: kept, copy.step: record}
             snapshot = self._snapshots[copy.step]
-            snapshot.waiting.discard(copy.worker)
-            snapshot.nbytes += copy.part.nbytes
+            snapshot.waiting.difference_update(copy.writers.members)
+            snapshot.nbytes += copy.writers.nbytes
             snapshot.copy_s = max(snapshot.copy_s, copy.ends - copy.begins)
             if not snapshot.waiting:
                 del self._snapshots[copy.step]
-            progress.append(SaveProgress(copy.step, snapshot.action, copy.worker, records, not snapshot.waiting,
-                                         snapshot.nbytes, snapshot.copy_s))  # fmt: skip
+            progress.append(SaveProgress(copy.step, snapshot.action, copy.writers.workers, copy.writers.records,
+                                         not snapshot.waiting, snapshot.nbytes, snapshot.copy_s))  # fmt: skip
         return progress
 
     def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
         """Launch every writer's copy of a snapshot; they run beside the next iterations."""
-        writing = {w: part for w, part in self._parts(action).items() if w in self._alive}
+        parts, groups = self._parts(action)
+        writing = parts if parts.keys() <= self._alive else {w: p for w, p in parts.items() if w in self._alive}
         rate = self.copy_bytes_per_s(len(writing))
-        snapshot = self._snapshots[step] = PendingSnapshot(action, set(writing))
+        self._snapshots[step] = PendingSnapshot(action, set(writing))
         launched = self.now + self.sim.snapshot_launch_s
-        busy = {c.worker: c.ends for c in self._copies}  # launched in order: the last one of each ends last
-        for worker, part in writing.items():
-            begins = max(launched, busy.get(worker, launched))
-            copy = _Copy(step, worker, part, action.keep, begins, begins + part.nbytes / rate)
-            self._copies.append(copy)
-            if self._armed.get(worker) == (step, "snapshot"):  # after one record's bytes, before its commit
-                self.call_at(begins + part.records[0].nbytes / rate, self._in_copy(copy))
+        # A writer still copying the last snapshot starts this one after it (launched in order: its last ends last).
+        busy = {w: c.ends for c in self._copies if c.ends > launched for w in c.writers.workers}
+        if writing is parts and not busy:
+            copies = [_Copy(step, writers, action.keep, launched, launched + writers.parts[0].nbytes / rate)
+                      for writers in groups]  # fmt: skip
+        else:
+            starting: dict[tuple[float, int], list[tuple[int, _Part]]] = {}
+            for worker, part in writing.items():
+                starting.setdefault((max(launched, busy.get(worker, launched)), part.nbytes), []).append((worker, part))
+            copies = [_Copy(step, _Writers.of(pairs), action.keep, begins, begins + nbytes / rate)
+                      for (begins, nbytes), pairs in starting.items()]  # fmt: skip
+        self._copies.extend(copies)
+        for worker, armed in self._armed.items():
+            if armed == (step, "snapshot") and worker in writing:  # after one record's bytes, before its commit
+                copy = next(c for c in copies if worker in c.writers.members)
+                self.call_at(copy.begins + writing[worker].records[0].nbytes / rate, self._in_copy(step, worker))
         self._launch_s += self.sim.snapshot_launch_s
         return SaveReport(0, "memory", pending=True)
 
-    def _parts(self, action: TakeSnapshot) -> dict[int, _Part]:
+    def _parts(self, action: TakeSnapshot) -> tuple[dict[int, _Part], list[_Writers]]:
         """Each writer's records of a snapshot (``snapshot_layout.records_to_write``), sized by the layout's
-        geometry; computed once per plan and mode."""
+        geometry, and the writers grouped by their part's size; computed once per plan and mode."""
         if self._layout is not None:
-            last, parts = self._layout
+            last, parts, groups = self._layout
             same = (last.mode, last.workers_per_node) == (action.mode, action.workers_per_node)
             if last.plan is action.plan and same:
-                return parts
+                return parts, groups
         parts = {}
         for worker, mine in records_to_write(action.plan, action.mode, action.workers_per_node).items():
             if mine:
                 sized = tuple(replace(r, nbytes=record_bytes(r, self.numel(r.layers))) for r in mine)
                 parts[worker] = _Part(sized, tuple(r.name for r in sized), sum(r.nbytes for r in sized))
-        self._layout = (action, parts)
-        return parts
+        by_size: dict[int, list[tuple[int, _Part]]] = {}
+        for worker, part in parts.items():
+            by_size.setdefault(part.nbytes, []).append((worker, part))
+        groups = [_Writers.of(pairs) for pairs in by_size.values()]
+        self._layout = (action, parts, groups)
+        self._reduced_by.clear()
+        return parts, groups
 
     def joined(self) -> list[int]:
         ready = {n for n in self._pending_joins if n in self._nodes and self._registered_at[n] <= self.now}
@@ -677,7 +746,7 @@ class SimBackend(Backend, FaultTarget):
 
     def _copying(self, workers: set[int] | frozenset[int]) -> float:
         """How long until the copies in flight of ``workers`` are done."""
-        return max([0.0, *(c.ends - self.now for c in self._copies if c.worker in workers)])
+        return max([0.0, *(c.ends - self.now for c in self._copies if not c.writers.members.isdisjoint(workers))])
 
     def _start_s(self, at_once: int) -> float:
         """Starting ``at_once`` worker processes together on one host."""
@@ -736,12 +805,12 @@ class SimBackend(Backend, FaultTarget):
             ):
                 self._step_timers.append(self.call_at(begins, self._at_phase(worker, plan.step, phase)))
 
-    def _in_copy(self, copy: _Copy) -> Callable[[], None]:
+    def _in_copy(self, step: int, worker: int) -> Callable[[], None]:
         """The snapshot phase fault: the writer stops in the middle of its copy (if it is still copying)."""
-        stop_there = self._at_phase(copy.worker, copy.step, "snapshot")
+        stop_there = self._at_phase(worker, step, "snapshot")
 
         def if_copying() -> None:
-            if any(c is copy for c in self._copies):
+            if any(c.step == step and worker in c.writers.members for c in self._copies):
                 stop_there()
 
         return if_copying
@@ -754,7 +823,7 @@ class SimBackend(Backend, FaultTarget):
     def _lose(self, worker: int, noticed: float) -> None:
         self._alive.discard(worker)
         self._held.pop(worker, None)
-        self._copies = [c for c in self._copies if c.worker != worker]  # its copy dies with it, unreported
+        self._copies = [c for c in map(_without(worker), self._copies) if c is not None]  # its copy dies, unreported
         copying = {c.step for c in self._copies}
         self._snapshots = {s: snap for s, snap in self._snapshots.items() if s in copying}  # the rest stay incomplete
         self._dead_unnoticed[worker] = noticed
@@ -762,3 +831,36 @@ class SimBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], at: float | None = None, **fields: object) -> None:
         self.bus.publish(kind(at=self.now if at is None else at, **fields))
+
+
+def _pairs(writers: _Writers) -> list[tuple[int, _Part]]:
+    return list(zip(writers.workers, writers.parts))
+
+
+def _without(worker: int) -> Callable[[_Copy], _Copy | None]:
+    """A copy without ``worker``'s part (None if it was the only writer)."""
+
+    def without(copy: _Copy) -> _Copy | None:
+        if worker not in copy.writers.members:
+            return copy
+        rest = copy.writers.without({worker})
+        return None if rest is None else replace(copy, writers=rest)
+
+    return without
+
+
+def _in_report_order(done: list[_Copy]) -> list[_Copy]:
+    """Completed copies in the order their writers report: by the end of their copy, then by worker. Copies that
+    end together are merged, their writers in worker order."""
+    by_end: dict[tuple[float, int], list[_Copy]] = {}
+    for copy in done:
+        by_end.setdefault((copy.ends, copy.step), []).append(copy)
+    ordered = []
+    for (ends, step), copies in sorted(by_end.items()):
+        if len(copies) == 1:
+            ordered.append(copies[0])
+        else:
+            first = copies[0]
+            merged = _Writers.of([pair for c in copies for pair in _pairs(c.writers)])
+            ordered.append(_Copy(step, merged, first.keep, min(c.begins for c in copies), ends))
+    return ordered

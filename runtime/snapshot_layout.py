@@ -163,29 +163,39 @@ def unprotected_groups(plan: Plan) -> list[Group]:
 
 
 # -- what survives -------------------------------------------------------------------------------------------------
-def _holds(records: Iterable[MemoryRecord], group: Group, index: int) -> list[MemoryRecord]:
-    """Records that hold shard ``index`` of ``group`` as it is (its shard or a copy), shards first."""
-    found = [r for r in records if r.layers == group.layers and r.members == group.members and r.index == index
-             and r.kind in ("shard", "copy")]  # fmt: skip
-    return sorted(found, key=lambda r: (r.kind != "shard", r.node))
+class _Found:
+    """Records by what they hold, indexed once: a restore of a thousand workers asks for every shard of every group
+    (scanning every record for each was quadratic in the cluster's size)."""
 
+    def __init__(self, records: Iterable[MemoryRecord]) -> None:
+        self._holding: dict[tuple[tuple[int, ...], int, int], list[MemoryRecord]] = {}
+        self._parities: dict[tuple[tuple[int, ...], int], dict[int, list[MemoryRecord]]] = {}
+        for r in records:
+            if r.kind in ("shard", "copy"):
+                self._holding.setdefault((r.layers, r.members, r.index), []).append(r)
+            elif r.kind == "parity":
+                self._parities.setdefault((r.layers, r.members), {}).setdefault(r.index, []).append(r)
+        for found in self._holding.values():
+            found.sort(key=lambda r: (r.kind != "shard", r.node))
 
-def _parities(records: Iterable[MemoryRecord], group: Group) -> dict[int, list[MemoryRecord]]:
-    found: dict[int, list[MemoryRecord]] = {}
-    for r in records:
-        if r.layers == group.layers and r.members == group.members and r.kind == "parity":
-            found.setdefault(r.index, []).append(r)
-    return found
+    def holding(self, group: Group, index: int) -> list[MemoryRecord]:
+        """Records that hold shard ``index`` of ``group`` as it is (its shard or a copy), shards first, by node."""
+        return self._holding.get((group.layers, group.members, index), [])
+
+    def parities(self, group: Group) -> dict[int, list[MemoryRecord]]:
+        """``group``'s parity records, by member."""
+        return self._parities.get((group.layers, group.members), {})
 
 
 def lost_shards(plan: Plan, records: Sequence[MemoryRecord]) -> list[str]:
     """What of a snapshot of ``plan`` cannot be rebuilt from ``records`` (empty: it can be, wholly)."""
     lost = []
+    found = _Found(records)
     for group in groups_of(plan):
-        missing = [i for i in range(group.members) if not _holds(records, group, i)]
+        missing = [i for i in range(group.members) if not found.holding(group, i)]
         if not missing:
             continue
-        parities = _parities(records, group)
+        parities = found.parities(group)
         decodable = len(missing) == 1 and group.members > 1 and all(k in parities for k in others(group.members, missing[0]))
         if not decodable:
             lost.append(f"shards {missing} of {group.describe()}")
@@ -194,9 +204,8 @@ def lost_shards(plan: Plan, records: Sequence[MemoryRecord]) -> list[str]:
 
 def decodes(source: MemorySource) -> bool:
     """Whether some shard of ``source`` can only be rebuilt from parity."""
-    return any(
-        not _holds(source.records, group, i) for group in groups_of(source.plan) for i in range(group.members)
-    )
+    found = _Found(source.records)
+    return any(not found.holding(group, i) for group in groups_of(source.plan) for i in range(group.members))
 
 
 # -- the load plan ---------------------------------------------------------------------------------------------------
@@ -252,19 +261,20 @@ def load_plan(source: MemorySource, plan: Plan, helpers: Sequence[int] = ()) -> 
         return Fetch(record, sender, tag)
 
     ranges = plan.layer_ranges()
+    found, old_groups = _Found(source.records), groups_of(source.plan)
     for worker in plan.workers:
         start, stop = ranges[worker]
-        for group in groups_of(source.plan):
+        for group in old_groups:
             if group.layers[-1] < start or group.layers[0] >= stop:
                 continue
             load = GroupLoad(group)
             for i in range(group.members):
-                found = fetch(worker, _holds(source.records, group, i))
-                if found is not None:
-                    load.shards[i] = found
+                shard = fetch(worker, found.holding(group, i))
+                if shard is not None:
+                    load.shards[i] = shard
             missing = [i for i in range(group.members) if i not in load.shards]
             if len(missing) == 1 and group.members > 1:
-                parities = _parities(source.records, group)
+                parities = found.parities(group)
                 fetches = [fetch(worker, parities.get(k, [])) for k in others(group.members, missing[0])]
                 if all(f is not None for f in fetches):
                     load.decode[missing[0]] = fetches  # type: ignore[assignment]
