@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
     steps = 14 if args.smoke else 30
     jobs = {} if args.no_real else validate(steps, scratch, not args.cores_as_measured, args.rounds)

@@ -324,7 +324,7 @@ def _compute(
         return done / (time.perf_counter() - started)
 
     rate(0.2)  # warm-up: first allocations, caches
-    out.put((index, 0.0))
+    out.put((index, None))  # built and warmed up
     alone.wait()
     out.put((index, rate(seconds / 2)))
     together.wait()
