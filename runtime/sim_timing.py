@@ -195,7 +195,7 @@ class IterationTimer:
                 raise ProgramError(
                     f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
                 )
-        return self._reduce(plan, ranges, arrival, compute, total, tuple(components))
+        return self._reduce(plan, arrival, compute, total, tuple(components))
 
     def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[Sequence[int], tuple | None]]:
         """The plan's components, each with its workers in canonical order and, for the default scheduler's
@@ -239,8 +239,8 @@ class IterationTimer:
         return ComponentTiming(tuple(reduce_at), tuple(phase_at), tuple(compute))
 
     def _reduce(
-        self, plan: Plan, ranges: dict[int, tuple[int, int]], arrival: dict[int, float], compute: float,
-        total: float, components: tuple[tuple[Sequence[int], ComponentTiming], ...],
+        self, plan: Plan, arrival: dict[int, float], compute: float, total: float,
+        components: tuple[tuple[Sequence[int], ComponentTiming], ...],
     ) -> IterationTiming:  # fmt: skip
         """Phase 2: a worker leaves ReduceGrads once every co-holder of its layers arrived, after its all-reduces."""
         # By range of layers (Plan.workers_by_range): its workers have the same co-holders and the same all-reduces.
