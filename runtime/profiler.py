@@ -37,6 +37,8 @@ from ftlab.runtime.model_spec import ModelConfig, layer_specs, num_layers
 if TYPE_CHECKING:
     import torch
 
+    from ftlab.runtime.model import StageModule
+
 LINK_PROBE_BYTES = 4 << 20  # large enough to be bandwidth-bound on loopback, small enough to take milliseconds
 LINK_PROBE_ROUNDS = 5
 LATENCY_PROBE_ROUNDS = 50  # one-float ping-pongs: the per-message cost a bandwidth figure leaves out
@@ -118,6 +120,25 @@ def layer_clock(device: str, threads: int) -> Callable[[], float]:
     return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
 
 
+def stage_inputs(
+    cfg: ModelConfig, stage: StageModule, micro_batch: int, seq_len: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The input a pipeline stage (a ``StageModule``) gets, seeded by its first layer: token ids for the first stage,
+    hidden states (with their gradient) for the others; and the labels the last stage computes its loss on."""
+    import torch
+
+    generator = torch.Generator().manual_seed(stage.start)
+    if stage.start == 0:
+        x = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device)
+    else:
+        x = torch.randn(micro_batch, seq_len, cfg.hidden, generator=generator, dtype=dtype).to(device)
+        x.requires_grad_(True)
+    labels = None
+    if stage.is_last:
+        labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device)
+    return x, labels
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -145,15 +166,7 @@ def measure_layer(
 
     stage = StageModule(cfg, {index: build_layer(cfg, index, seed=0, device=device)}).to(dtype)
     params = [p for p in stage.parameters() if p.requires_grad]
-    generator = torch.Generator().manual_seed(index)
-    if index == 0:
-        x = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device)
-    else:
-        x = torch.randn(micro_batch, seq_len, cfg.hidden, generator=generator, dtype=dtype).to(device)
-        x.requires_grad_(True)
-    labels = None
-    if stage.is_last:
-        labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator).to(device)
+    x, labels = stage_inputs(cfg, stage, micro_batch, seq_len, dtype, device)
 
     def forward() -> torch.Tensor:
         return stage(x, labels)
@@ -308,12 +321,7 @@ def _compute(
     torch.set_num_threads(threads)
     steady_allocations()
     stage = StageModule(cfg, {i: build_layer(cfg, i, seed=0) for i in range(start, stop)})
-    generator = torch.Generator().manual_seed(start)
-    if start == 0:
-        x = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator)
-    else:
-        x = torch.randn(micro_batch, seq_len, cfg.hidden, generator=generator, requires_grad=True)
-    labels = torch.randint(cfg.vocab_size, (micro_batch, seq_len), generator=generator) if stage.is_last else None
+    x, labels = stage_inputs(cfg, stage, micro_batch, seq_len, torch.float32, "cpu")
 
     def rate(duration: float) -> float:
         done, started = 0, time.perf_counter()

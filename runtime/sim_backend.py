@@ -230,6 +230,13 @@ class _Copy:
     begins: float
     ends: float
 
+    def without(self, gone: set[int] | frozenset[int]) -> _Copy | None:
+        """This copy without the parts of ``gone``'s writers; None if none is left."""
+        if self.writers.members.isdisjoint(gone):
+            return self
+        rest = self.writers.without(gone)
+        return None if rest is None else replace(self, writers=rest)
+
 
 @dataclass(frozen=True)
 class _Configured:
@@ -579,12 +586,13 @@ class SimBackend(Backend, FaultTarget):
                 continue
             hung = copy.writers.members.intersection(self._hung)
             if hung:  # a hung writer reports nothing (its copy is dropped when it is fenced)
-                stalled = _Writers.of([(w, part) for w, part in _pairs(copy.writers) if w in hung])
-                copying.append(replace(copy, writers=stalled))
-                reporting = copy.writers.without(hung)
+                stalled = copy.without(copy.writers.members - hung)
+                assert stalled is not None  # the hung writers' parts
+                copying.append(stalled)
+                reporting = copy.without(hung)
                 if reporting is None:
                     continue
-                copy = replace(copy, writers=reporting)
+                copy = reporting
             done.append(copy)
         self._copies = copying
         progress = []
@@ -823,7 +831,8 @@ class SimBackend(Backend, FaultTarget):
     def _lose(self, worker: int, noticed: float) -> None:
         self._alive.discard(worker)
         self._held.pop(worker, None)
-        self._copies = [c for c in map(_without(worker), self._copies) if c is not None]  # its copy dies, unreported
+        # Its copy dies with it, unreported.
+        self._copies = [c for c in (copy.without({worker}) for copy in self._copies) if c is not None]
         copying = {c.step for c in self._copies}
         self._snapshots = {s: snap for s, snap in self._snapshots.items() if s in copying}  # the rest stay incomplete
         self._dead_unnoticed[worker] = noticed
@@ -831,22 +840,6 @@ class SimBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], at: float | None = None, **fields: object) -> None:
         self.bus.publish(kind(at=self.now if at is None else at, **fields))
-
-
-def _pairs(writers: _Writers) -> list[tuple[int, _Part]]:
-    return list(zip(writers.workers, writers.parts))
-
-
-def _without(worker: int) -> Callable[[_Copy], _Copy | None]:
-    """A copy without ``worker``'s part (None if it was the only writer)."""
-
-    def without(copy: _Copy) -> _Copy | None:
-        if worker not in copy.writers.members:
-            return copy
-        rest = copy.writers.without({worker})
-        return None if rest is None else replace(copy, writers=rest)
-
-    return without
 
 
 def _in_report_order(done: list[_Copy]) -> list[_Copy]:
@@ -861,6 +854,6 @@ def _in_report_order(done: list[_Copy]) -> list[_Copy]:
             ordered.append(copies[0])
         else:
             first = copies[0]
-            merged = _Writers.of([pair for c in copies for pair in _pairs(c.writers)])
+            merged = _Writers.of([pair for c in copies for pair in zip(c.writers.workers, c.writers.parts)])
             ordered.append(_Copy(step, merged, first.keep, min(c.begins for c in copies), ends))
     return ordered
