@@ -11,7 +11,9 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
-- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction.
+- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction;
+- ``recycle_reft``: ReCycle on a 2 x 2 grid on ``local-4`` with REFT's snapshot after every step, node 1 killed in
+  step 8's reduction (its stage's peer takes its micro-batches).
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
 and after each real job the bench measures the cores its workers can have (``runtime.profiler.compute_share``: one
@@ -64,6 +66,8 @@ JOBS: dict[str, list[str]] = {
                 "faults=explicit", f"faults.events=[{KILL.format(node=3)}]"],
     "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5", "cluster=local-4",
                            "faults=explicit", f"faults.events=[{KILL.format(node=1)}]"],
+    "recycle_reft": ["policy=recycle", "protection=reft", "cluster=local-4", "train.stages=2", "faults=explicit",
+                     f"faults.events=[{KILL.format(node=1)}]"],
 }  # fmt: skip
 
 SCALE = [

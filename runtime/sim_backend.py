@@ -33,9 +33,11 @@ REFT's snapshots, as the runtime takes them (``runtime.local_backend``, the work
 - ``save`` returns at once (``SaveReport(pending=True)``). Each writer writes the records ``snapshot_layout``'s
   ``records_to_write`` gives it (their bytes from the layout's geometry over the layers' parameters), starting
   after ``sim.snapshot_launch_s`` (the launch, on the training thread, delays the next iteration that long) and
-  copying at ``sim.snapshot_bytes_per_s`` beside training. On a shared host (the measured cpu profile) the writers
-  copying at once share ``sim.host_cores`` cores; a copy does not slow the computation it overlaps (on this
-  machine it does somewhat: a known underestimate).
+  copying at ``sim.snapshot_bytes_per_s`` beside training. On a shared host (the measured cpu profile) the copies
+  are threads that take the cores as computations do: the iteration they overlap is timed with them beside it
+  (``IterationTimer.time(copies=...)``, once per plan and set of writers), which says when each copy ends and how
+  much later every worker reduces. Our choice: a copy is timed as overlapping an iteration even when a
+  reconfiguration comes next instead (which then waits for it).
 - A writer waits for its copy before it reports ready (the runtime's worker does), so the next step's ready time
   is the later of its gradients and its copy; ``StepReport.snapshot_s`` is the launch plus the longest such wait.
   It reports its records then (``completed_saves``), or when it acknowledges an abort (survivors finish their copy
@@ -74,7 +76,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
@@ -240,11 +242,15 @@ class _Copy:
 
 @dataclass(frozen=True)
 class _Configured:
-    """The plan configured last: its generation, iteration timing and workers."""
+    """The plan configured last: its generation, iteration timing and workers, its programs, and on a shared host
+    its iteration with snapshot copies beside it, by the writers copying."""
 
     generation: int
     timing: IterationTiming
     workers: frozenset[int]
+    plan: Plan
+    programs: Mapping[int, ins.Program]
+    with_copies: dict[frozenset[int], IterationTiming] = field(default_factory=dict)
 
 
 class SimBackend(Backend, FaultTarget):
@@ -307,6 +313,11 @@ class SimBackend(Backend, FaultTarget):
         """The launch of a snapshot taken since the last step began: it delays the next one."""
         self._launched: float | None = None
         """The launch the running step began after (None: no snapshot since the step before)."""
+        self._overlapped: tuple[int, IterationTiming] | None = None
+        """On a shared host, the next step's timing with the copies launched since the last step beside it, and the
+        generation of the plan it was timed on."""
+        self._step_timing: IterationTiming | None = None
+        """The running step's timing: its plan's, or with the copies that overlap it."""
         self._configuring: Plan | None = None
         self._layout: tuple[TakeSnapshot, dict[int, _Part], list[_Writers]] | None = None
         """The writers' parts of the running plan's snapshots (the same for every snapshot of it), and the writers
@@ -458,7 +469,8 @@ class SimBackend(Backend, FaultTarget):
             self._held.setdefault(worker, set()).update(range(*ranges[worker]))
         if self._pending_joins:
             self._pending_joins -= {self.node_of(w) for w in plan.workers}
-        self._configured = _Configured(plan.generation, timing, needs)
+        self._configured = _Configured(plan.generation, timing, needs, plan, programs)
+        self._overlapped = None
         self._reduced_by.clear()
         self._layers_dropped = False
         return ConfigureReport(
@@ -483,6 +495,12 @@ class SimBackend(Backend, FaultTarget):
 
     def begin_step(self, plan: Plan, step: int) -> None:
         timing = self._running(plan).timing
+        overlapped, self._overlapped = self._overlapped, None
+        if overlapped is not None and overlapped[0] == plan.generation:
+            timing = overlapped[1]
+        if timing is not self._step_timing:  # the groups' ReduceGrads ends are the step timing's
+            self._reduced_by.clear()
+            self._step_timing = timing
         self._launched, self._launch_s = (self._launch_s if self._launch_s else None), 0.0
         self._step_started = self.now + (self._launched or 0.0)
         if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
@@ -499,8 +517,9 @@ class SimBackend(Backend, FaultTarget):
                 self._step_timers.append(self.call_at(self._step_started + at, self._at_phase(worker, step, phase)))
 
     def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
-        running = self._running(plan)
-        timing, needs = running.timing, running.workers
+        needs = self._running(plan).workers
+        timing = self._step_timing
+        assert timing is not None, "a step finished that never began"
         ready = self._step_started + timing.ready_s
         longest: float | None = None  # a writer reports ready once its gradients are reduced and its copy is done
         for copy in self._copies:
@@ -621,7 +640,12 @@ class SimBackend(Backend, FaultTarget):
         launched = self.now + self.sim.snapshot_launch_s
         # A writer still copying the last snapshot starts this one after it (launched in order: its last ends last).
         busy = {w: c.ends for c in self._copies if c.ends > launched for w in c.writers.workers}
-        if writing is parts and not busy:
+        overlapping = self._overlapping(writing) if self.shared_host and not busy else None
+        if overlapping is not None:
+            ends = overlapping.copy_end
+            copies = [_Copy(step, _Writers.of(pairs), action.keep, launched, launched + ends[pairs[0][0]])
+                      for pairs in _by_end(writing, ends)]  # fmt: skip
+        elif writing is parts and not busy:
             copies = [_Copy(step, writers, action.keep, launched, launched + writers.parts[0].nbytes / rate)
                       for writers in groups]  # fmt: skip
         else:
@@ -634,9 +658,25 @@ class SimBackend(Backend, FaultTarget):
         for worker, armed in self._armed.items():
             if armed == (step, "snapshot") and worker in writing:  # after one record's bytes, before its commit
                 copy = next(c for c in copies if worker in c.writers.members)
-                self.call_at(copy.begins + writing[worker].records[0].nbytes / rate, self._in_copy(step, worker))
+                share = writing[worker].records[0].nbytes / writing[worker].nbytes
+                self.call_at(copy.begins + share * (copy.ends - copy.begins), self._in_copy(step, worker))
         self._launch_s += self.sim.snapshot_launch_s
         return SaveReport(0, "memory", pending=True)
+
+    def _overlapping(self, writing: Mapping[int, _Part]) -> IterationTiming | None:
+        """On a shared host, the configured plan's iteration with ``writing``'s copies beside it (kept as the next
+        step's timing), or None if no plan is configured."""
+        configured = self._configured
+        if configured is None:
+            return None
+        key = frozenset(writing)
+        timing = configured.with_copies.get(key)
+        if timing is None:
+            copies = {w: part.nbytes / self.sim.snapshot_bytes_per_s for w, part in writing.items()}
+            timing = self.timer.time(configured.plan, configured.programs, copies)
+            configured.with_copies[key] = timing
+        self._overlapped = (configured.generation, timing)
+        return timing
 
     def _parts(self, action: TakeSnapshot) -> tuple[dict[int, _Part], list[_Writers]]:
         """Each writer's records of a snapshot (``snapshot_layout.records_to_write``), sized by the layout's
@@ -840,6 +880,14 @@ class SimBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], at: float | None = None, **fields: object) -> None:
         self.bus.publish(kind(at=self.now if at is None else at, **fields))
+
+
+def _by_end(writing: Mapping[int, _Part], ends: Mapping[int, float]) -> list[list[tuple[int, _Part]]]:
+    """The writers whose copies end together, with their parts."""
+    together: dict[float, list[tuple[int, _Part]]] = {}
+    for worker, part in writing.items():
+        together.setdefault(ends[worker], []).append((worker, part))
+    return list(together.values())
 
 
 def _in_report_order(done: list[_Copy]) -> list[_Copy]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from ftlab.runtime import instructions as ins
@@ -68,6 +68,8 @@ class IterationTiming:
     """When each worker leaves ReduceGrads."""
     _components: tuple[tuple[Sequence[int], ComponentTiming], ...]
     """Each component's workers in canonical order, and its timing."""
+    copy_end: Mapping[int, float] = field(default_factory=dict)
+    """When each worker's snapshot copy is done, for an iteration timed with copies beside it (a shared host's)."""
 
     def phase_at(self, worker: int, phase: str) -> float | None:
         """When ``worker`` starts ``phase`` (forward, backward, reduce), or None if its program has none."""
@@ -92,6 +94,10 @@ class IterationTimer:
     (``runtime.shared_host``), its all-reduces included: a small plan, and its components are not independent, since
     they share the cores. The optimizer steps, every worker's at once, are slowed by the workers over the cores.
     ``None``: each worker has a device of its own.
+
+    ``time(..., copies=...)``: the iteration with REFT snapshot copies beside it, each worker's in seconds on a core of
+    its own. On a shared host they take cores from the computation (``runtime.shared_host``); a device's copy engine
+    leaves the computation alone, and the copies are the caller's to charge (``runtime.sim_backend``).
     """
 
     def __init__(
@@ -110,13 +116,17 @@ class IterationTimer:
         """Distinct components executed so far."""
         return len(self._components)
 
-    def time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
+    def time(
+        self, plan: Plan, programs: Mapping[int, ins.Program], copies: Mapping[int, float] | None = None
+    ) -> IterationTiming:
         if self.cores:
-            return self._time_shared(plan, programs, self.cores)
+            return self._time_shared(plan, programs, self.cores, copies or {})
         return self._time(plan, programs)
 
-    def _time_shared(self, plan: Plan, programs: Mapping[int, ins.Program], cores: float) -> IterationTiming:
-        """Every worker of ``plan`` on one host of ``cores`` cores."""
+    def _time_shared(
+        self, plan: Plan, programs: Mapping[int, ins.Program], cores: float, copies: Mapping[int, float]
+    ) -> IterationTiming:
+        """Every worker of ``plan`` on one host of ``cores`` cores, with ``copies`` beside them."""
         ranges = plan.layer_ranges()
         workers = sorted(ranges)
         missing = [w for w in workers if w not in programs]
@@ -137,7 +147,7 @@ class IterationTimer:
                 peers[worker].update(holders)
         reduce_s = self.costs.reduce_s(plan)
         reductions = {w: Reduction(frozenset(peers[w] - {w}), reduce_s.get(w, 0.0)) for w in workers}
-        run = run_shared(own, cost, cores, reductions)
+        run = run_shared(own, cost, cores, reductions, copies)
         whole = ComponentTiming(
             tuple(run.reduce_at[w] for w in workers),
             tuple(dict(run.phase_at.get(w, {})) for w in workers),
@@ -147,7 +157,7 @@ class IterationTimer:
         optimizer = max(1.0, len(workers) / cores) * max(self.costs.optimizer_s(*ranges[w]) for w in workers)
         return IterationTiming(
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
-            ((workers, whole),),
+            ((workers, whole),), run.copy_end,
         )  # fmt: skip
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:

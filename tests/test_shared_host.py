@@ -78,6 +78,17 @@ def test_without_reductions_a_worker_leaves_its_reduce_as_it_arrives() -> None:
     assert run.reduce_end == run.reduce_at == {0: 1.0, 1: 2.0}
 
 
+def test_a_snapshot_copy_is_one_more_thread_on_the_cores() -> None:
+    # Two workers of two seconds and worker 0's copy of one second on two cores: three threads at 2/3 speed until
+    # the copy is done (1.5 s, each worker a second in), then each worker alone on a core for its second second.
+    run = run_shared({0: alone(2), 1: alone(2)}, cost, cores=2, copies={0: 1.0})
+    assert run.copy_end == pytest.approx({0: 1.5})
+    assert run.reduce_at == pytest.approx({0: 2.5, 1: 2.5})
+    # A copy that outlasts the computation runs alone at the end, on a core of its own.
+    run = run_shared({0: alone(1)}, cost, cores=1, copies={0: 2.0})
+    assert run.reduce_at == pytest.approx({0: 2.0}) and run.copy_end == pytest.approx({0: 3.0})
+
+
 def test_a_receive_without_its_send_is_a_deadlock() -> None:
     programs = {0: [ins.RecvActivation(0, 1), *END], 1: alone(1)}
     with pytest.raises(ProgramError, match="worker 0 waits"):

@@ -29,6 +29,7 @@ from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig,
 from ftlab.policies.none.policy import NoRecovery
 from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
+from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.profiler import analytic_profile
@@ -251,12 +252,30 @@ def test_reft_snapshots_beside_training_and_a_restart_restores_from_memory(job_o
 
 
 def test_a_copy_slower_than_an_iteration_holds_the_next_step(job_overrides: list[str]) -> None:
-    fast = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e13")).result
-    slow = simulate(sim_cfg(job_overrides, *REFT, "sim.snapshot_bytes_per_s=1e6")).result
+    # On devices (a copy engine beside the computation): the step is held by the wait for the copy alone.
+    gpu = [*REFT, "cluster.device=A100-40GB"]
+    fast = simulate(sim_cfg(job_overrides, *gpu, "sim.snapshot_bytes_per_s=1e13")).result
+    slow = simulate(sim_cfg(job_overrides, *gpu, "sim.snapshot_bytes_per_s=1e6")).result
     assert slow.steps[0].snapshot_s is None and slow.steps[0].iter_s == fast.steps[0].iter_s
     assert slow.steps[2].snapshot_s > 10 * fast.steps[2].snapshot_s
     held = slow.steps[2].snapshot_s - fast.steps[2].snapshot_s
     assert slow.steps[2].iter_s == pytest.approx(fast.steps[2].iter_s + held)
+
+
+def test_on_a_shared_host_a_copy_takes_cores_from_the_iteration_it_overlaps(job_overrides: list[str]) -> None:
+    # The local cluster's processes share this host's cores, and so do their copy threads: copies quicker than the
+    # iteration hold no step (the wait is the launch alone), yet the iteration they overlap takes the longer the
+    # more core time they take.
+    def iterations(*overrides: str) -> list[ev.StepCommitted]:
+        return simulate(sim_cfg(job_overrides, *overrides, "sim.host_cores=1")).result.steps
+
+    plain = iterations("policy=none", *REFT[-1:])
+    launch = SimConfig().snapshot_launch_s
+    copied = {rate: iterations(*REFT, f"sim.snapshot_bytes_per_s={rate}") for rate in (1e11, 1e10)}
+    for steps in copied.values():
+        assert steps[0].iter_s == pytest.approx(plain[0].iter_s)  # no snapshot before the first step
+        assert all(s.snapshot_s == pytest.approx(launch) for s in steps[1:])
+    assert plain[1].iter_s + launch < copied[1e11][1].iter_s < copied[1e10][1].iter_s
 
 
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
