@@ -329,6 +329,12 @@ class Protection(ABC):
     def after_commit(self, step: int, plan: Plan) -> list[Action]:
         """What to save now that ``step`` steps are committed."""
 
+    def copies_beside_training(self, plan: Plan, job: Job) -> tuple[dict[int, int], int]:
+        """The bytes each worker of ``plan`` copies beside training per snapshot, and the steps between snapshots
+        (a cost to predict: on a shared host the copies take cores from the iterations they overlap); none by
+        default."""
+        return {}, 1
+
     def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
         """The coordinator carried out ``action`` for ``step``: completely, or, for an asynchronous snapshot, one
         writer's part of it (the ``records`` that writer completed)."""

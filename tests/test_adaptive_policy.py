@@ -283,6 +283,32 @@ def test_its_predictions_are_what_the_simulator_charges(
         assert decision.predicted_pause_s + decision.predicted_iter_s == pytest.approx(measured.recover_s, rel=0.02)
 
 
+def test_its_iterations_carry_the_snapshot_copies_the_simulator_charges(
+    job_overrides: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under REFT, a snapshot after every step, whose copies take cores from the next iteration on this host: the
+    # predicted iteration of the plan chosen is the one the simulator runs, copies and their launch included.
+    from ftlab.experiments import job as job_module
+    from ftlab.experiments.simulate import simulate
+    from ftlab.runtime import events as ev
+    from ftlab.runtime.profiler import analytic_profile
+
+    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
+        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-6",
+                 "cluster.device_memory_gb=0.04", "train.stages=2", "train.steps=10", "sim.host_cores=1",
+                 "faults=explicit", "faults.events=[{kind: process, node: 1, worker: 0, at_step: 3}]"]  # fmt: skip
+    reft = [*overrides, "protection=reft", "protection.interval=1"]
+    result = simulate(OmegaConf.to_object(compose_config(reft))).result
+    (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    iters = [s for s in result.steps if s.generation == decided.generation]
+    assert iters[-1].snapshot_s is not None  # the last step overlapped the snapshot of the one before
+    assert decided.predicted_iter_s == pytest.approx(iters[-1].iter_s, rel=1e-6)
+    plain = simulate(OmegaConf.to_object(compose_config([*overrides, "protection=storage"]))).result
+    (without,) = [e for e in plain.events if isinstance(e, ev.Decided)]
+    assert decided.predicted_iter_s > without.predicted_iter_s  # the copies cost this host's cores
+
+
 def test_the_simulator_reviews_as_the_runtime_does_and_charges_what_the_review_predicts(
     job_overrides: list[str],
 ) -> None:

@@ -12,7 +12,9 @@ costed on the one cost model:
 - the iteration time is the simulator's (``runtime.sim_timing.IterationTimer``: the candidate's programs on
   ``CostModel.durations``, i.e. ``program_check.simulate``'s abstract machine, with the shared host's cores and the
   runtime's per-instruction cost when the profile was measured here), plus the commit's round trip and the slowest
-  optimizer step, as a simulated step costs;
+  optimizer step, as a simulated step costs, and what the protection's snapshot copies add to the step they
+  overlap (``Protection.copies_beside_training``: on a shared host they take cores from it), spread over the steps
+  between snapshots;
 - the pause is what the simulator charges for carrying the answer out (``runtime.sim_backend``, whose formulas are
   followed with the same measured constants, ``Job.machinery`` = ``conf/sim``): detection, the failure window and
   the abort (failures only), configuring the plan, then on a restart the processes' start (``host_cores`` at a time
@@ -148,6 +150,8 @@ class Adaptive(Policy):
         self.excluded: dict[str, str] = {}
         """Candidates that do not apply to this job, and why."""
         self._timer: IterationTimer | None = None
+        self._protection: Protection | None = None
+        """The job's protection: its snapshots' copies are part of every plan's iterations."""
         self._iter_s: dict[int, float] = {}
         """The predicted iteration time of every plan adaptive proposed, by generation (a Keep's cost)."""
         self._owner: dict[int, str] = {}
@@ -160,6 +164,7 @@ class Adaptive(Policy):
 
     # -- composition -----------------------------------------------------------------------------------------------
     def check(self, protection: Protection) -> None:
+        self._protection = protection
         if self.settings.mtbf_steps <= 0:
             raise ConfigError(f"policy.mtbf_steps={self.settings.mtbf_steps}: give a positive number of steps")
         if self.settings.review_every < 0:
@@ -336,7 +341,8 @@ class Adaptive(Policy):
 
     def _iteration_s(self, decision: Decision, job: Job) -> float:
         """One step of ``decision.plan``: until every worker has reduced, the commit's round trip, the slowest
-        optimizer step (as the simulator charges a step)."""
+        optimizer step (as the simulator charges a step); and of the steps a protection's snapshot overlaps, what
+        its copies add, spread over the steps between snapshots."""
         m = _machinery(job)
         if self._timer is None:
             shared = job.shared_host and m.host_cores > 0
@@ -344,7 +350,17 @@ class Adaptive(Policy):
             instruction_s = m.instruction_s if job.shared_host else 0.0
             self._timer = IterationTimer(job.costs, check=False, cores=cores, instruction_s=instruction_s)  # type: ignore[arg-type]
         timing = self._timer.time(decision.plan, decision.programs)
-        return timing.ready_s + m.control_s + timing.optimizer_s
+        plain = timing.ready_s + m.control_s + timing.optimizer_s
+        copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
+        if not copied:
+            return plain
+        seconds = {worker: nbytes / m.snapshot_bytes_per_s for worker, nbytes in copied.items()}
+        if self._timer.cores:  # the copies share the cores with the iteration they overlap
+            overlapped = self._timer.time(decision.plan, decision.programs, seconds)
+            ready = max(overlapped.ready_s, *overlapped.copy_end.values())
+        else:  # a copy engine's: the step waits for the longest copy
+            ready = max(timing.ready_s, *seconds.values())
+        return plain + (ready - timing.ready_s + m.snapshot_launch_s) / max(1, every)
 
     def _pause_s(self, decision: Decision, change: Change, job: Job) -> float:
         """From the failure's signal (or the join's notice) until training runs on ``decision.plan``."""

@@ -108,6 +108,13 @@ class ReftProtection(Protection):
                 need[r.node] = need.get(r.node, 0) + SLOTS * record_bytes(r, numel)
         return need
 
+    def copies_beside_training(self, plan: Plan, job: Job) -> tuple[dict[int, int], int]:
+        copied = {
+            worker: sum(record_bytes(r, sum(job.specs[i].params for i in r.layers)) for r in records)
+            for worker, records in records_to_write(plan, self.settings.mode, job.workers_per_node).items()
+        }  # fmt: skip
+        return copied, self.interval
+
     def _choose_interval(self, plan: Plan, job: Job, need: dict[int, int]) -> None:
         iteration_s = simulate(one_f_one_b(plan), job.costs.durations(plan), plan)
         choice = choose_interval(
