@@ -13,9 +13,10 @@ machine's core count: the constants are an idle host's, and the simulator slows 
   measured around it); ``node_start_s``: starting the cluster (alike) less that: the agents.
 - ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
   worker's configuration takes longer by building its layers' weights and optimizer state.
-- ``instruction_s``: the runtime's cost per forward or backward instruction beyond the profiled layers', from one
-  worker's steps of one micro-batch and of four (each micro-batch more costs its profiled compute and two
-  instructions), the compute slowed as the simulator slows one busy worker on the share of a core it had;
+- ``layer_overhead_s``: the runtime's cost per layer of a forward or backward instruction beyond the profiled
+  layers', from one worker's steps of one micro-batch and of four (each micro-batch more costs its profiled compute
+  and two instructions of every layer), the compute slowed as the simulator slows one busy worker on the share of a
+  core it had;
   ``control_s``: the coordinator's round trip per step, what the one-micro-batch step takes beyond that.
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT record's copy into a file of /dev/shm with its CRC-32, as
@@ -116,7 +117,8 @@ def measure(cache_dir: Path) -> dict[str, float]:
         found["cluster_start_s"] = [cluster_start / max(1.0, 2 / starting)]  # two agents, then their workers
         # One worker's steps of one micro-batch and of four: wall = control + slowdown x (compute + instructions),
         # the slowdown being the simulator's for one busy worker on the share of a core it had (its profile is CPU
-        # time). The difference of the two gives the per-instruction cost, then the first the round trip.
+        # time). The difference of the two gives the per-instruction cost (of the whole model's layers: the cost grows
+        # with them, see SimConfig.layer_overhead_s), then the first the round trip.
         share = host_share(1)
         slowdown = max(1.0, 1 / share)
 
@@ -142,7 +144,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
         compute = costs.forward_s(0, layers) + costs.backward_s(0, layers) + costs.optimizer_s(0, layers)
         per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
         instruction = max(((four_step - one_step) / slowdown - 3 * per_microbatch) / (3 * 2), 0.0)
-        found["instruction_s"] = [instruction]
+        found["layer_overhead_s"] = [instruction / layers]
         found["control_s"] = [max(one_step - slowdown * (compute + 2 * instruction), 0.0)]
         control = found["control_s"][0]
         # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
@@ -244,7 +246,7 @@ def render(values: dict[str, float]) -> str:
         f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
         "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
-    order = ["detect_s", "failure_window_s", "control_s", "instruction_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
+    order = ["detect_s", "failure_window_s", "control_s", "layer_overhead_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
              "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
              "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:

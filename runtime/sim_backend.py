@@ -278,7 +278,7 @@ class SimBackend(Backend, FaultTarget):
         self.now = 0.0
         self.timer = IterationTimer(
             costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None,
-            instruction_s=sim.instruction_s if shared_host else 0.0,
+            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0,
         )  # fmt: skip
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()

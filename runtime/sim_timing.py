@@ -88,7 +88,8 @@ _Key = tuple[tuple[int, int, tuple[tuple, ...]], ...]
 class IterationTimer:
     """Times plans' iterations from their programs; components of the same canonical form are run once.
 
-    ``instruction_s``: the runtime's own cost per forward or backward instruction, beyond the profiled layers'.
+    ``layer_overhead_s``: the runtime's own cost per layer of a forward or backward instruction, beyond the profiled
+    layers'.
     ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
     layer profiled alone on one core). The whole plan then runs as one, under processor sharing
     (``runtime.shared_host``), its all-reduces included: a small plan, and its components are not independent, since
@@ -101,13 +102,14 @@ class IterationTimer:
     """
 
     def __init__(
-        self, costs: CostModel, check: bool = True, cores: int | None = None, instruction_s: float = 0.0
+        self, costs: CostModel, check: bool = True, cores: int | None = None, layer_overhead_s: float = 0.0
     ) -> None:
         self.costs = costs
         self.check = check
         self.cores = cores
-        self.instruction_s = instruction_s
-        """Added to every forward and backward instruction: the runtime's own cost beyond the layers'."""
+        self.layer_overhead_s = layer_overhead_s
+        """Added to every forward and backward instruction per layer it runs: the runtime's own cost beyond the
+        layers'."""
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
 
@@ -137,8 +139,10 @@ class IterationTimer:
             check_programs(plan, own)
         durations = self.costs.durations(plan)
 
+        overhead = {w: self.layer_overhead_s * (stop - start) for w, (start, stop) in ranges.items()}
+
         def cost(worker: int, instruction: ins.Instruction) -> float:
-            extra = self.instruction_s if isinstance(instruction, ins.COMPUTE) else 0.0
+            extra = overhead[worker] if isinstance(instruction, ins.COMPUTE) else 0.0
             return durations(worker, instruction) + extra
 
         peers: dict[int, set[int]] = defaultdict(set)
@@ -227,12 +231,13 @@ class IterationTimer:
         if self.check:
             check_programs(local, programs)
         durations = self.costs.durations(local)
+        overhead = {w: self.layer_overhead_s * (stop - start) for w, (start, stop) in local.layer_ranges().items()}
 
         def until_reduce(worker: int, instruction: ins.Instruction) -> float:
             if isinstance(instruction, (ins.ReduceGrads, ins.OptimizerStep)):
                 return 0.0
             if isinstance(instruction, ins.COMPUTE):
-                return durations(worker, instruction) + self.instruction_s
+                return durations(worker, instruction) + overhead[worker]
             return durations(worker, instruction)
 
         reduce_at = [0.0] * len(order)

@@ -347,8 +347,8 @@ class Adaptive(Policy):
         if self._timer is None:
             shared = job.shared_host and m.host_cores > 0
             cores = m.host_cores if shared else None
-            instruction_s = m.instruction_s if job.shared_host else 0.0
-            self._timer = IterationTimer(job.costs, check=False, cores=cores, instruction_s=instruction_s)  # type: ignore[arg-type]
+            overhead = m.layer_overhead_s if job.shared_host else 0.0
+            self._timer = IterationTimer(job.costs, check=False, cores=cores, layer_overhead_s=overhead)  # type: ignore[arg-type]
         timing = self._timer.time(decision.plan, decision.programs)
         plain = timing.ready_s + m.control_s + timing.optimizer_s
         copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
