@@ -246,8 +246,8 @@ def render(values: dict[str, float]) -> str:
         f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
         "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
-    order = ["detect_s", "failure_window_s", "control_s", "layer_overhead_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
-             "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
+    order = ["detect_s", "failure_window_s", "control_s", "layer_overhead_s", "abort_s", "configure_s",
+             "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
              "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:
         value = values[name]

@@ -102,7 +102,7 @@ class IterationTimer:
     """
 
     def __init__(
-        self, costs: CostModel, check: bool = True, cores: int | None = None, layer_overhead_s: float = 0.0
+        self, costs: CostModel, check: bool = True, cores: float | None = None, layer_overhead_s: float = 0.0
     ) -> None:
         self.costs = costs
         self.check = check

@@ -11,10 +11,10 @@ costed on the one cost model:
 
 - the iteration time is the simulator's (``runtime.sim_timing.IterationTimer``: the candidate's programs on
   ``CostModel.durations``, i.e. ``program_check.simulate``'s abstract machine, with the shared host's cores and the
-  runtime's per-instruction cost when the profile was measured here), plus the commit's round trip and the slowest
-  optimizer step, as a simulated step costs, and what the protection's snapshot copies add to the step they
-  overlap (``Protection.copies_beside_training``: on a shared host they take cores from it), spread over the steps
-  between snapshots;
+  runtime's own cost per layer of an instruction when the profile was measured here), plus the commit's round trip
+  and the slowest optimizer step, as a simulated step costs, and what the protection's snapshot copies add to the
+  step they overlap (``Protection.copies_beside_training``: on a shared host they take cores from it), spread over
+  the steps between snapshots;
 - the pause is what the simulator charges for carrying the answer out (``runtime.sim_backend``, whose formulas are
   followed with the same measured constants, ``Job.machinery`` = ``conf/sim``): detection, the failure window and
   the abort (failures only), configuring the plan, then on a restart the processes' start (``host_cores`` at a time
@@ -92,7 +92,7 @@ REVIEW_MARGIN = 0.05
 """A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. Measured
 here, a predicted iteration time is off by 5-25% (``experiments/bench_policies.py``, depending on the machine's
 load), but most of that error is shared by two plans of one job on one machine (the same constants, the same cost
-per instruction), so their difference is known much better than either; the margin keeps a review from paying a
+per layer), so their difference is known much better than either; the margin keeps a review from paying a
 pause, layer copies and a window in which a failure finds a reconfiguration half done for a gain the size of the
 model's noise between plans."""
 FIRST_PLAN_TIE = 0.01
@@ -348,7 +348,7 @@ class Adaptive(Policy):
             shared = job.shared_host and m.host_cores > 0
             cores = m.host_cores if shared else None
             overhead = m.layer_overhead_s if job.shared_host else 0.0
-            self._timer = IterationTimer(job.costs, check=False, cores=cores, layer_overhead_s=overhead)  # type: ignore[arg-type]
+            self._timer = IterationTimer(job.costs, check=False, cores=cores, layer_overhead_s=overhead)
         timing = self._timer.time(decision.plan, decision.programs)
         plain = timing.ready_s + m.control_s + timing.optimizer_s
         copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
