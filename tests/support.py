@@ -58,6 +58,15 @@ re-measurement of this machine's constants does not move a decision these scenar
 rerouting around worker 2 is about 10% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
 
 
+REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272", "sim.configure_s=0.00211632",
+                     "sim.build_bytes_per_s=1.32662e+09", "sim.codec_bytes_per_s=6.97503e+08", "sim.host_cores=2")  # fmt: skip
+"""The machinery constants of adaptive's reroute-then-reconfigure scenario (``conf/sim/measured.yaml`` of 2026-11-25,
+but a runtime cost of 0.05 ms a layer of an instruction: about what the analytic A100 profile's layers cost), fixed
+so that a re-measurement does not move its decisions. At this machine's measured 0.3-0.45 ms a layer, the peer that
+takes a dead worker's micro-batches is the iteration's tail, and reconfiguring is predicted cheaper for the first
+failure too (an iteration of 0.036 s against 0.046 s on ``local-6``). With these, rerouting it costs 1.7% less."""
+
+
 @contextmanager
 def analytic_profiles() -> Iterator[None]:
     """Plans from the analytic A100 profile instead of one measured on this (loaded) machine: the same plans on

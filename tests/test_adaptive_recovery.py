@@ -30,7 +30,9 @@ import pytest
 from ftlab.experiments.job import JobResult, compose_config, run_job
 from ftlab.runtime import events as ev
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import BURSTY_FAULT_AT_STEP_2, REVIEW_MACHINERY, analytic_profiles, explicit, node, process
+from tests.support import (
+    BURSTY_FAULT_AT_STEP_2, REROUTE_MACHINERY, REVIEW_MACHINERY, analytic_profiles, explicit, node, process,
+)  # fmt: skip
 
 STEPS = 8
 
@@ -67,7 +69,7 @@ def choices(result: JobResult) -> list[tuple[str, str]]:
 def test_reroute_then_reconfigure_when_a_second_failure_overloads_the_stage(
     run, fault_free: JobResult  # noqa: ANN001
 ) -> None:
-    result = run(*adaptive("local-6"), *explicit(process(1, 2, "backward"), node(3, 5, "forward")))
+    result = run(*adaptive("local-6"), *explicit(process(1, 2, "backward"), node(3, 5, "forward")), *REROUTE_MACHINERY)
     assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert choices(result) == [("reroute", "replan"), ("reconfigure", "reconfigure")]
     assert [r.step for r in result.steps] == list(range(STEPS)), "no committed step lost"
