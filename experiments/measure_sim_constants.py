@@ -247,8 +247,8 @@ def render(values: dict[str, float]) -> str:
         "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
     order = ["detect_s", "failure_window_s", "control_s", "layer_overhead_s", "abort_s", "configure_s",
-             "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
-             "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
+             "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
+             "storage_read_bytes_per_s", "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:
         value = values[name]
         lines.append(f"{name}: {int(value) if name == 'host_cores' else f'{value:.6g}'}")

@@ -65,9 +65,9 @@ Which constants apply: a measured (cpu) profile simulates the local runtime on t
 measured on it applies, among them the CPU's cost of building, encoding and decoding layer state and the runtime's
 own cost per layer of an instruction. A GPU type's workers build layers on the device and copy them as tensors
 (NCCL), at costs its profile already holds (the link), so building and encoding cost nothing there beyond the
-bandwidths, and a checkpoint's cost is the storage's (``sim.storage_*``, which a paper-scale study sets for its storage). Process
-start, configuration, detection and the coordinator's round trips are the local runtime's measured figures in
-both cases.
+bandwidths, and a checkpoint's cost is the storage's (``sim.storage_*``, which a paper-scale study sets for its
+storage). Process start, configuration, detection and the coordinator's round trips are the local runtime's
+measured figures in both cases.
 """
 
 from __future__ import annotations
