@@ -99,20 +99,23 @@ class ReftProtection(Protection):
         else:
             self.interval = self.settings.interval
 
+    def _written(self, plan: Plan, job: Job) -> dict[int, list[tuple[MemoryRecord, int]]]:
+        """Each writer's records of a snapshot of ``plan``, with their bytes."""
+        return {
+            worker: [(r, record_bytes(r, sum(job.specs[i].params for i in r.layers))) for r in records]
+            for worker, records in records_to_write(plan, self.settings.mode, job.workers_per_node).items()
+        }
+
     def _node_bytes(self, plan: Plan, job: Job) -> dict[int, int]:
         """Host memory each node's records take, two slots each."""
         need: dict[int, int] = {}
-        for records in records_to_write(plan, self.settings.mode, job.workers_per_node).values():
-            for r in records:
-                numel = sum(job.specs[i].params for i in r.layers)
-                need[r.node] = need.get(r.node, 0) + SLOTS * record_bytes(r, numel)
+        for records in self._written(plan, job).values():
+            for r, nbytes in records:
+                need[r.node] = need.get(r.node, 0) + SLOTS * nbytes
         return need
 
     def copies_beside_training(self, plan: Plan, job: Job) -> tuple[dict[int, int], int]:
-        copied = {
-            worker: sum(record_bytes(r, sum(job.specs[i].params for i in r.layers)) for r in records)
-            for worker, records in records_to_write(plan, self.settings.mode, job.workers_per_node).items()
-        }  # fmt: skip
+        copied = {worker: sum(nbytes for _, nbytes in records) for worker, records in self._written(plan, job).items()}
         return copied, self.interval
 
     def _choose_interval(self, plan: Plan, job: Job, need: dict[int, int]) -> None:
