@@ -35,10 +35,10 @@ the best single policy's), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
 constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
-plan get computing their layers side by side now (``runtime.profiler.compute_share``, as ``bench_simulator`` does)
-and gives them to the job as ``sim.host_cores``: the host the real run meets, measured beside it, not fitted to its
-result (``--cores-as-measured``: the idle host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it
-works.
+plan get computing their layers side by side now, one to all of them at once (``runtime.profiler.cores_by_load``,
+as ``bench_simulator`` does) and gives them to the job (``sim.host_cores_by_load``): the host the real run meets,
+measured beside it, not fitted to its result (``--cores-as-measured``: the idle host's). Run the full comparison on a
+quiet machine; ``--smoke`` only shows it works.
 """
 
 from __future__ import annotations
@@ -81,17 +81,18 @@ def schedule(nodes: int, steps: int, phase: str) -> list[str]:
 
 def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: bool) -> dict[str, Any]:
     """One job in this process; a job that stops or crashes is reported with its reason. ``measure_cores``: measure
-    the cores the workers of the job's first plan get computing side by side now and give them to the job as
-    ``sim.host_cores``, the host its predictions are for (False: ``conf/sim/measured.yaml``'s idle host)."""
-    from ftlab.experiments.bench_simulator import first_plan, workers_share
+    the cores the workers of the job's first plan get computing side by side now and give them to the job
+    (``sim.host_cores`` and ``sim.host_cores_by_load``), the host its predictions are for (False:
+    ``conf/sim/measured.yaml``'s idle host)."""
+    from ftlab.experiments.bench_simulator import first_plan, host_overrides, workers_share
     from ftlab.experiments.job import compose_config, run_job
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
               f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    if measure_cores:
-        common.append(f"sim.host_cores={workers_share(*first_plan([*common, *overrides])):.2f}")
-    print(f"  {policy}: {' '.join(overrides)} {common[-1] if measure_cores else ''}", flush=True)
+    host = host_overrides(workers_share(*first_plan([*common, *overrides]))) if measure_cores else []
+    common += host
+    print(f"  {policy}: {' '.join([*overrides, *host])}", flush=True)
     started = time.monotonic()
     try:
         result = run_job(compose_config([*common, *overrides]))

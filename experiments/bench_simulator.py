@@ -16,11 +16,12 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
   step 8's reduction (its stage's peer takes its micro-batches).
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
-and after each real job the bench measures the cores its workers can have (``runtime.profiler.compute_share``: one
-process per worker of the job's first plan, each computing that worker's layers, side by side; each's rate over its
-rate alone, added up: the cores' worth the workers get, what their working sets and switching between more
-processes than cores cost included) and gives the simulation of that job ``sim.host_cores`` = the mean of the two:
-the environment the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
+and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``: one
+process per worker of the job's first plan, each computing that worker's layers, one to all of them side by side;
+each's rate over its rate alone, added up: the cores' worth so many workers computing at once get, what their
+working sets and switching between more processes than cores cost included) and gives the simulation of that job
+the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = what all of them got): the environment the
+real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
 ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
@@ -102,13 +103,20 @@ def first_plan(overrides: list[str]) -> tuple[Any, Any]:
     return cfg, simulate(cfg).result.plans[0]
 
 
-def workers_share(cfg: Any, plan: Any) -> float:  # noqa: ANN401 - a JobConfig and a Plan
-    """The cores the workers of ``plan`` get computing side by side now (``runtime.profiler.compute_share``)."""
-    from ftlab.runtime.profiler import compute_share
+def workers_share(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401 - a JobConfig and a Plan
+    """The cores' worth the workers of ``plan`` get computing side by side now, one to all of them at once
+    (``runtime.profiler.cores_by_load``)."""
+    from ftlab.runtime.profiler import cores_by_load
 
     ranges = list(plan.layer_ranges().values())
     m = cfg.model
-    return compute_share(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker)
+    return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker)
+
+
+def host_overrides(by_load: tuple[float, ...]) -> list[str]:
+    """The simulator's host for cores measured by ``workers_share``: the cores' worth all the workers got at once,
+    and per number computing at once."""
+    return [f"sim.host_cores={by_load[-1]:.2f}", f"sim.host_cores_by_load=[{','.join(f'{c:.3f}' for c in by_load)}]"]
 
 
 def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int) -> dict[str, Any]:
@@ -130,8 +138,9 @@ def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int) -> dic
 
 def pair(
     name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool
-) -> tuple[dict[str, float | None], dict[str, float | None], float | None]:
-    """One real run of a job and its simulation; (real figures, simulated figures, the cores simulated)."""
+) -> tuple[dict[str, float | None], dict[str, float | None], tuple[float, ...] | None]:
+    """One real run of a job and its simulation; (real figures, simulated figures, the cores' worth by load
+    simulated)."""
     from ftlab.experiments.job import compose_config, run_job
     from ftlab.experiments.simulate import simulate
 
@@ -145,10 +154,11 @@ def pair(
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
     # The machine's load drifts over the job: the mean of what its workers could have before and after it.
-    cores = (before + workers_share(sim_cfg, first)) / 2 if before is not None else None
-    print(f"[{name}] simulated ({'cores as measured' if cores is None else f'sim.host_cores={cores:.2f}'}) ...",
-          flush=True)  # fmt: skip
-    given = [] if cores is None else [f"sim.host_cores={cores:.2f}"]
+    cores = None
+    if before is not None:
+        cores = tuple((a + b) / 2 for a, b in zip(before, workers_share(sim_cfg, first), strict=True))
+    given = [] if cores is None else host_overrides(cores)
+    print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
     sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)
     print(f"[{name}]   round: " + "  ".join(f"{m} real {_fmt(real[m])} sim {_fmt(sim[m])}" for m in real), flush=True)
     return real, sim, cores

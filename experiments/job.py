@@ -192,7 +192,8 @@ def check_settings(cfg: JobConfig) -> None:
     machinery = sim_problems(cfg.sim)
     if machinery:
         raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
-                          f"more, rates above 0 and host cores of 0 (not shared) or more")  # fmt: skip
+                          f"more, rates above 0, host cores of 0 (not shared) or more and cores' worth by load above "
+                          f"0 (of a host with cores)")  # fmt: skip
     try:
         cfg.model.check()
     except ValueError as exc:
@@ -222,6 +223,10 @@ def sim_problems(sim: SimConfig) -> list[str]:
     bad = []
     for name in (f.name for f in fields(sim)):
         value = getattr(sim, name)
+        if name == "host_cores_by_load":
+            if not all(worth > 0 and math.isfinite(worth) for worth in value) or (value and sim.host_cores <= 0):
+                bad.append(f"sim.{name}={list(value)}")
+            continue
         if name.endswith("bytes_per_s"):
             ok = value > 0
         elif (name.endswith("_s") and name != "horizon_s") or name == "host_cores":

@@ -14,10 +14,15 @@ machine's core count: the constants are an idle host's, and the simulator slows 
 - ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
   worker's configuration takes longer by building its layers' weights and optimizer state.
 - ``layer_overhead_s``: the runtime's cost per layer of a forward or backward instruction beyond the profiled
-  layers', from one worker's steps of one micro-batch and of four (each micro-batch more costs its profiled compute
-  and two instructions of every layer), the compute slowed as the simulator slows one busy worker on the share of a
-  core it had;
-  ``control_s``: the coordinator's round trip per step, what the one-micro-batch step takes beyond that.
+  layers', from the CPU time of one worker's steps of one micro-batch and of eight (each micro-batch more costs its
+  profiled compute and two instructions of every layer). CPU time, as the profile's layers are timed: the wall clock
+  also counts what other processes took of the core, and a correction by the share of a core that spinners got
+  misses what their working sets cost this one (measured that way at a load of 1.7 the cost came out 0.43 ms a
+  layer, by CPU time 0.14-0.35 ms); what working sets side by side cost is the host's
+  (``sim.host_cores_by_load``). The median of three repeats: the CPU clock ticks at 10 ms;
+  ``step_cpu_s``: the one-micro-batch step's CPU time beyond its compute, instructions and optimizer step;
+  ``control_s``: the fastest such step's wall time beyond its CPU time (the worker's other threads receive the
+  next step while it works: about nothing).
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT record's copy into a file of /dev/shm with its CRC-32, as
   ``runtime.snapshot.write_records`` does it, timed in this process (``snapshot_launch_s`` stays ``SimConfig``'s
@@ -36,11 +41,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
+import psutil
 from omegaconf import OmegaConf
 
 from ftlab.runtime.config import SimConfig
@@ -115,38 +122,30 @@ def measure(cache_dir: Path) -> dict[str, float]:
         starting = (starting + host_share(2)) / 2
         found["process_start_s"] = [t / max(1.0, 2 / starting) for t in found["process_start_s"]]
         found["cluster_start_s"] = [cluster_start / max(1.0, 2 / starting)]  # two agents, then their workers
-        # One worker's steps of one micro-batch and of four: wall = control + slowdown x (compute + instructions),
-        # the slowdown being the simulator's for one busy worker on the share of a core it had (its profile is CPU
-        # time). The difference of the two gives the per-instruction cost (of the whole model's layers: the cost grows
-        # with them, see SimConfig.layer_overhead_s), then the first the round trip.
-        share = host_share(1)
-        slowdown = max(1.0, 1 / share)
-
-        def fastest_step(plan, steps: int) -> float:  # noqa: ANN001
-            nonlocal step
-            walls = []
-            for _ in range(steps):
-                started = time.monotonic()
-                backend.begin_step(plan, step)
-                assert not isinstance(backend.finish_step(plan, step), Failure)
-                backend.commit(plan, step)
-                walls.append(time.monotonic() - started)
-                step += 1
-            return min(walls)
-
+        # One worker alone, steps of one micro-batch and of eight: its CPU time per step grows by the profiled compute
+        # and two instructions' runtime cost per micro-batch more (of the whole model's layers: the cost grows with
+        # them, see SimConfig.layer_overhead_s). The one-micro-batch step's CPU time beyond its compute, instructions
+        # and optimizer step is the worker's own work of a step; its fastest wall time beyond its CPU time, the
+        # round trip.
         step = 0
-        plan = next_plan(one)
-        backend.configure(plan, one_f_one_b(plan), {}, None)
-        one_step = fastest_step(plan, 10)
-        four = next_plan(grid_plan([0], 1, layers, 8, 2))
-        backend.configure(four, one_f_one_b(four), {}, None)
-        four_step = fastest_step(four, 10)
-        compute = costs.forward_s(0, layers) + costs.backward_s(0, layers) + costs.optimizer_s(0, layers)
+        worker = psutil.Process(cluster.workers[0].pid)
         per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
-        instruction = max(((four_step - one_step) / slowdown - 3 * per_microbatch) / (3 * 2), 0.0)
-        found["layer_overhead_s"] = [instruction / layers]
-        found["control_s"] = [max(one_step - slowdown * (compute + 2 * instruction), 0.0)]
-        control = found["control_s"][0]
+        for _ in range(REPEATS):
+            plan = next_plan(one)
+            backend.configure(plan, one_f_one_b(plan), {}, None)
+            one_step, one_cpu, step = _steps(backend, plan, step, 20, worker)
+            eight = next_plan(grid_plan([0], 1, layers, 16, 2))
+            backend.configure(eight, one_f_one_b(eight), {}, None)
+            _, eight_cpu, step = _steps(backend, eight, step, 20, worker)
+            instruction = max(((eight_cpu - one_cpu) / 7 - per_microbatch) / 2, 0.0)
+            found.setdefault("instruction_s", []).append(instruction)
+            work = one_cpu - per_microbatch - 2 * instruction - costs.optimizer_s(0, layers)
+            found.setdefault("step_cpu_s", []).append(max(work, 0.0))
+            found.setdefault("control_s", []).append(max(one_step - one_cpu, 0.0))
+        # The CPU clock ticks at 10 ms: the median of the repeats, not the least, which is as far off as the most.
+        found["layer_overhead_s"] = [statistics.median(found.pop("instruction_s")) / layers]
+        found["step_cpu_s"] = [statistics.median(found["step_cpu_s"])]
+        control = min(found["control_s"])
         # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
         codec = _codec_bytes_per_s(cfg)
         plan = dataclasses.replace(next_plan(two), step=step)
@@ -185,6 +184,23 @@ def measure(cache_dir: Path) -> dict[str, float]:
     best["failure_window_s"] = local_backend._FAILURE_WINDOW_S
     best["host_cores"] = os.cpu_count() or 1
     return best
+
+
+def _steps(backend, plan, step: int, steps: int, worker: psutil.Process) -> tuple[float, float, int]:  # noqa: ANN001
+    """``steps`` steps of ``plan`` from ``step``: the fastest one's wall seconds, ``worker``'s mean CPU seconds a step
+    (every thread of it), and the next step."""
+    from ftlab.runtime.backend import Failure
+
+    walls = []
+    cpu = sum(worker.cpu_times()[:2])
+    for _ in range(steps):
+        started = time.monotonic()
+        backend.begin_step(plan, step)
+        assert not isinstance(backend.finish_step(plan, step), Failure)
+        backend.commit(plan, step)
+        walls.append(time.monotonic() - started)
+        step += 1
+    return min(walls), (sum(worker.cpu_times()[:2]) - cpu) / steps, step
 
 
 def _codec_bytes_per_s(cfg) -> float:  # noqa: ANN001
@@ -246,7 +262,7 @@ def render(values: dict[str, float]) -> str:
         f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
         "# it on a quiet one for final figures). The simulator (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
-    order = ["detect_s", "failure_window_s", "control_s", "layer_overhead_s", "abort_s", "configure_s",
+    order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "abort_s", "configure_s",
              "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
              "storage_read_bytes_per_s", "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:

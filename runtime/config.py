@@ -109,7 +109,13 @@ class SimConfig:
     failure_window_s: float = 0.0
     """After the first sign of a failure, how long the coordinator waits for the rest of it."""
     control_s: float = 0.0
-    """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep)."""
+    """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep), where
+    no worker computes."""
+    step_cpu_s: float = 0.0
+    """Per step, each worker's own work besides its instructions and optimizer step (taking the step, zeroing its
+    gradients, reporting), measured on this machine's runtime: on a shared host the workers do it at once, beside
+    their optimizer steps, and share the cores for it. A GPU type's workers have host cores of their own, and it
+    costs them nothing of the step's time on their devices."""
     layer_overhead_s: float = 0.0
     """The runtime's own cost per layer of a forward or backward instruction, on top of the profiled layer times
     (autograd's bookkeeping, buffers, dispatch): measured on this machine's runtime; a GPU type's profile is the
@@ -143,3 +149,7 @@ class SimConfig:
     on this machine: compute slows down when more workers compute at once than there are cores, and worker
     processes that start together take longer. A GPU type gives each worker its own device and each node its own
     host, and ignores it."""
+    host_cores_by_load: list[float] = field(default_factory=list)
+    """Where measured beside a job (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing
+    at once get on that host together, entry k - 1 (the last for more): past the cores, switching between processes
+    and their working sets in the shared caches cost more than ``host_cores`` says. Empty: min(k, host_cores)."""

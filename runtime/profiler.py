@@ -266,27 +266,26 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     dist.destroy_process_group()
 
 
-def compute_share(
+def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 2.0,
-) -> float:  # fmt: skip
-    """How many cores a job's workers get when they all compute at once: one process per worker, each computing the
-    forward and backward of its layers ``ranges[i]`` (start, stop) over and over, first alone, then all side by
-    side; each's rate side by side over its rate alone, added up.
+    seconds: float = 1.5,
+) -> tuple[float, ...]:  # fmt: skip
+    """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
+    simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
+    layers ``ranges[i]`` (start, stop) over and over, first each alone, then the first k side by side for every k >= 2;
+    each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1.
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
-    each other: their working sets in the shared caches and the switches between more processes than cores. On two
-    cores here, four processes of gpt2-tiny's whole model got 1.72 cores' worth of their solo speed and six 1.54,
-    where spinners got 2.0. Alone means alone among these processes: other load on the machine slows both runs."""
+    each other: their working sets in the shared caches and the switches between more processes than cores. And it
+    counts them for each number at once, since a pipeline's workers do not all compute at every moment: on two cores
+    here, two to six processes of an Oobleck plan's stages of gpt2-tiny got 2.0, 1.96, 1.72, 1.67 and 1.62 cores'
+    worth, where spinners got 2.0 for any number. Alone means alone among these processes: other load on the machine
+    slows both runs."""
     context = mp.get_context("spawn")  # each process builds its layers with torch of its own
     out = context.Queue()
-    alone = [context.Event() for _ in ranges]
-    together = context.Event()
+    commands = [context.Queue() for _ in ranges]
     procs = [
-        context.Process(
-            target=_compute,
-            args=(i, cfg, start, stop, micro_batch, seq_len, threads, seconds, alone[i], together, out),
-        )
+        context.Process(target=_compute, args=(i, cfg, start, stop, micro_batch, seq_len, threads, commands[i], out))
         for i, (start, stop) in enumerate(ranges)
     ]  # fmt: skip
     for proc in procs:
@@ -294,26 +293,32 @@ def compute_share(
     try:
         for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
             out.get(timeout=300)
-        solo = []
-        for event in alone:  # one at a time, the others waiting
-            event.set()
-            solo.append(out.get(timeout=300))
-        together.set()
-        side_by_side = [out.get(timeout=300) for _ in procs]
+        solo = {}
+        for command in commands:  # one at a time, the others waiting
+            command.put(seconds / 2)
+            index, rate = out.get(timeout=300)
+            solo[index] = rate
+        worth = [1.0]
+        for k in range(2, len(procs) + 1):
+            for command in commands[:k]:
+                command.put(seconds)
+            worth.append(max(sum(rate / solo[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
     finally:
+        for command in commands:
+            command.put(None)
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    rates = dict(solo)
-    return max(sum(rate / rates[i] for i, rate in side_by_side), 0.05)
+    return tuple(worth)
 
 
 def _compute(
-    index: int, cfg: ModelConfig, start: int, stop: int, micro_batch: int, seq_len: int, threads: int, seconds: float,
-    alone: Any, together: Any, out: Any,  # noqa: ANN401 - multiprocessing events and queue
+    index: int, cfg: ModelConfig, start: int, stop: int, micro_batch: int, seq_len: int, threads: int,
+    commands: Any, out: Any,  # noqa: ANN401 - multiprocessing queues
 ) -> None:  # fmt: skip
-    """``compute_share``'s process ``index``: layers [start, stop) computed as their worker computes them."""
+    """``cores_by_load``'s process ``index``: layers [start, stop) computed as their worker computes them, for as many
+    seconds as each command says (None: done), reporting its rate."""
     import torch
 
     from ftlab.runtime.model import StageModule, build_layer
@@ -333,10 +338,8 @@ def _compute(
 
     rate(0.2)  # warm-up: first allocations, caches
     out.put((index, None))  # built and warmed up
-    alone.wait()
-    out.put((index, rate(seconds / 2)))
-    together.wait()
-    out.put((index, rate(seconds)))
+    while (duration := commands.get()) is not None:
+        out.put((index, rate(duration)))
 
 
 def _spin(go: Any, seconds: float, out: Any) -> None:  # noqa: ANN401 - a multiprocessing event and queue

@@ -21,6 +21,12 @@ right after the optimizer step, and the worker waits for it before it reports th
 the cores as a computation does: a CPU host has no copy engine, and a copy thread is one more runnable thread. (On a
 4 x 2 grid of gpt2-tiny on two cores, a snapshot every step made the iterations 21% longer; charged beside the cores,
 the simulated iterations had not changed.)
+
+How much the cores give depends on how many processes compute at once (``HostCores``): past the host's cores, the
+switches between processes and their working sets in the shared caches cost more than the cores' count says, and a
+plan's workers do not all compute at every moment. (An Oobleck plan of six workers on two cores, simulated at the
+1.5 cores' worth its six workers got computing side by side, came out 12-25% slower than the real run, whose workers
+compute two or three at a time for much of an iteration, and two got 2.0 cores' worth.)
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ftlab.runtime import instructions as ins
+from ftlab.runtime.config import SimConfig
 from ftlab.runtime.program_check import Channel, ProgramError, channel_of, show
 
 
@@ -51,6 +58,36 @@ class SharedRun:
 
 
 @dataclass(frozen=True)
+class HostCores:
+    """A host's cores as processes computing at once get them: ``count`` cores, and where measured
+    (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing at once got together,
+    ``by_load[k - 1]`` (the last entry for more)."""
+
+    count: float
+    by_load: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.count <= 0 or any(worth <= 0 for worth in self.by_load):
+            raise ValueError(f"a host needs positive cores, not {self.count} and {list(self.by_load)} by load")
+
+    def worth(self, running: int) -> float:
+        """The cores' worth ``running`` processes computing at once get together (none more than a core each)."""
+        if running <= 0:
+            return 0.0
+        measured = self.by_load[min(running, len(self.by_load)) - 1] if self.by_load else self.count
+        return min(float(running), measured)
+
+    def slowdown(self, running: int) -> float:
+        """How much slower each of ``running`` processes computing at once is than alone on a core."""
+        return running / self.worth(running) if running > 0 else 1.0
+
+
+def host_of(sim: SimConfig) -> HostCores | None:
+    """The host every worker shares by ``sim``'s constants, or None where it names no cores."""
+    return HostCores(sim.host_cores, tuple(sim.host_cores_by_load)) if sim.host_cores > 0 else None
+
+
+@dataclass(frozen=True)
 class Reduction:
     """A worker's ReduceGrads: the workers it waits for (the co-holders of its layers) and its all-reduces' seconds
     on a core of its own."""
@@ -60,10 +97,10 @@ class Reduction:
 
 
 def run_shared(
-    programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float], cores: float,
+    programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float], cores: HostCores,
     reductions: Mapping[int, Reduction] | None = None, copies: Mapping[int, float] | None = None,
 ) -> SharedRun:  # fmt: skip
-    """Execute ``programs`` up to their ReduceGrads on a host of ``cores`` cores, then each worker's ``reductions``
+    """Execute ``programs`` up to their ReduceGrads on a host of ``cores``, then each worker's ``reductions``
     (none given: every worker leaves ReduceGrads as it reaches it), with each worker's snapshot copy in ``copies``
     (its seconds on a core of its own) beside them from the start; ``cost``: an instruction's seconds on a core of
     its own (a transfer's: the link's). ProgramError on a deadlock."""
@@ -73,10 +110,8 @@ def run_shared(
 class _Host:
     def __init__(
         self, programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float],
-        cores: float, reductions: Mapping[int, Reduction], copies: Mapping[int, float],
+        cores: HostCores, reductions: Mapping[int, Reduction], copies: Mapping[int, float],
     ) -> None:  # fmt: skip
-        if cores <= 0:
-            raise ValueError(f"a host needs a positive number of cores, not {cores}")
         self.programs = programs
         self.cost = cost
         self.cores = cores
@@ -99,7 +134,7 @@ class _Host:
             self._advance(worker)
         while self.work_left or self.waiting or self.copy_left:
             running = len(self.work_left) + len(self.copy_left)
-            rate = min(1.0, self.cores / running) if running else 0.0
+            rate = 1 / self.cores.slowdown(running)
             least = min([*self.work_left.values(), *self.copy_left.values()], default=None)
             arrivals = [q[0] for q in (self.messages[c] for c in self.waiting.values()) if q]
             until = min([*arrivals, *([self.now + least / rate] if least is not None else [])], default=None)

@@ -21,8 +21,8 @@ What each wait costs:
   another), building every layer a worker did not hold (``sim.build_bytes_per_s``), decoding what it received
   (``sim.codec_bytes_per_s``), and reading what it restores from storage (``sim.storage_read_bytes_per_s``,
   shared by all readers).
-- a restart: every worker process starts again (``sim.process_start_s``; on a shared host, ``sim.host_cores`` of
-  them at a time).
+- a restart: every worker process starts again (``sim.process_start_s``; on a shared host, slowed as that many
+  processes computing at once).
 - a save: each protection ``Action`` kind has a cost (``action_cost``); a storage checkpoint encodes each writer's
   layers (in parallel) and writes them all at ``sim.storage_write_bytes_per_s``. Other kinds register their own
   with ``register_action``, and sources to restore from with ``register_source``.
@@ -92,6 +92,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.model_spec import FP32
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import timeline
+from ftlab.runtime.shared_host import host_of
 from ftlab.runtime.sim_timing import IterationTimer, IterationTiming
 from ftlab.runtime.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
 
@@ -152,7 +153,7 @@ def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimB
       after another, and a receiver receives its own one after another;
     - a shard no live node holds is rebuilt from the parities of the other members (fetched as above) and the other
       shards: XOR at ``sim.codec_bytes_per_s`` over the shard's bytes (free on a GPU type, as decoding is there);
-    - on a shared host, the workers loading at once share ``sim.host_cores`` cores for their memory reads.
+    - on a shared host, the workers loading at once share its cores for their memory reads.
     The restore takes as long as the busiest worker, reader or sender; building the layers from the loaded state is
     charged by ``configure`` as for any restore."""
     assert isinstance(source, MemorySource)
@@ -270,15 +271,17 @@ class SimBackend(Backend, FaultTarget):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.bus = bus
         self.shared_host = shared_host
-        """Every worker on one host of ``sim.host_cores`` cores (the local runtime on this machine)."""
+        """Every worker on one host (``sim.host_cores``: the local runtime on this machine)."""
+        self.host = host_of(sim) if shared_host else None
+        """That host's cores (None: a device per worker, or no cores named)."""
         self.horizon = _NEVER if sim.horizon_s is None else sim.horizon_s
         self.codec_bytes_per_s = sim.codec_bytes_per_s if shared_host else _NEVER
         """Encoding or decoding layer state: the local runtime's CPU cost (a GPU's tensors move as they are)."""
         self.build_bytes_per_s = sim.build_bytes_per_s if shared_host else _NEVER
         self.now = 0.0
         self.timer = IterationTimer(
-            costs, check=sim.check_programs, cores=sim.host_cores if shared_host else None,
-            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0,
+            costs, check=sim.check_programs, cores=self.host,
+            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
         )  # fmt: skip
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
@@ -640,7 +643,7 @@ class SimBackend(Backend, FaultTarget):
         launched = self.now + self.sim.snapshot_launch_s
         # A writer still copying the last snapshot starts this one after it (launched in order: its last ends last).
         busy = {w: c.ends for c in self._copies if c.ends > launched for w in c.writers.workers}
-        overlapping = self._overlapping(writing) if self.shared_host and not busy else None
+        overlapping = self._overlapping(writing) if self.host is not None and not busy else None
         if overlapping is not None:
             ends = overlapping.copy_end
             copies = [_Copy(step, _Writers.of(pairs), action.keep, launched, launched + ends[pairs[0][0]])
@@ -771,9 +774,8 @@ class SimBackend(Backend, FaultTarget):
 
     def copy_bytes_per_s(self, at_once: int) -> float:
         """One worker's copy into or out of its node's memory while ``at_once`` workers copy."""
-        if self.shared_host and self.sim.host_cores > 0:
-            return self.sim.snapshot_bytes_per_s * min(1.0, self.sim.host_cores / max(1, at_once))
-        return self.sim.snapshot_bytes_per_s
+        slowdown = self.host.slowdown(at_once) if self.host is not None else 1.0
+        return self.sim.snapshot_bytes_per_s / slowdown
 
     def memory_loads(self, source: MemorySource) -> dict[int, WorkerLoad]:
         """The runtime's load plan for restoring ``source`` on the plan being configured: live workers outside it
@@ -798,8 +800,7 @@ class SimBackend(Backend, FaultTarget):
 
     def _start_s(self, at_once: int) -> float:
         """Starting ``at_once`` worker processes together on one host."""
-        cores = self.sim.host_cores if self.shared_host and self.sim.host_cores > 0 else at_once
-        return self.sim.process_start_s * max(1.0, at_once / cores)
+        return self.sim.process_start_s * (self.host.slowdown(at_once) if self.host is not None else 1.0)
 
     def _restore_s(self, source: Source | None, readers: dict[int, tuple[int, ...]]) -> float:
         assert source is not None

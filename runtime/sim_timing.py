@@ -37,7 +37,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
-from ftlab.runtime.shared_host import Reduction, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, run_shared
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -90,10 +90,11 @@ class IterationTimer:
 
     ``layer_overhead_s``: the runtime's own cost per layer of a forward or backward instruction, beyond the profiled
     layers'.
-    ``cores``: every worker shares a host of that many cores (the local runtime's processes on this machine, each
-    layer profiled alone on one core). The whole plan then runs as one, under processor sharing
+    ``cores``: every worker shares one host's cores (the local runtime's processes on this machine, each layer
+    profiled alone on one core). The whole plan then runs as one, under processor sharing
     (``runtime.shared_host``), its all-reduces included: a small plan, and its components are not independent, since
-    they share the cores. The optimizer steps, every worker's at once, are slowed by the workers over the cores.
+    they share the cores. The optimizer steps, every worker's at once with its other work of a step (``step_cpu_s``),
+    are slowed as that many processes computing.
     ``None``: each worker has a device of its own.
 
     ``time(..., copies=...)``: the iteration with REFT snapshot copies beside it, each worker's in seconds on a core of
@@ -102,12 +103,16 @@ class IterationTimer:
     """
 
     def __init__(
-        self, costs: CostModel, check: bool = True, cores: float | None = None, layer_overhead_s: float = 0.0
-    ) -> None:
+        self, costs: CostModel, check: bool = True, cores: HostCores | None = None, layer_overhead_s: float = 0.0,
+        step_cpu_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.costs = costs
         self.check = check
         self.cores = cores
         self.layer_overhead_s = layer_overhead_s
+        self.step_cpu_s = step_cpu_s
+        """On a shared host, each worker's own work of a step besides its instructions, charged with its optimizer
+        step."""
         """Added to every forward and backward instruction per layer it runs: the runtime's own cost beyond the
         layers'."""
         self._components: dict[_Key, ComponentTiming] = {}
@@ -121,14 +126,14 @@ class IterationTimer:
     def time(
         self, plan: Plan, programs: Mapping[int, ins.Program], copies: Mapping[int, float] | None = None
     ) -> IterationTiming:
-        if self.cores:
+        if self.cores is not None:
             return self._time_shared(plan, programs, self.cores, copies or {})
         return self._time(plan, programs)
 
     def _time_shared(
-        self, plan: Plan, programs: Mapping[int, ins.Program], cores: float, copies: Mapping[int, float]
+        self, plan: Plan, programs: Mapping[int, ins.Program], cores: HostCores, copies: Mapping[int, float]
     ) -> IterationTiming:
-        """Every worker of ``plan`` on one host of ``cores`` cores, with ``copies`` beside them."""
+        """Every worker of ``plan`` on one host of ``cores``, with ``copies`` beside them."""
         ranges = plan.layer_ranges()
         workers = sorted(ranges)
         missing = [w for w in workers if w not in programs]
@@ -158,7 +163,9 @@ class IterationTimer:
             tuple(run.compute_s.get(w, 0.0) for w in workers),
         )
         compute = max(whole.compute_s, default=0.0)
-        optimizer = max(1.0, len(workers) / cores) * max(self.costs.optimizer_s(*ranges[w]) for w in workers)
+        optimizer = cores.slowdown(len(workers)) * (
+            self.step_cpu_s + max(self.costs.optimizer_s(*ranges[w]) for w in workers)
+        )
         return IterationTiming(
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
             ((workers, whole),), run.copy_end,

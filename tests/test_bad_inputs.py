@@ -53,6 +53,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("control port", ["cluster.coordinator_port=70000"], ConfigError, "cluster.coordinator_port=70000"),
     ("sim constant", ["sim.host_cores=-1", "sim.codec_bytes_per_s=0"], ConfigError,
      "sim.codec_bytes_per_s=0.0, sim.host_cores=-1.0: the simulator's constants"),
+    ("cores by load", ["sim.host_cores_by_load=[1,0]"], ConfigError,
+     "sim.host_cores_by_load=[1.0, 0.0]: the simulator's constants"),
     ("seed", ["train.seed=-1"], ConfigError, "train.seed=-1: use a seed from 0"),
     ("start timeout", ["cluster.start_timeout_s=0"], ConfigError, "cluster.start_timeout_s=0"),
     ("checkpoint folder", ["train.checkpoint_dir=/dev/null/checkpoints"], ConfigError,

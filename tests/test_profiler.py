@@ -152,14 +152,15 @@ def test_link_bandwidths_and_latency_between_two_gloo_processes_are_positive() -
 
 
 def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> None:
-    """``compute_share`` counts what the workers' layers get side by side, against each alone: two pinned to one
+    """``cores_by_load`` counts what the workers' layers get side by side, against each alone: two pinned to one
     core get about half their solo speed each, one core's worth together (spinners' CPU time would say the same;
-    what it adds, caches and switching, only lowers it)."""
+    what it adds, caches and switching, only lowers it). One alone is the reference."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})  # the measuring processes inherit it
     try:
-        share = profiler.compute_share(TINY, [(0, 2), (2, len(layer_specs(TINY)))], micro_batch=2, seq_len=16,
-                                       seconds=1.0)  # fmt: skip
+        one, two = profiler.cores_by_load(TINY, [(0, 2), (2, len(layer_specs(TINY)))], micro_batch=2, seq_len=16,
+                                          seconds=1.0)  # fmt: skip
     finally:
         os.sched_setaffinity(0, before)
-    assert 0.5 < share < 1.3
+    assert one == 1.0
+    assert 0.5 < two < 1.3

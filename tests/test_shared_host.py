@@ -6,7 +6,7 @@ import pytest
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.shared_host import Reduction, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, run_shared
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 
@@ -23,7 +23,7 @@ def alone(forwards: int) -> ins.Program:
 
 
 def test_workers_that_fit_the_cores_run_at_their_profiled_speed() -> None:
-    run = run_shared({0: alone(2), 1: alone(3)}, cost, cores=2)
+    run = run_shared({0: alone(2), 1: alone(3)}, cost, cores=HostCores(2))
     assert run.reduce_at == {0: 2.0, 1: 3.0}
     assert run.compute_s == {0: 2.0, 1: 3.0}
 
@@ -31,9 +31,21 @@ def test_workers_that_fit_the_cores_run_at_their_profiled_speed() -> None:
 def test_more_workers_than_cores_share_them_and_speed_up_when_one_stops() -> None:
     # Three workers on two cores: each at 2/3 speed until worker 0 has done its one second (1.5 s), then the other
     # two alone on a core each: worker 1 finishes its 2nd second at 2.0 s, worker 2 its 3rd at 3.0 s.
-    run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=2)
+    run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=HostCores(2))
     assert run.reduce_at == pytest.approx({0: 1.5, 1: 2.5, 2: 3.5})
     assert run.compute_s == pytest.approx({0: 1.5, 1: 2.5, 2: 3.5})
+
+
+def test_measured_cores_by_load_give_each_number_computing_its_own_worth() -> None:
+    # Three workers on a host whose two processes computing get 2 cores' worth and three 1.5 (switching, caches):
+    # all three at half speed until worker 0 has done its second (2.0 s), then the other two at full speed: worker 1
+    # has its second second done at 3.0 s, worker 2 its 3rd at 4.0 s.
+    host = HostCores(2, by_load=(1.0, 2.0, 1.5))
+    run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=host)
+    assert run.reduce_at == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
+    # Past the measured loads the last holds; and no process computes faster than on a core of its own.
+    assert host.worth(5) == 1.5 and host.slowdown(5) == pytest.approx(5 / 1.5)
+    assert HostCores(2, by_load=(1.3, 2.0)).worth(1) == 1.0
 
 
 def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -> None:
@@ -42,7 +54,7 @@ def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -
         1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), ins.BackwardPass(0), ins.SendGrad(0, 0), *END],
         2: alone(4),  # a third worker beside them, on one core with them
     }
-    run = run_shared(programs, cost, cores=1)
+    run = run_shared(programs, cost, cores=HostCores(1))
     # 0 forwards beside 2 at half speed (until 2.0; 2 has 3 s left); the activation arrives at 2.25 (2 alone
     # meanwhile: 2.75 left); 1 forwards and backwards beside 2 at half speed (until 6.25; 0.75 left); the gradient
     # arrives at 6.5 (2 alone: 0.5 left); 0's backward and 2 share the core until 2 ends at 7.5; 0 ends at 8.0.
@@ -58,7 +70,7 @@ def test_with_a_core_each_it_agrees_with_the_checkers_machine() -> None:
             ins.RecvActivation(1, 0), ins.ForwardPass(1), ins.BackwardPass(1), ins.SendGrad(1, 0), *END],
     }  # fmt: skip
     machine = {e.worker: e.start for e in timeline(programs, cost) if isinstance(e.instruction, ins.ReduceGrads)}
-    assert run_shared(programs, cost, cores=2).reduce_at == pytest.approx(machine)
+    assert run_shared(programs, cost, cores=HostCores(2)).reduce_at == pytest.approx(machine)
 
 
 def test_replicas_reduce_once_all_have_arrived_and_share_the_cores_with_the_computing_workers() -> None:
@@ -67,29 +79,29 @@ def test_replicas_reduce_once_all_have_arrived_and_share_the_cores_with_the_comp
     # 1 and 2 run at full speed until 1 arrives (2.5 s; 2 has 2 s left). 0 and 1 reduce beside 2, all three at 2/3
     # speed, until the reductions end (4.0 s; 2 has 1 s left), and 2 finishes alone (5.0 s).
     reductions = {0: Reduction(frozenset({1}), 1.0), 1: Reduction(frozenset({0}), 1.0), 2: Reduction(frozenset(), 0.0)}
-    run = run_shared({0: alone(1), 1: alone(2), 2: alone(4)}, cost, cores=2, reductions=reductions)
+    run = run_shared({0: alone(1), 1: alone(2), 2: alone(4)}, cost, cores=HostCores(2), reductions=reductions)
     assert run.reduce_at == pytest.approx({0: 1.5, 1: 2.5, 2: 5.0})
     assert run.reduce_end == pytest.approx({0: 4.0, 1: 4.0, 2: 5.0})
     assert run.compute_s == pytest.approx({0: 1.5, 1: 2.5, 2: 5.0}), "a reduction is not compute"
 
 
 def test_without_reductions_a_worker_leaves_its_reduce_as_it_arrives() -> None:
-    run = run_shared({0: alone(1), 1: alone(2)}, cost, cores=2)
+    run = run_shared({0: alone(1), 1: alone(2)}, cost, cores=HostCores(2))
     assert run.reduce_end == run.reduce_at == {0: 1.0, 1: 2.0}
 
 
 def test_a_snapshot_copy_is_one_more_thread_on_the_cores() -> None:
     # Two workers of two seconds and worker 0's copy of one second on two cores: three threads at 2/3 speed until
     # the copy is done (1.5 s, each worker a second in), then each worker alone on a core for its second second.
-    run = run_shared({0: alone(2), 1: alone(2)}, cost, cores=2, copies={0: 1.0})
+    run = run_shared({0: alone(2), 1: alone(2)}, cost, cores=HostCores(2), copies={0: 1.0})
     assert run.copy_end == pytest.approx({0: 1.5})
     assert run.reduce_at == pytest.approx({0: 2.5, 1: 2.5})
     # A copy that outlasts the computation runs alone at the end, on a core of its own.
-    run = run_shared({0: alone(1)}, cost, cores=1, copies={0: 2.0})
+    run = run_shared({0: alone(1)}, cost, cores=HostCores(1), copies={0: 2.0})
     assert run.reduce_at == pytest.approx({0: 2.0}) and run.copy_end == pytest.approx({0: 3.0})
 
 
 def test_a_receive_without_its_send_is_a_deadlock() -> None:
     programs = {0: [ins.RecvActivation(0, 1), *END], 1: alone(1)}
     with pytest.raises(ProgramError, match="worker 0 waits"):
-        run_shared(programs, cost, cores=1)
+        run_shared(programs, cost, cores=HostCores(1))

@@ -278,6 +278,22 @@ def test_on_a_shared_host_a_copy_takes_cores_from_the_iteration_it_overlaps(job_
     assert plain[1].iter_s + launch < copied[1e11][1].iter_s < copied[1e10][1].iter_s
 
 
+def test_on_a_shared_host_the_cores_give_what_so_many_computing_at_once_got(job_overrides: list[str]) -> None:
+    # Measured cores' worth by load: as many cores as workers up to two computing at once leaves the iteration as two
+    # plain cores do; fewer for three and four lengthens it.
+    def iteration(*overrides: str) -> float:
+        return simulate(sim_cfg(job_overrides, "policy=none", "sim.host_cores=2", "sim.step_cpu_s=0",
+                                *overrides)).result.steps[1].iter_s  # fmt: skip
+
+    plain = iteration()
+    assert iteration("sim.host_cores_by_load=[1,2,2,2]") == pytest.approx(plain)
+    assert iteration("sim.host_cores_by_load=[1,2,1.5,1.5]") > plain * 1.05
+    # A worker's own work of a step: the four workers do it at once, after the commit, on the two cores.
+    assert iteration("sim.step_cpu_s=0.01") == pytest.approx(plain + 4 / 2 * 0.01)
+    gpu = ["cluster.device=A100-40GB"]  # a device per worker, host cores of its own: not charged
+    assert iteration(*gpu, "sim.step_cpu_s=0.01") == pytest.approx(iteration(*gpu))
+
+
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
     """Three replicas per stage, AEC: node 1 dies copying its records; its shard is rebuilt from the others'."""
     aec = [*REFT, "protection.mode=aec", "cluster.nodes=6", "train.stages=2"]

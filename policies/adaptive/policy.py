@@ -17,12 +17,12 @@ costed on the one cost model:
   the steps between snapshots;
 - the pause is what the simulator charges for carrying the answer out (``runtime.sim_backend``, whose formulas are
   followed with the same measured constants, ``Job.machinery`` = ``conf/sim``): detection, the failure window and
-  the abort (failures only), configuring the plan, then on a restart the processes' start (``host_cores`` at a time
-  on a shared host), and for every worker that lacks layers of its stage the layer copies (each source's sends one
-  after another at the cost model's p2p bandwidth), decoding what it received, building what is new and reading
-  what it restores (storage: at the storage's read bandwidth; memory: decoded from the host's /dev/shm at the codec
-  bandwidth: a coarser figure than the simulator's, which reads local records at the snapshot copy rate and
-  fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
+  the abort (failures only), configuring the plan, then on a restart the processes' start (on a shared host
+  slowed as many processes computing at once are), and for every worker that lacks layers of its stage the layer
+  copies (each source's sends one after another at the cost model's p2p bandwidth), decoding what it received,
+  building what is new and reading what it restores (storage: at the storage's read bandwidth; memory: decoded from
+  the host's /dev/shm at the codec bandwidth: a coarser figure than the simulator's, which reads local records at
+  the snapshot copy rate and fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
 - the steps until the next change come from the fault schedule's rate (``Job.failure_rate``), else
   ``policy.mtbf_steps``, at most the steps the job has left: at a failure the mean time between failures, later the
   mean residual life given the steps since the last failure (``horizon``: the same for exponential gaps, longer for
@@ -84,6 +84,7 @@ from ftlab.runtime.contract import (
     StorageSource, Stop,
 )  # fmt: skip
 from ftlab.runtime.plan import PlanError
+from ftlab.runtime.shared_host import host_of
 from ftlab.runtime.sim_timing import IterationTimer
 
 IN_PLACE = ("reroute", "reconfigure")
@@ -345,17 +346,18 @@ class Adaptive(Policy):
         its copies add, spread over the steps between snapshots."""
         m = _machinery(job)
         if self._timer is None:
-            shared = job.shared_host and m.host_cores > 0
-            cores = m.host_cores if shared else None
+            cores = host_of(m) if job.shared_host else None
             overhead = m.layer_overhead_s if job.shared_host else 0.0
-            self._timer = IterationTimer(job.costs, check=False, cores=cores, layer_overhead_s=overhead)
+            self._timer = IterationTimer(
+                job.costs, check=False, cores=cores, layer_overhead_s=overhead, step_cpu_s=m.step_cpu_s
+            )
         timing = self._timer.time(decision.plan, decision.programs)
         plain = timing.ready_s + m.control_s + timing.optimizer_s
         copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
         if not copied:
             return plain
         seconds = {worker: nbytes / m.snapshot_bytes_per_s for worker, nbytes in copied.items()}
-        if self._timer.cores:  # the copies share the cores with the iteration they overlap
+        if self._timer.cores is not None:  # the copies share the cores with the iteration they overlap
             overlapped = self._timer.time(decision.plan, decision.programs, seconds)
             ready = max(overlapped.ready_s, *overlapped.copy_end.values())
         else:  # a copy engine's: the step waits for the longest copy
@@ -371,8 +373,8 @@ class Adaptive(Policy):
         seconds = m.detect_s + m.failure_window_s + m.abort_s if change.is_failure else 0.0
         if decision.restart:
             at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
-            cores = m.host_cores if job.shared_host and m.host_cores > 0 else at_once
-            seconds += m.process_start_s * max(1.0, at_once / cores)
+            host = host_of(m) if job.shared_host else None
+            seconds += m.process_start_s * (host.slowdown(at_once) if host is not None else 1.0)
         arrival, received = _arrivals(decision.transfers, costs.transfer_s)
         slowest = 0.0
         restored: dict[int, tuple[int, ...]] = {}
