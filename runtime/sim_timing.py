@@ -110,11 +110,11 @@ class IterationTimer:
         self.check = check
         self.cores = cores
         self.layer_overhead_s = layer_overhead_s
+        """Added to every forward and backward instruction per layer it runs: the runtime's own cost beyond the
+        layers'."""
         self.step_cpu_s = step_cpu_s
         """On a shared host, each worker's own work of a step besides its instructions, charged with its optimizer
         step."""
-        """Added to every forward and backward instruction per layer it runs: the runtime's own cost beyond the
-        layers'."""
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
 
