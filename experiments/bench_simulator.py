@@ -6,8 +6,9 @@
     .venv/bin/python -m experiments.bench_simulator --rounds 3 # each real job three times: medians compared
 
 Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
-composed config is simulated (``mode=simulate``) from the profile measured on this machine (the one the real run's
-policy planned with) and the constants in ``conf/sim/measured.yaml``:
+composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
+the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants in
+``conf/sim/measured.yaml``:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
@@ -18,8 +19,10 @@ policy planned with) and the constants in ``conf/sim/measured.yaml``:
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
 and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``: one
 process per worker of the job's first plan, each computing that worker's layers, one to all of them side by side;
-each's rate over its rate alone, added up: the cores' worth so many workers computing at once get, what their
-working sets and switching between more processes than cores cost included) and gives the simulation of that job
+each's rate over the rate the job's profile gives those layers, added up: the cores' worth so many workers computing
+at once get in cores of the profile's speed, what their working sets and switching between more processes than
+cores cost included, and what the machine's speed drifted since the profile, which here is up to 10% within
+minutes) and gives the simulation of that job
 the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = what all of them got): the environment the
 real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
 ``conf/sim/measured.yaml``'s.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -104,13 +108,18 @@ def first_plan(overrides: list[str]) -> tuple[Any, Any]:
 
 
 def workers_share(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401 - a JobConfig and a Plan
-    """The cores' worth the workers of ``plan`` get computing side by side now, one to all of them at once
-    (``runtime.profiler.cores_by_load``)."""
+    """The cores' worth the workers of ``plan`` get computing side by side now, one to all of them at once, in cores
+    of the speed the job's profile gives their layers (``runtime.profiler.cores_by_load`` with a reference)."""
+    from ftlab.experiments.job import job_profile
+    from ftlab.runtime.costs import CostModel
     from ftlab.runtime.profiler import cores_by_load
 
+    costs = CostModel(job_profile(cfg)[0])
     ranges = list(plan.layer_ranges().values())
+    reference = [1 / (costs.forward_s(a, b) + costs.backward_s(a, b)) for a, b in ranges]
     m = cfg.model
-    return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker)
+    return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker,
+                         reference=reference)  # fmt: skip
 
 
 def host_overrides(by_load: tuple[float, ...]) -> list[str]:
@@ -146,7 +155,7 @@ def pair(
 
     d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
     common = [
-        "experiment=plain", f"train.steps={steps}", f"train.cache_dir={CACHE_DIR}", "progress=false",
+        "experiment=plain", f"train.steps={steps}", f"train.cache_dir={round_cache(d)}", "progress=false",
         f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
     ]  # fmt: skip
     sim_cfg, first = first_plan([*common, *overrides])
@@ -162,6 +171,17 @@ def pair(
     sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)
     print(f"[{name}]   round: " + "  ".join(f"{m} real {_fmt(real[m])} sim {_fmt(sim[m])}" for m in real), flush=True)
     return real, sim, cores
+
+
+def round_cache(d: Path) -> Path:
+    """A cache for one round under ``d``: the tokens of ``CACHE_DIR`` and no profile, so that the round measures its
+    layers afresh (its simulation first, the real run then reads the same): two profiles of gpt2-tiny cached hours
+    apart here differ by 8%, more than the targets."""
+    cache = d / "cache"
+    cache.mkdir()
+    for tokens in CACHE_DIR.glob("tokens-*"):
+        shutil.copy(tokens, cache)
+    return cache
 
 
 def _median(values: list[float | None]) -> float | None:

@@ -6,7 +6,10 @@
 What a model profile has no figure for is measured here, on the local runtime itself (``runtime.local_backend`` with
 real agents and workers running gpt2-tiny on two nodes of one worker), each the best of a few repeats (the shortest
 time, the highest rate: other processes on a shared machine only ever slow a repeat down). ``host_cores`` is this
-machine's core count: the constants are an idle host's, and the simulator slows what a busy one would.
+machine's core count: the constants are an idle host's, and the simulator slows what a busy one would. The storage
+rates are the median of their repeats instead: the disk is shared with other machines' jobs too, and the simulator
+has no load for it to slow (checkpoints fsync every file: the best of three writes ran 0.044 s, a job's ran
+0.054-0.1 s).
 
 - ``process_start_s``: ``restart_workers`` of two workers, as on an idle host: divided by the slowdown the
   simulator would charge two processes starting on the share of the machine they had (``profiler.host_share``,
@@ -15,18 +18,24 @@ machine's core count: the constants are an idle host's, and the simulator slows 
   worker's configuration takes longer by building its layers' weights and optimizer state.
 - ``layer_overhead_s``: the runtime's cost per layer of a forward or backward instruction beyond the profiled
   layers', from the CPU time of one worker's steps of one micro-batch and of eight (each micro-batch more costs its
-  profiled compute and two instructions of every layer). CPU time, as the profile's layers are timed: the wall clock
-  also counts what other processes took of the core, and a correction by the share of a core that spinners got
-  misses what their working sets cost this one (measured that way at a load of 1.7 the cost came out 0.43 ms a
-  layer, by CPU time 0.14-0.35 ms); what working sets side by side cost is the host's
-  (``sim.host_cores_by_load``). The median of three repeats: the CPU clock ticks at 10 ms;
+  profiled compute and two instructions of every layer), against the layers profiled just before each repeat (not
+  read from the cache). CPU time, as the profile's layers are timed: the wall clock also counts what other
+  processes took of the core, and a correction by the share of a core that spinners got misses what their working
+  sets cost this one (measured that way at a load of 1.7 the cost came out 0.43 ms a layer, by CPU time 0.14-0.35
+  ms); what working sets side by side cost is the host's (``sim.host_cores_by_load``). The median of five repeats:
+  the machine's speed drifts by up to 10% within minutes, and the CPU clock ticks at 10 ms;
   ``step_cpu_s``: the one-micro-batch step's CPU time beyond its compute, instructions and optimizer step;
   ``control_s``: the fastest such step's wall time beyond its CPU time (the worker's other threads receive the
   next step while it works: about nothing).
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
-  ``snapshot_bytes_per_s``: a REFT record's copy into a file of /dev/shm with its CRC-32, as
-  ``runtime.snapshot.write_records`` does it, timed in this process (``snapshot_launch_s`` stays ``SimConfig``'s
-  estimate: starting the copy thread is not separable from the step around it);
+  ``snapshot_bytes_per_s``: a REFT snapshot's copy on the runtime itself: the one-micro-batch steps of one worker
+  again, each followed by a snapshot of its whole state (a group of one member writes one shard record: weights and
+  both moments into its node's /dev/shm, with its CRC-32), the bytes over the CPU time a step's snapshot added to
+  the worker (the median of five repeats). The copy runs on a thread beside the next step and the simulator runs
+  it as one more thread on the host's cores, so what it costs is CPU time, its memory traffic and the pages it
+  touches included (timed alone in one process, a 64 MB record's copy came out 2.0 GB/s; beside the steps, about
+  half that); ``snapshot_launch_s`` stays ``SimConfig``'s estimate: starting the copy thread is not separable from
+  the step around it;
   ``storage_write_bytes_per_s``: a checkpoint's bytes over its time less the encoding; ``storage_read_bytes_per_s``:
   restoring a checkpoint on fresh workers, less configuring, building and decoding.
 - ``detect_s``: a node killed in the middle of a step to the coordinator noticing; ``abort_s``: aborting the
@@ -55,10 +64,12 @@ from ftlab.runtime.config import SimConfig
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "conf" / "sim" / "measured.yaml"
 REPEATS = 3
+CPU_REPEATS = 5
+"""For the constants read off the CPU clock, which ticks at 10 ms: their median."""
 
 
 def measure(cache_dir: Path) -> dict[str, float]:
-    from ftlab.experiments.job import compose_config, everyone, preflight, worker_setup
+    from ftlab.experiments.job import compose_config, job_profile, preflight, worker_setup
     from ftlab.runtime import events as ev
     from ftlab.runtime import local_backend
     from ftlab.runtime.backend import Failure
@@ -77,8 +88,15 @@ def measure(cache_dir: Path) -> dict[str, float]:
     ]  # fmt: skip
     cfg = OmegaConf.to_object(compose_config(overrides))
     checked = preflight(cfg)
-    job = checked.make_job(everyone(cfg))
-    costs = CostModel(job.profile())
+
+    def profiled_now(repeat: int) -> CostModel:
+        """The layers' costs measured now, not read from the cache: the runtime's own cost is what its steps take
+        beyond them at the same moment (two profiles of gpt2-tiny taken hours apart here differ by 8%, and minutes
+        apart by up to 10%)."""
+        fresh = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cache_dir=str(scratch / f"{repeat}")))
+        return CostModel(job_profile(fresh)[0])
+
+    costs = profiled_now(0)
     c = cfg.cluster
     setup = worker_setup(cfg, checked)
     layers = costs.num_layers
@@ -106,8 +124,8 @@ def measure(cache_dir: Path) -> dict[str, float]:
         cluster.start(c.start_timeout_s)
         cluster_start = time.monotonic() - started
         backend = LocalBackend(cluster, bus, setup, c.heartbeat_timeout_s)
-        state = sum(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
-        slowest_state = max(costs.state_bytes(a, b) for a, b in two.layer_ranges().values())
+        state = sum(costs.checkpoint_bytes(a, b) for a, b in two.layer_ranges().values())
+        slowest_state = max(costs.checkpoint_bytes(a, b) for a, b in two.layer_ranges().values())
         # Two workers start at once; the simulator charges process_start_s x max(1, 2 / host cores): inverted here
         # with the share of the machine two processes had around the measurement, the constant is an idle host's.
         starting = host_share(2)
@@ -126,11 +144,12 @@ def measure(cache_dir: Path) -> dict[str, float]:
         # and two instructions' runtime cost per micro-batch more (of the whole model's layers: the cost grows with
         # them, see SimConfig.layer_overhead_s). The one-micro-batch step's CPU time beyond its compute, instructions
         # and optimizer step is the worker's own work of a step; its fastest wall time beyond its CPU time, the
-        # round trip.
+        # round trip. Each repeat against the layers profiled just before it.
         step = 0
         worker = psutil.Process(cluster.workers[0].pid)
-        per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
-        for _ in range(REPEATS):
+        for repeat in range(CPU_REPEATS):
+            costs = profiled_now(repeat)
+            per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
             plan = next_plan(one)
             backend.configure(plan, one_f_one_b(plan), {}, None)
             one_step, one_cpu, step = _steps(backend, plan, step, 20, worker)
@@ -142,8 +161,15 @@ def measure(cache_dir: Path) -> dict[str, float]:
             work = one_cpu - per_microbatch - 2 * instruction - costs.optimizer_s(0, layers)
             found.setdefault("step_cpu_s", []).append(max(work, 0.0))
             found.setdefault("control_s", []).append(max(one_step - one_cpu, 0.0))
+            # The same steps, each followed by a snapshot of the worker's whole state, copied beside the next step.
+            plan = next_plan(one)
+            backend.configure(plan, one_f_one_b(plan), {}, None)
+            snapshot, step = _snapshot_cpu(backend, plan, step, 20, worker, one_cpu)
+            found.setdefault("snapshot_cpu_s", []).append(max(snapshot, 1e-6))
         # The CPU clock ticks at 10 ms: the median of the repeats, not the least, which is as far off as the most.
         found["layer_overhead_s"] = [statistics.median(found.pop("instruction_s")) / layers]
+        snapshot_cpu = statistics.median(found.pop("snapshot_cpu_s"))
+        found["snapshot_bytes_per_s"] = [costs.checkpoint_bytes(0, layers) / snapshot_cpu]
         found["step_cpu_s"] = [statistics.median(found["step_cpu_s"])]
         control = min(found["control_s"])
         # Checkpoints: written by both workers of the two-stage plan, then restored on fresh workers.
@@ -151,7 +177,8 @@ def measure(cache_dir: Path) -> dict[str, float]:
         plan = dataclasses.replace(next_plan(two), step=step)
         backend.configure(plan, one_f_one_b(plan), {}, None)
         writers = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
-        for _ in range(REPEATS):
+        for _ in range(REPEATS):  # as a job saves: after a step, into a new directory, the one before it pruned
+            _, _, step = _steps(backend, plan, step, 1, worker)
             save = timed(lambda: backend.save(step, SaveCheckpoint(str(scratch / "ckpt"), keep=1), writers, layers))
             writing = save - control - slowest_state / codec
             found.setdefault("storage_write_bytes_per_s", []).append(state / max(writing, 1e-3))
@@ -177,9 +204,10 @@ def measure(cache_dir: Path) -> dict[str, float]:
     finally:
         cluster.shutdown()
     best = {name: (max if name.endswith("_bytes_per_s") else min)(values) for name, values in found.items()}
+    for name in ("storage_write_bytes_per_s", "storage_read_bytes_per_s"):
+        best[name] = statistics.median(found[name])
     best["node_start_s"] = max(best.pop("cluster_start_s") - best["process_start_s"], 0.0)
     best["codec_bytes_per_s"] = codec
-    best["snapshot_bytes_per_s"] = _snapshot_bytes_per_s()
     best["snapshot_launch_s"] = SimConfig.snapshot_launch_s
     best["failure_window_s"] = local_backend._FAILURE_WINDOW_S
     best["host_cores"] = os.cpu_count() or 1
@@ -229,29 +257,30 @@ def _codec_bytes_per_s(cfg) -> float:  # noqa: ANN001
     return total / sum(seconds)
 
 
-def _snapshot_bytes_per_s(nbytes: int = 64 << 20) -> float:
-    """A record's copy into a mapped file of /dev/shm and its CRC-32, as ``runtime.snapshot.write_records`` does."""
-    import zlib
+def _snapshot_cpu(
+    backend, plan, step: int, steps: int, worker: psutil.Process, step_cpu: float  # noqa: ANN001
+) -> tuple[float, int]:
+    """``steps`` steps of ``plan`` from ``step``, each followed by a REFT snapshot of the state it committed (the
+    runtime's copy beside the next step), and one more step for the last copy to complete: the CPU seconds a
+    snapshot added to ``worker`` (a step without one took ``step_cpu``), and the next step."""
+    from ftlab.runtime.backend import Failure
+    from ftlab.runtime.contract import TakeSnapshot
 
-    import torch
-
-    from ftlab.runtime import shm
-    from ftlab.runtime.snapshot import ShardFiles
-
-    source = torch.randn(nbytes // 4)
-    with tempfile.TemporaryDirectory(dir=shm.ROOT, prefix="ftlab-constants-") as directory:
-        files = ShardFiles(Path(directory))
-        mapping = files.mapping("record", nbytes)
-        target = mapping[: nbytes].view(torch.float32)
-        target.copy_(source)  # the first copy touches the pages: the runtime keeps its mappings, so later ones find them
-        samples = []
-        for _ in range(REPEATS):
-            started = time.perf_counter()
-            target.copy_(source)
-            zlib.crc32(mapping[: nbytes].numpy())
-            samples.append(time.perf_counter() - started)
-        del files, mapping, target
-    return nbytes / min(samples)
+    writers = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
+    cpu = sum(worker.cpu_times()[:2])
+    keep = -1
+    for _ in range(steps):
+        backend.begin_step(plan, step)
+        assert not isinstance(backend.finish_step(plan, step), Failure)
+        backend.commit(plan, step)
+        report = backend.save(step, TakeSnapshot(plan, "arc", 1, keep), writers, plan.num_layers)
+        assert not isinstance(report, Failure), report
+        keep = max([keep, *(p.step for p in backend.completed_saves() if p.complete)])
+        step += 1
+    backend.begin_step(plan, step)  # the last snapshot completes before this step's Ready
+    assert not isinstance(backend.finish_step(plan, step), Failure)
+    backend.commit(plan, step)
+    return (sum(worker.cpu_times()[:2]) - cpu - (steps + 1) * step_cpu) / steps, step + 1
 
 
 def render(values: dict[str, float]) -> str:

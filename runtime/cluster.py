@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 import torch.distributed as dist
 
 from ftlab.runtime import messages as msg
@@ -296,7 +297,7 @@ class LocalCluster:
         """Wait until a killed worker is gone: its connection closed, and (on this machine) its process ended."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if member.closed and not (self.launcher.same_machine and _exists(member.pid)):
+            if member.closed and not (self.launcher.same_machine and _running(member.pid)):
                 return
             time.sleep(0.01)
 
@@ -351,9 +352,11 @@ def _send(member: Member | None, message: object) -> bool:
         return False
 
 
-def _exists(pid: int) -> bool:
+def _running(pid: int) -> bool:
+    """Whether ``pid`` has not ended. A zombie has: its memory, files and sockets are released, only its entry waits
+    for its parent. A lost node's workers are reparented to this machine's init, which can take seconds to reap
+    them (1-1.6 s measured here), and a restart waited for that."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return True

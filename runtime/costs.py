@@ -36,6 +36,7 @@ from ftlab.runtime.model_spec import FP32, LayerSpec
 from ftlab.runtime.plan import Plan
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
+GRADIENT_BYTES_PER_PARAM = FP32
 ADAMW_BYTES_PER_PARAM = 28
 """Memory traffic of one fused AdamW step: read weight, gradient and both moments, write weight and both moments."""
 
@@ -66,6 +67,12 @@ class LayerProfile:
     def state_bytes(self) -> int:
         """Weights, gradient and optimizer state: what a stage holds for the layer whatever the schedule."""
         return self.param_bytes + self.optimizer_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Weights and AdamW's moments: what a checkpoint, a restore or a layer sent to another worker carries (the
+        gradient is rebuilt every step; ``runtime.layer_state`` leaves it out)."""
+        return self.state_bytes - GRADIENT_BYTES_PER_PARAM * (self.param_bytes // FP32)
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ class CostModel:
         self._bwd_weight = _prefix([x.bwd_weight_s for x in layers])
         self._optimizer = _prefix([x.optimizer_s for x in layers])
         self._state = _prefix([x.state_bytes for x in layers])
+        self._checkpoint = _prefix([x.checkpoint_bytes for x in layers])
         self._params = _prefix([x.param_bytes for x in layers])
         self._saved = _prefix([x.saved_bytes for x in layers])
 
@@ -210,6 +218,9 @@ class CostModel:
     # -- memory ------------------------------------------------------------------------------------------------
     def state_bytes(self, start: int, stop: int) -> float:
         return self._state[stop] - self._state[start]
+
+    def checkpoint_bytes(self, start: int, stop: int) -> float:
+        return self._checkpoint[stop] - self._checkpoint[start]
 
     def param_bytes(self, start: int, stop: int) -> float:
         return self._params[stop] - self._params[start]
@@ -246,7 +257,7 @@ class CostModel:
 
     def transfer_s(self, layer: int) -> float:
         """Copying one layer with its optimizer state to another worker."""
-        return self.p2p_s(self.profile.layers[layer].state_bytes)
+        return self.p2p_s(self.profile.layers[layer].checkpoint_bytes)
 
     # -- programs ----------------------------------------------------------------------------------------------
     def reduce_s(self, plan: Plan) -> dict[int, float]:

@@ -23,7 +23,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,12 +268,18 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
 
 def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 1.5,
+    seconds: float = 1.5, reference: Sequence[float] | None = None,
 ) -> tuple[float, ...]:  # fmt: skip
     """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
     simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
     layers ``ranges[i]`` (start, stop) over and over, first each alone, then the first k side by side for every k >= 2;
     each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1.
+
+    ``reference``: each process's rate by the profile (micro-batches a second: one over its layers' forward and
+    backward seconds). Given, every rate is counted against it instead, one alone included: what the job's workers
+    get in cores of the profile's speed at the moment, the other load on the machine and its drift since the
+    profile was taken counted in (two profiles of gpt2-tiny taken hours apart here differ by 8%, and one taken a
+    minute before a job by up to 10% from the job's own layers).
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
     each other: their working sets in the shared caches and the switches between more processes than cores. And it
@@ -298,11 +304,12 @@ def cores_by_load(
             command.put(seconds / 2)
             index, rate = out.get(timeout=300)
             solo[index] = rate
-        worth = [1.0]
+        against = solo if reference is None else dict(enumerate(reference))
+        worth = [solo[0] / against[0]]
         for k in range(2, len(procs) + 1):
             for command in commands[:k]:
                 command.put(seconds)
-            worth.append(max(sum(rate / solo[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
+            worth.append(max(sum(rate / against[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
     finally:
         for command in commands:
             command.put(None)

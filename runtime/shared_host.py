@@ -61,7 +61,8 @@ class SharedRun:
 class HostCores:
     """A host's cores as processes computing at once get them: ``count`` cores, and where measured
     (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing at once got together,
-    ``by_load[k - 1]`` (the last entry for more)."""
+    ``by_load[k - 1]`` (the last entry for more), in cores of the profile's speed: measured against the profile, one
+    process alone may get less than a core (other load) or more (the machine faster than when it was profiled)."""
 
     count: float
     by_load: tuple[float, ...] = ()
@@ -71,15 +72,22 @@ class HostCores:
             raise ValueError(f"a host needs positive cores, not {self.count} and {list(self.by_load)} by load")
 
     def worth(self, running: int) -> float:
-        """The cores' worth ``running`` processes computing at once get together (none more than a core each)."""
+        """The cores' worth ``running`` processes computing at once get together (by ``count``, none more than a
+        core each)."""
         if running <= 0:
             return 0.0
-        measured = self.by_load[min(running, len(self.by_load)) - 1] if self.by_load else self.count
-        return min(float(running), measured)
+        if self.by_load:
+            return self.by_load[min(running, len(self.by_load)) - 1]
+        return min(float(running), self.count)
 
     def slowdown(self, running: int) -> float:
         """How much slower each of ``running`` processes computing at once is than alone on a core."""
         return running / self.worth(running) if running > 0 else 1.0
+
+    def contention(self, running: int) -> float:
+        """How much slower each of ``running`` processes is than one of them alone: the slowdown without what one
+        alone already has against the profile, for work the profile did not time (starting processes, copies)."""
+        return self.slowdown(running) / self.slowdown(1)
 
 
 def host_of(sim: SimConfig) -> HostCores | None:

@@ -132,14 +132,14 @@ def register_source(kind: type[Source], cost: SourceCost) -> None:
 
 def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], b: SimBackend) -> SimSave:
     assert isinstance(action, SaveCheckpoint)
-    per_writer = [b.state_bytes(layers) for layers in writers.values()]
+    per_writer = [b.checkpoint_bytes(layers) for layers in writers.values()]
     encode = max(per_writer, default=0) / b.codec_bytes_per_s
     seconds = b.sim.control_s + encode + sum(per_writer) / b.sim.storage_write_bytes_per_s
     return SimSave(seconds, int(sum(per_writer)), f"{action.directory}/step-{step:06d}")
 
 
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
-    per_reader = [b.state_bytes(layers) for layers in readers.values()]
+    per_reader = [b.checkpoint_bytes(layers) for layers in readers.values()]
     return sum(per_reader) / b.sim.storage_read_bytes_per_s + max(per_reader, default=0) / b.codec_bytes_per_s
 
 
@@ -465,8 +465,8 @@ class SimBackend(Backend, FaultTarget):
                 )
             if missing and restore is not None:
                 restored[worker] = tuple(sorted(missing))
-            decoded = self.state_bytes(received.get(worker, ())) / self.codec_bytes_per_s
-            built = self.state_bytes(new) / self.build_bytes_per_s
+            decoded = self.checkpoint_bytes(received.get(worker, ())) / self.codec_bytes_per_s
+            built = self.checkpoint_bytes(new) / self.build_bytes_per_s
             slowest = max(slowest, arrival.get(worker, 0.0) + decoded + built)
         reading = self._restore_s(restore, restored) if restored else 0.0
         restored_from = self._restored_from(restore, restored)
@@ -485,8 +485,8 @@ class SimBackend(Backend, FaultTarget):
         self._reduced_by.clear()
         self._layers_dropped = False
         return ConfigureReport(
-            received_bytes=int(sum(self.state_bytes(layers) for layers in received.values())),
-            restored_bytes=int(sum(self.state_bytes(layers) for layers in restored.values())),
+            received_bytes=int(sum(self.checkpoint_bytes(layers) for layers in received.values())),
+            restored_bytes=int(sum(self.checkpoint_bytes(layers) for layers in restored.values())),
             restore_s=reading, restored_from=restored_from,
         )  # fmt: skip
 
@@ -600,7 +600,7 @@ class SimBackend(Backend, FaultTarget):
         started = self.now
         for worker, (armed_step, phase) in list(self._armed.items()):
             if armed_step == step and phase == "checkpoint" and writers.get(worker):
-                first = self.state_bytes(writers[worker][:1]) / self.codec_bytes_per_s
+                first = self.checkpoint_bytes(writers[worker][:1]) / self.codec_bytes_per_s
                 self._step_timers.append(self.call_at(started + first, self._at_phase(worker, step, phase)))
         failure = self._wait(started + saved.seconds, needs=set(writers))
         self._cancel_step_timers()
@@ -788,9 +788,9 @@ class SimBackend(Backend, FaultTarget):
         self._armed[worker] = (step, phase)
 
     # -- costs -------------------------------------------------------------------------------------------------
-    def state_bytes(self, layers: object) -> float:
-        """Weights, gradient and optimizer state of ``layers`` (an iterable of layer indices)."""
-        return sum(self.costs.state_bytes(layer, layer + 1) for layer in layers)  # type: ignore[attr-defined]
+    def checkpoint_bytes(self, layers: object) -> float:
+        """What a checkpoint, a restore or a transfer of ``layers`` (an iterable of layer indices) carries."""
+        return sum(self.costs.checkpoint_bytes(layer, layer + 1) for layer in layers)  # type: ignore[attr-defined]
 
     def numel(self, layers: tuple[int, ...]) -> int:
         """Parameters of ``layers`` (a snapshot's geometry is in float32 elements)."""
@@ -798,7 +798,7 @@ class SimBackend(Backend, FaultTarget):
 
     def copy_bytes_per_s(self, at_once: int) -> float:
         """One worker's copy into or out of its node's memory while ``at_once`` workers copy."""
-        slowdown = self.host.slowdown(at_once) if self.host is not None else 1.0
+        slowdown = self.host.contention(at_once) if self.host is not None else 1.0
         return self.sim.snapshot_bytes_per_s / slowdown
 
     def memory_loads(self, source: MemorySource) -> dict[int, WorkerLoad]:
@@ -824,7 +824,7 @@ class SimBackend(Backend, FaultTarget):
 
     def _start_s(self, at_once: int) -> float:
         """Starting ``at_once`` worker processes together on one host."""
-        return self.sim.process_start_s * (self.host.slowdown(at_once) if self.host is not None else 1.0)
+        return self.sim.process_start_s * (self.host.contention(at_once) if self.host is not None else 1.0)
 
     def _restore_s(self, source: Source | None, readers: dict[int, tuple[int, ...]]) -> float:
         assert source is not None

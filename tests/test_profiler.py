@@ -13,7 +13,7 @@ import pytest
 from ftlab.runtime import profiler
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.model_spec import layer_specs, load_model_config
-from ftlab.runtime.costs import LayerProfile
+from ftlab.runtime.costs import CostModel, LayerProfile
 from ftlab.runtime.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
 
 TINY = load_model_config("gpt2-tiny")
@@ -111,6 +111,23 @@ def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
     assert math.isinf(profile.p2p_bytes_per_s)  # links=False: communication not measured
 
 
+def test_a_layers_checkpoint_bytes_are_what_the_runtime_writes_of_it() -> None:
+    from ftlab.runtime.layer_state import encode, layer_state
+    from ftlab.runtime.model import build_layer
+    from ftlab.runtime.optim import OptimSettings, layer_optimizer
+
+    profile = analytic_profile(TINY, "A100-40GB", 1, 16)
+    for index, costed in enumerate(profile.layers):
+        layer = build_layer(TINY, index, seed=0)
+        optimizer = layer_optimizer(layer, OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95))
+        for p in layer.parameters():
+            p.grad = p.detach().clone()
+        optimizer.step()  # the moments exist, as in a trained layer
+        written = len(encode(layer_state(layer, optimizer)))
+        assert written == pytest.approx(costed.checkpoint_bytes, rel=0.02), index
+        assert costed.state_bytes > 1.3 * written  # what the layer holds: its gradient too
+
+
 def _busy(seconds: float) -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     deadline = time.perf_counter() + seconds
@@ -164,3 +181,16 @@ def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> N
         os.sched_setaffinity(0, before)
     assert one == 1.0
     assert 0.5 < two < 1.3
+
+
+def test_against_the_profiles_rates_one_alone_gets_about_a_core_of_the_profiles_speed() -> None:
+    """With a reference (each process's rate by the profile), the worth is in cores of the profile's speed: about
+    one for a process alone, as the profile was just measured; a profile twice as fast halves it."""
+    costs = CostModel(measure_profile(TINY, micro_batch=2, seq_len=16, repeats=3, warmup=1, links=False, threads=1))
+    ranges = [(0, 2), (2, len(layer_specs(TINY)))]
+    rates = [1 / (costs.forward_s(a, b) + costs.backward_s(a, b)) for a, b in ranges]
+    measured = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=1.0, reference=rates)
+    faster = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=1.0,
+                                    reference=[2 * r for r in rates])  # fmt: skip
+    assert 0.5 < measured[0] < 1.5
+    assert 0.3 < faster[0] / measured[0] < 0.7 and 0.3 < faster[1] / measured[1] < 0.7

@@ -43,9 +43,14 @@ def test_measured_cores_by_load_give_each_number_computing_its_own_worth() -> No
     host = HostCores(2, by_load=(1.0, 2.0, 1.5))
     run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=host)
     assert run.reduce_at == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
-    # Past the measured loads the last holds; and no process computes faster than on a core of its own.
+    # Past the measured loads the last holds; measured against the profile, one alone may get more than a core (the
+    # machine faster than when it was profiled) or less (other load); by the count, none gets more than a core.
     assert host.worth(5) == 1.5 and host.slowdown(5) == pytest.approx(5 / 1.5)
-    assert HostCores(2, by_load=(1.3, 2.0)).worth(1) == 1.0
+    assert HostCores(2, by_load=(1.1, 2.0)).slowdown(1) == pytest.approx(1 / 1.1)
+    assert HostCores(2, by_load=(0.8, 1.5)).slowdown(1) == pytest.approx(1 / 0.8)
+    assert HostCores(2).worth(1) == 1.0 and HostCores(2).worth(3) == 2.0
+    # Work the profile did not time is slowed by the others only: three at 1.5 cores' worth, one alone at 0.8.
+    assert HostCores(2, by_load=(0.8, 1.6, 1.5)).contention(3) == pytest.approx(3 / 1.5 * 0.8)
 
 
 def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -> None:

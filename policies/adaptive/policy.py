@@ -374,7 +374,7 @@ class Adaptive(Policy):
         if decision.restart:
             at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
             host = host_of(m) if job.shared_host else None
-            seconds += m.process_start_s * (host.slowdown(at_once) if host is not None else 1.0)
+            seconds += m.process_start_s * (host.contention(at_once) if host is not None else 1.0)
         arrival, received = _arrivals(decision.transfers, costs.transfer_s)
         slowest = 0.0
         restored: dict[int, tuple[int, ...]] = {}
@@ -398,7 +398,7 @@ def _machinery(job: Job) -> SimConfig:
 
 
 def _bytes(costs: Any, layers: Any) -> float:
-    return float(sum(costs.state_bytes(layer, layer + 1) for layer in layers))
+    return float(sum(costs.checkpoint_bytes(layer, layer + 1) for layer in layers))
 
 
 def _arrivals(transfers: tuple[LayerTransfer, ...], transfer_s: Any) -> tuple[dict[int, float], dict[int, list[int]]]:

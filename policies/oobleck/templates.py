@@ -228,5 +228,5 @@ def generate_templates(
             f"templates of {sizes.start}..{sizes.stop - 1} nodes (model {profile.model} spreads over at most "
             f"{sizes.stop - 1}) cannot use exactly {lost[:5]} nodes with f + 1 = {fault_threshold + 1} pipelines"
         )
-    layer_bytes = tuple(layer.param_bytes + layer.optimizer_bytes for layer in profile.layers)
+    layer_bytes = tuple(layer.checkpoint_bytes for layer in profile.layers)
     return TemplateSet(fault_threshold, tuple(templates), layer_bytes)
