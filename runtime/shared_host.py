@@ -81,7 +81,8 @@ class HostCores:
         return min(float(running), self.count)
 
     def slowdown(self, running: int) -> float:
-        """How much slower each of ``running`` processes computing at once is than alone on a core."""
+        """How much slower each of ``running`` processes computing at once is than on a core of its own at the
+        profile's speed."""
         return running / self.worth(running) if running > 0 else 1.0
 
     def contention(self, running: int) -> float:
