@@ -22,10 +22,9 @@ process per worker of the job's first plan, each computing that worker's layers,
 each's rate over the rate the job's profile gives those layers, added up: the cores' worth so many workers computing
 at once get in cores of the profile's speed, what their working sets and switching between more processes than
 cores cost included, and what the machine's speed drifted since the profile, which here is up to 10% within
-minutes) and gives the simulation of that job
-the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = what all of them got): the environment the
-real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
-``conf/sim/measured.yaml``'s.
+minutes) and gives the simulation of that job the mean of the two (``sim.host_cores_by_load``, and
+``sim.host_cores`` = what all of them got): the environment the real run met, measured beside it, not fitted to its
+result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
 of the real and of the simulated rounds are compared: two runs of one job here differ by up to 15% in their

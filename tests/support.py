@@ -67,9 +67,9 @@ REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272",
 """The machinery constants of adaptive's reroute-then-reconfigure scenario (``conf/sim/measured.yaml`` of 2026-11-25,
 but a runtime cost of 0.05 ms a layer of an instruction: about what the analytic A100 profile's layers cost; the
 rates of building and decoding at 3/4, as in ``REVIEW_MACHINERY``), fixed so that a re-measurement does not move its
-decisions. At this machine's measured 0.3-0.45 ms a layer, the peer that
-takes a dead worker's micro-batches is the iteration's tail, and reconfiguring is predicted cheaper for the first
-failure too (an iteration of 0.036 s against 0.046 s on ``local-6``). With these, rerouting it costs 1.7% less."""
+decisions. At this machine's measured 0.3-0.45 ms a layer, the peer that takes a dead worker's micro-batches is the
+iteration's tail, and reconfiguring is predicted cheaper for the first failure too (an iteration of 0.036 s against
+0.046 s on ``local-6``). With these, rerouting it costs 1.7% less."""
 
 
 @contextmanager
