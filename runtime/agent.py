@@ -3,7 +3,8 @@ the node's host memory for snapshots.
 
 The agent imports no torch, so a node comes up fast and its own death is noticed the moment its control connection
 closes. Workers are started with PR_SET_PDEATHSIG so that a killed agent takes its workers with it, exactly like a
-lost machine; the agent likewise dies with the coordinator, by a SIGTERM it answers by freeing the node's memory.
+lost machine; the agent likewise dies with the coordinator, by a SIGTERM it answers by ending its workers and then
+freeing the node's memory.
 
 The node's memory is a directory under /dev/shm (``runtime.shm``): its workers write their snapshot records there,
 and they outlive a worker's crash but not the node. The agent creates it, answers inventories of it (which records
@@ -96,6 +97,19 @@ class Agent:
         except OSError:
             pass  # the coordinator is gone; so are we shortly
 
+    def end_workers(self) -> None:
+        """Kill this node's workers and wait for them: before its memory is removed, so that no worker creates a record
+        file in it meanwhile (which left the directory behind: a coordinator killed while the workers wrote their
+        first snapshot left its job's memory in /dev/shm)."""
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.workers.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass  # stuck in the kernel: PR_SET_PDEATHSIG is the last resort
+
     def _heartbeat(self) -> None:
         while True:
             try:
@@ -179,14 +193,21 @@ def main(argv: list[str] | None = None, own_group: bool = False) -> None:
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
+    agent: Agent | None = None
+
     def terminated(signum: int, frame: object) -> None:
+        if agent is not None:
+            agent.end_workers()
         shm.remove(memory)
-        os._exit(0)  # the workers follow (PR_SET_PDEATHSIG)
+        os._exit(0)
 
     signal.signal(signal.SIGTERM, terminated)
     try:
-        Agent(args, secret).serve()
+        agent = Agent(args, secret)
+        agent.serve()
     finally:
+        if agent is not None:
+            agent.end_workers()
         shm.remove(memory)
 
 
