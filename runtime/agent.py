@@ -108,7 +108,7 @@ class Agent:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                pass  # stuck in the kernel: PR_SET_PDEATHSIG is the last resort
+                pass  # stuck in the kernel with SIGKILL pending: it writes nothing more, the memory goes anyway
 
     def _heartbeat(self) -> None:
         while True:
