@@ -217,18 +217,23 @@ def measure(cache_dir: Path) -> dict[str, float]:
 def _steps(backend, plan, step: int, steps: int, worker: psutil.Process) -> tuple[float, float, int]:  # noqa: ANN001
     """``steps`` steps of ``plan`` from ``step``: the fastest one's wall seconds, ``worker``'s mean CPU seconds a step
     (every thread of it), and the next step."""
-    from ftlab.runtime.backend import Failure
-
     walls = []
     cpu = sum(worker.cpu_times()[:2])
     for _ in range(steps):
         started = time.monotonic()
-        backend.begin_step(plan, step)
-        assert not isinstance(backend.finish_step(plan, step), Failure)
-        backend.commit(plan, step)
+        _run_step(backend, plan, step)
         walls.append(time.monotonic() - started)
         step += 1
     return min(walls), (sum(worker.cpu_times()[:2]) - cpu) / steps, step
+
+
+def _run_step(backend, plan, step: int) -> None:  # noqa: ANN001
+    """One step of ``plan``, committed."""
+    from ftlab.runtime.backend import Failure
+
+    backend.begin_step(plan, step)
+    assert not isinstance(backend.finish_step(plan, step), Failure)
+    backend.commit(plan, step)
 
 
 def _codec_bytes_per_s(cfg) -> float:  # noqa: ANN001
@@ -270,16 +275,12 @@ def _snapshot_cpu(
     cpu = sum(worker.cpu_times()[:2])
     keep = -1
     for _ in range(steps):
-        backend.begin_step(plan, step)
-        assert not isinstance(backend.finish_step(plan, step), Failure)
-        backend.commit(plan, step)
+        _run_step(backend, plan, step)
         report = backend.save(step, TakeSnapshot(plan, "arc", 1, keep), writers, plan.num_layers)
         assert not isinstance(report, Failure), report
         keep = max([keep, *(p.step for p in backend.completed_saves() if p.complete)])
         step += 1
-    backend.begin_step(plan, step)  # the last snapshot completes before this step's Ready
-    assert not isinstance(backend.finish_step(plan, step), Failure)
-    backend.commit(plan, step)
+    _run_step(backend, plan, step)  # the last snapshot completes before this step's Ready
     return (sum(worker.cpu_times()[:2]) - cpu - (steps + 1) * step_cpu) / steps, step + 1
 
 
