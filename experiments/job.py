@@ -507,7 +507,8 @@ def conclude(
 ) -> JobResult:  # fmt: skip
     """The job's result, its summary metrics and timeline.png; the faults that never fired are warned of."""
     seen.progress.close()
-    ended = [(fault, "the job ended before it fired") for fault in injector.pending()] if injector else []
+    reached = max((s.step for s in seen.collector.steps), default=-1)
+    ended = [(fault, _unfired_reason(fault, reached)) for fault in injector.pending()] if injector else []
     _warn_unfired(seen.bus, ended, seen.collector.last_at)
     if seen.recorder is not None:
         seen.recorder.close()
@@ -625,6 +626,24 @@ def worker_threads(c: ClusterConfig) -> int:
         return c.threads_per_worker
     cpus = len(os.sched_getaffinity(0))
     return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
+
+
+PHASE_TAKERS = {
+    "checkpoint": "a checkpoint is written by the first holder of each layer, at the steps the protection saves",
+    "snapshot": "a snapshot is copied by its writers, at the steps protection=reft snapshots",
+    "transfer": "layers are received only in an in-place reconfiguration that resumes at that step",
+}
+"""Who enters the phases a worker may go through without ever being in them, for the unfired fault's reason."""
+
+
+def _unfired_reason(fault: FaultEvent, reached: int) -> str:
+    """Why ``fault`` never fired, the job's last committed step being ``reached``: a phase fault whose step the job
+    ran had a target that never entered that phase (a worker that writes no checkpoint, for one), and says so."""
+    if fault.phase is None or fault.at_step is None or reached < fault.at_step:
+        return "the job ended before it fired"
+    target = f"node {fault.node}" if fault.worker is None else f"worker {fault.worker} of node {fault.node}"
+    why = PHASE_TAKERS.get(fault.phase, f"the plan gave it no {fault.phase} work in that step")
+    return f"the job ran step {fault.at_step}, but {target} never entered its {fault.phase} phase there: {why}"
 
 
 def _warn_unfired(bus: ev.EventBus, unfired: list[tuple[FaultEvent, str]], at: float) -> None:

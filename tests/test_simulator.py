@@ -31,6 +31,7 @@ from ftlab.runtime import events as ev
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
+from ftlab.runtime.coordinator import first_holders
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.program_check import ProgramError, timeline
@@ -184,6 +185,21 @@ def test_a_phase_fault_strikes_inside_its_step(job_overrides: list[str]) -> None
         assert begins <= fault.at < begins + result.steps[0].iter_s, phase
         at[phase] = fault.at
     assert at["forward"] < at["backward"] < at["reduce"]
+
+
+def test_a_phase_fault_on_a_worker_that_never_enters_the_phase_says_why(job_overrides: list[str]) -> None:
+    # A 2 x 2 grid: each layer's checkpoint is written by its first holder, the first pipeline's workers.
+    fired = {}
+    for node in (0, 3):
+        fault = f"{{kind: node, node: {node}, at_step: 6, phase: checkpoint}}"
+        cfg = sim_cfg(job_overrides, *RESTART, "train.stages=2", *kills(fault))
+        result = simulate(cfg).result
+        fired[node] = (injected(result), [e.reason for e in result.events if isinstance(e, ev.FaultUnfired)])
+    assert 3 not in first_holders(result.plans[0]) and 0 in first_holders(result.plans[0])
+    assert fired[0][0] and not fired[0][1]
+    (reason,) = fired[3][1]
+    assert not fired[3][0]
+    assert "ran step 6, but node 3 never entered its checkpoint phase" in reason and "first holder" in reason
 
 
 # -- the record ------------------------------------------------------------------------------------------------
