@@ -633,7 +633,7 @@ PHASE_TAKERS = {
     "snapshot": "a snapshot is copied by its writers, at the steps protection=reft snapshots",
     "transfer": "layers are received only in an in-place reconfiguration that resumes at that step",
 }
-"""Who enters the phases a worker may go through without ever being in them, for the unfired fault's reason."""
+"""The phases only some workers enter, and which: the reason a phase fault armed on another one never fired."""
 
 
 def _unfired_reason(fault: FaultEvent, reached: int) -> str:
@@ -642,7 +642,7 @@ def _unfired_reason(fault: FaultEvent, reached: int) -> str:
     if fault.phase is None or fault.at_step is None or reached < fault.at_step:
         return "the job ended before it fired"
     target = f"node {fault.node}" if fault.worker is None else f"worker {fault.worker} of node {fault.node}"
-    why = PHASE_TAKERS.get(fault.phase, f"the plan gave it no {fault.phase} work in that step")
+    why = PHASE_TAKERS.get(fault.phase, f"it had no {fault.phase} work in that step (not in its plan, or gone by then)")
     return f"the job ran step {fault.at_step}, but {target} never entered its {fault.phase} phase there: {why}"
 
 
