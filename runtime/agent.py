@@ -127,7 +127,7 @@ class Agent:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                return  # the coordinator is gone; PDEATHSIG takes the workers down with us
+                return  # the coordinator is gone: main ends the workers, then frees the node's memory
             if isinstance(message, msg.SpawnWorkers):
                 for worker in message.workers:
                     self.spawn(worker, message.incarnation)
