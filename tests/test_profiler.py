@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from ftlab.experiments.check_device_profile import matching_spec
 from ftlab.runtime import profiler
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.model_spec import layer_specs, load_model_config
@@ -79,7 +80,7 @@ def test_a_cache_file_whose_key_differs_is_ignored(tmp_path, counted_measurement
     assert len(counted_measurements) == 2 * before
 
 
-@pytest.mark.parametrize("name", ["A40", "A100-40GB", "A100-80GB", "V100-16GB", "H100-80GB"])
+@pytest.mark.parametrize("name", sorted(DEVICES))
 def test_analytic_profiles_are_positive_and_scale_with_the_micro_batch(name: str) -> None:
     cfg = load_model_config("gpt3-2.7b")
     one, two = analytic_profile(cfg, name, 1, 2048), analytic_profile(cfg, name, 2, 2048)
@@ -96,6 +97,20 @@ def test_faster_gpus_give_faster_profiles() -> None:
     cfg = load_model_config("gpt3-medium")
     v100, h100 = analytic_profile(cfg, "V100-16GB", 1, 2048), analytic_profile(cfg, "H100-80GB", 1, 2048)
     assert h100.layers[1].fwd_s < v100.layers[1].fwd_s
+
+
+@pytest.mark.parametrize(
+    ("reported", "spec"),
+    [("NVIDIA H200", "H200-141GB"), ("NVIDIA H100 80GB HBM3", "H100-80GB"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+     ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA A40", "A40"), ("Tesla V100-SXM2-16GB", "V100-16GB")],
+)  # fmt: skip
+def test_the_device_check_compares_a_gpu_with_its_own_datasheet_entry(reported: str, spec: str) -> None:
+    assert matching_spec(reported) == spec
+
+
+def test_the_device_check_refuses_a_gpu_with_no_entry_and_says_what_to_pass() -> None:
+    with pytest.raises(SystemExit, match="pass --spec"):
+        matching_spec("NVIDIA GeForce RTX 4090")
 
 
 def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:

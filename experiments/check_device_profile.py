@@ -1,0 +1,122 @@
+"""The analytic GPU profile the simulator studies at paper scale, against the same layers timed on a real GPU.
+
+    python -m experiments.check_device_profile                       # on a machine with CUDA
+    python -m experiments.check_device_profile --models gpt3-medium --micro-batches 1 2 4
+
+A paper-scale simulation (``experiments/sim_paper.py``, ``cluster.device=A100-80GB`` and the like) costs every layer
+by ``runtime.costs.profile_from_specs``: its FLOPs over the datasheet's peak at ``runtime.devices.UTILISATION``, a
+backward twice the forward, an optimizer step bound by memory. Nothing in CI can check that against hardware. This
+times the runtime's own layers of each model (``runtime.profiler.measure_layer``: the embedding, one transformer block
+and the head, since a model's blocks are alike) on the GPU at hand in bf16, and prints, beside the analytic profile of
+the matching ``runtime.devices`` entry (``--spec`` names another), per layer and for the whole model's forward and
+backward (the embedding, every block, the head), measured over analytic, and the fraction of the peak the blocks
+reached. A ratio above 1: the GPU is slower than the simulator assumes.
+
+The last line printed is one JSON object: ``device``, ``spec``, ``utilisation_assumed`` and per model and
+micro-batch the ratios and the blocks' utilisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ftlab.runtime.costs import LayerProfile
+from ftlab.runtime.devices import DEVICES, UTILISATION, device
+from ftlab.runtime.model_spec import layer_specs, load_model_config, num_layers
+from ftlab.runtime.profiler import analytic_profile, device_name, measure_layer
+
+MODELS = ("gpt3-medium", "gpt3-2.7b", "gpt3-6.7b", "llama2-6.7b")
+SPEC_BY_NAME = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100-SXM4-80GB", "A100-80GB"),
+                ("A100", "A100-40GB"), ("A40", "A40"), ("V100", "V100-16GB"))  # fmt: skip
+"""A substring of ``torch.cuda.get_device_name`` -> the ``runtime.devices`` entry of that GPU; the first match wins."""
+
+
+def matching_spec(name: str) -> str:
+    for part, spec in SPEC_BY_NAME:
+        if part in name:
+            return spec
+    raise SystemExit(f"no runtime.devices entry matches GPU {name!r}: pass --spec, one of {', '.join(DEVICES)}")
+
+
+def whole_model(layers: dict[int, LayerProfile], blocks: int) -> tuple[float, float]:
+    """(forward, backward) seconds of a micro-batch through every layer, from the embedding, one block and the head."""
+    embedding, block, head = (layers[i] for i in sorted(layers))
+    fwd = embedding.fwd_s + blocks * block.fwd_s + head.fwd_s
+    bwd = sum(layer.bwd_input_s + layer.bwd_weight_s for layer in (embedding, head)) + blocks * (
+        block.bwd_input_s + block.bwd_weight_s
+    )
+    return fwd, bwd
+
+
+def check(model: str, micro_batch: int, spec: str, repeats: int, on: str) -> dict[str, Any]:
+    import torch
+
+    cfg = load_model_config(model)
+    indices = (0, 1, num_layers(cfg) - 1)
+    measured = {
+        i: measure_layer(cfg, i, micro_batch, cfg.seq_len, torch.bfloat16, on, repeats, warmup=3)
+        for i in indices
+    }  # fmt: skip
+    if on.startswith("cuda"):
+        torch.cuda.empty_cache()
+    analytic = analytic_profile(cfg, spec, micro_batch, cfg.seq_len).layers
+    ratios: dict[str, dict[str, float]] = {}
+    for i, kind in zip(indices, ("embedding", "block", "head"), strict=True):
+        m, a = measured[i], analytic[i]
+        ratios[kind] = {
+            "fwd": m.fwd_s / a.fwd_s,
+            "bwd": (m.bwd_input_s + m.bwd_weight_s) / (a.bwd_input_s + a.bwd_weight_s),
+            "optimizer": m.optimizer_s / a.optimizer_s,
+        }
+    real_fwd, real_bwd = whole_model(measured, cfg.num_blocks)
+    sim_fwd, sim_bwd = whole_model({i: analytic[i] for i in indices}, cfg.num_blocks)
+    block_flops = 3 * layer_specs(cfg)[1].fwd_flops_per_token * micro_batch * cfg.seq_len  # forward and backward
+    block = measured[1]
+    reached = block_flops / block.time_s / device(spec).peak_flops
+    row = {
+        "layers": ratios,
+        "model_fwd": real_fwd / sim_fwd,
+        "model_bwd": real_bwd / sim_bwd,
+        "model_fwd_bwd": (real_fwd + real_bwd) / (sim_fwd + sim_bwd),
+        "block_utilisation": reached,
+        "block_fwd_s": block.fwd_s,
+        "block_bwd_s": block.bwd_input_s + block.bwd_weight_s,
+    }
+    print(
+        f"[{model} micro-batch {micro_batch}] measured / analytic: "
+        + "  ".join(f"{kind} fwd {r['fwd']:.2f} bwd {r['bwd']:.2f} opt {r['optimizer']:.2f}" for kind, r in ratios.items())
+        + f"  | model fwd {row['model_fwd']:.2f} bwd {row['model_bwd']:.2f} fwd+bwd {row['model_fwd_bwd']:.2f}"
+        + f"  | a block reached {100 * reached:.1f}% of peak (assumed {100 * UTILISATION:.0f}%)",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help="model configs under conf/model")
+    parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4], help="sequences per micro-batch")
+    parser.add_argument("--spec", choices=list(DEVICES), help="the runtime.devices entry to compare against")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measure (the fastest is kept)")
+    parser.add_argument("--device", default="cuda", help="the torch device to time on (cpu: a smoke run of the script)")
+    args = parser.parse_args()
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: this check times layers on a GPU (--device cpu for a smoke run)")
+    name = device_name(args.device)
+    spec = args.spec or matching_spec(name)
+    print(f"GPU {name!r} against runtime.devices {spec!r} at UTILISATION {UTILISATION}", flush=True)
+    rows = {
+        f"{model}/mb{micro_batch}": check(model, micro_batch, spec, args.repeats, args.device)
+        for model in args.models
+        for micro_batch in args.micro_batches
+    }  # fmt: skip
+    print(json.dumps({"device": name, "spec": spec, "utilisation_assumed": UTILISATION, "models": rows}))
+
+
+if __name__ == "__main__":
+    main()
