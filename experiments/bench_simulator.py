@@ -17,13 +17,14 @@ the real run's policy planned with; each round measures it afresh, ``round_cache
   step 8's reduction (its stage's peer takes its micro-batches).
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
-and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``: one
+and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three
+sweeps, each number's median: one
 process per worker of the job's first plan, each computing that worker's layers, one to all of them side by side;
 each's rate over the rate the job's profile gives those layers, added up: the cores' worth so many workers computing
 at once get in cores of the profile's speed, what their working sets and switching between more processes than
 cores cost included, and what the machine's speed drifted since the profile, which here is up to 10% within
 minutes) and gives the simulation of that job the mean of the two (``sim.host_cores_by_load``, and
-``sim.host_cores`` = what all of them got): the environment the real run met, measured beside it, not fitted to its
+``sim.host_cores`` = this machine's cores): the environment the real run met, measured beside it, not fitted to its
 result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -63,6 +65,9 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
 KILL = "{{kind: node, node: {node}, at_step: 8, phase: reduce}}"
+HOST_SWEEPS = 3
+"""Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
+grid's workers varied by 7% at four computing and 12% alone from one sweep to the next here."""
 
 JOBS: dict[str, list[str]] = {
     "fault-free": ["policy=none", "cluster=local-4", "train.stages=2"],
@@ -118,13 +123,15 @@ def workers_share(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401 - a
     reference = [1 / (costs.forward_s(a, b) + costs.backward_s(a, b)) for a, b in ranges]
     m = cfg.model
     return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker,
-                         reference=reference)  # fmt: skip
+                         reference=reference, sweeps=HOST_SWEEPS)  # fmt: skip
 
 
 def host_overrides(by_load: tuple[float, ...]) -> list[str]:
-    """The simulator's host for cores measured by ``workers_share``: the cores' worth all the workers got at once,
-    and per number computing at once."""
-    return [f"sim.host_cores={by_load[-1]:.2f}", f"sim.host_cores_by_load=[{','.join(f'{c:.3f}' for c in by_load)}]"]
+    """The simulator's host for cores measured by ``workers_share``: the cores this process may run on, and the
+    cores' worth per number computing at once (past the workers' number, the copies beside them on a host with
+    spare cores: ``shared_host.HostCores.worth``)."""
+    cores = len(os.sched_getaffinity(0))
+    return [f"sim.host_cores={cores}", f"sim.host_cores_by_load=[{','.join(f'{c:.3f}' for c in by_load)}]"]
 
 
 def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int) -> dict[str, Any]:

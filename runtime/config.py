@@ -151,5 +151,7 @@ class SimConfig:
     host, and ignores it."""
     host_cores_by_load: list[float] = field(default_factory=list)
     """Where measured beside a job (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing
-    at once get on that host together, entry k - 1 (the last for more): past the cores, switching between processes
-    and their working sets in the shared caches cost more than ``host_cores`` says. Empty: min(k, host_cores)."""
+    at once get on that host together, entry k - 1 (past the last, each process more gets what each of the last
+    entry's got while ``host_cores`` has a core for it: ``shared_host.HostCores.worth``): past the cores, switching
+    between processes and their working sets in the shared caches cost more than ``host_cores`` says. Empty:
+    min(k, host_cores)."""

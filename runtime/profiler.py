@@ -21,6 +21,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -268,7 +269,7 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
 
 def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 1.5, reference: Sequence[float] | None = None,
+    seconds: float = 1.5, reference: Sequence[float] | None = None, sweeps: int = 1,
 ) -> tuple[float, ...]:  # fmt: skip
     """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
     simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
@@ -286,7 +287,11 @@ def cores_by_load(
     counts them for each number at once, since a pipeline's workers do not all compute at every moment: on two cores
     here, two to six processes of an Oobleck plan's stages of gpt2-tiny got 2.0, 1.96, 1.72, 1.67 and 1.62 cores'
     worth, where spinners got 2.0 for any number. Alone means alone among these processes: other load on the machine
-    slows both runs."""
+    slows both runs.
+
+    ``sweeps``: measure every number that many times over, one number after the other in each sweep, and keep each
+    number's median: on this shared machine five sweeps of a 2 x 2 grid's workers in a row gave all four 1.47-1.70
+    cores' worth and one alone 0.68-0.86, so one sweep can put a simulation 10% off by itself."""
     context = mp.get_context("spawn")  # each process builds its layers with torch of its own
     out = context.Queue()
     commands = [context.Queue() for _ in ranges]
@@ -296,9 +301,8 @@ def cores_by_load(
     ]  # fmt: skip
     for proc in procs:
         proc.start()
-    try:
-        for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
-            out.get(timeout=300)
+
+    def sweep() -> list[float]:
         solo = {}
         for command in commands:  # one at a time, the others waiting
             command.put(seconds / 2)
@@ -310,6 +314,12 @@ def cores_by_load(
             for command in commands[:k]:
                 command.put(seconds)
             worth.append(max(sum(rate / against[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
+        return worth
+
+    try:
+        for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
+            out.get(timeout=300)
+        measured = [sweep() for _ in range(sweeps)]
     finally:
         for command in commands:
             command.put(None)
@@ -317,7 +327,7 @@ def cores_by_load(
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    return tuple(worth)
+    return tuple(statistics.median(worth[k] for worth in measured) for k in range(len(procs)))
 
 
 def _compute(

@@ -43,7 +43,7 @@ def test_measured_cores_by_load_give_each_number_computing_its_own_worth() -> No
     host = HostCores(2, by_load=(1.0, 2.0, 1.5))
     run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=host)
     assert run.reduce_at == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
-    # Past the measured loads the last holds; measured against the profile, one alone may get more than a core (the
+    # Past the measured loads the last holds on a host they filled; measured against the profile, one alone may get more than a core (the
     # machine faster than when it was profiled) or less (other load); by the count, none gets more than a core.
     assert host.worth(5) == 1.5 and host.slowdown(5) == pytest.approx(5 / 1.5)
     assert HostCores(2, by_load=(1.1, 2.0)).slowdown(1) == pytest.approx(1 / 1.1)
@@ -51,6 +51,24 @@ def test_measured_cores_by_load_give_each_number_computing_its_own_worth() -> No
     assert HostCores(2).worth(1) == 1.0 and HostCores(2).worth(3) == 2.0
     # Work the profile did not time is slowed by the others only: three at 1.5 cores' worth, one alone at 0.8.
     assert HostCores(2, by_load=(0.8, 1.6, 1.5)).contention(3) == pytest.approx(3 / 1.5 * 0.8)
+
+
+def test_past_the_measured_loads_each_process_more_gets_a_core_while_the_host_has_one() -> None:
+    # Four processes measured at 3.6 cores' worth (0.9 each): on a 16-core host eight get 7.2 and twenty 14.4 (its
+    # sixteen cores at 0.9); on a 2-core host the four already filled the cores, and more get no more.
+    big, small = HostCores(16, by_load=(1.0, 1.9, 2.7, 3.6)), HostCores(2, by_load=(1.0, 1.9, 1.8, 1.7))
+    assert big.worth(4) == 3.6 and big.worth(8) == pytest.approx(7.2) and big.worth(20) == pytest.approx(14.4)
+    assert small.worth(8) == 1.7
+
+
+def test_snapshot_copies_beside_workers_on_spare_cores_leave_the_computation_alone() -> None:
+    # Two workers with a copy each (half a second on a core of their own): on four cores every thread has a core
+    # and the forwards end at 2.0 s as without copies; on two cores four threads share them until the copies end.
+    programs, copies = {0: alone(2), 1: alone(2)}, {0: 0.5, 1: 0.5}
+    spare = run_shared(programs, cost, cores=HostCores(4, by_load=(1.0, 2.0)), copies=copies)
+    assert spare.reduce_at == pytest.approx({0: 2.0, 1: 2.0}) and spare.copy_end == pytest.approx({0: 0.5, 1: 0.5})
+    full = run_shared(programs, cost, cores=HostCores(2, by_load=(1.0, 2.0)), copies=copies)
+    assert full.reduce_at == pytest.approx({0: 2.5, 1: 2.5}) and full.copy_end == pytest.approx({0: 1.0, 1: 1.0})
 
 
 def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -> None:

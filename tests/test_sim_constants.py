@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from ftlab.experiments.measure_sim_constants import measure, render
+from ftlab.experiments.measure_sim_constants import measure, median_of_runs, render
 from ftlab.runtime.config import SimConfig
 
 pytestmark = pytest.mark.slow
@@ -20,6 +20,12 @@ def test_every_constant_is_measured_and_the_file_reads_back_as_the_simulator_rea
     assert all(values[name] >= 0 for name in ("detect_s", "control_s", "step_cpu_s", "layer_overhead_s", "abort_s",
                                               "configure_s"))
     path = tmp_path / "measured.yaml"
-    path.write_text(render(values))
+    path.write_text(render(values, 1))
     sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(path)))
     assert {name: getattr(sim, name) for name in values} == pytest.approx(values, rel=1e-5)
+
+
+def test_several_runs_keep_each_constants_median() -> None:
+    runs = [{"detect_s": 0.002, "node_start_s": 1.27}, {"detect_s": 0.01, "node_start_s": 0.0},
+            {"detect_s": 0.0017, "node_start_s": 0.12}]  # fmt: skip
+    assert median_of_runs(runs) == {"detect_s": 0.002, "node_start_s": 0.12}
