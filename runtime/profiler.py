@@ -24,7 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,18 +269,15 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
 
 def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 1.5, reference: Sequence[float] | None = None, sweeps: int = 1,
+    seconds: float = 1.5, sweeps: int = 1,
 ) -> tuple[float, ...]:  # fmt: skip
     """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
     simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
     layers ``ranges[i]`` (start, stop) over and over, first each alone, then the first k side by side for every k >= 2;
-    each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1.
-
-    ``reference``: each process's rate by the profile (micro-batches a second: one over its layers' forward and
-    backward seconds). Given, every rate is counted against it instead, one alone included: what the job's workers
-    get in cores of the profile's speed at the moment, the other load on the machine and its drift since the
-    profile was taken counted in (two profiles of gpt2-tiny taken hours apart here differ by 8%, and one taken a
-    minute before a job by up to 10% from the job's own layers).
+    each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1. (Not the rate
+    the profile gives its layers: one process computing a stage got 0.82-0.88 of that here, what a stage's layers
+    computed together cost beyond each profiled alone, which the simulator charges per instruction already,
+    ``sim.layer_overhead_s``.)
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
     each other: their working sets in the shared caches and the switches between more processes than cores. And it
@@ -308,12 +305,11 @@ def cores_by_load(
             command.put(seconds / 2)
             index, rate = out.get(timeout=300)
             solo[index] = rate
-        against = solo if reference is None else dict(enumerate(reference))
-        worth = [solo[0] / against[0]]
+        worth = [1.0]
         for k in range(2, len(procs) + 1):
             for command in commands[:k]:
                 command.put(seconds)
-            worth.append(max(sum(rate / against[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
+            worth.append(max(sum(rate / solo[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
         return worth
 
     try:

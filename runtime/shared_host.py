@@ -72,8 +72,8 @@ class SharedRun:
 class HostCores:
     """A host's cores as processes computing at once get them: ``count`` cores, and where measured
     (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing at once got together,
-    ``by_load[k - 1]`` (the last entry for more), in cores of the profile's speed: measured against the profile, one
-    process alone may get less than a core (other load) or more (the machine faster than when it was profiled)."""
+    ``by_load[k - 1]`` (past the last, ``worth``), in cores of one process alone's speed (entry 0 is one). Given by
+    hand, an entry 0 other than one says one process alone is slower (other load) or faster than the costs charged."""
 
     count: float
     by_load: tuple[float, ...] = ()

@@ -14,7 +14,7 @@ from ftlab.experiments.check_device_profile import matching_spec
 from ftlab.runtime import profiler
 from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.model_spec import layer_specs, load_model_config
-from ftlab.runtime.costs import CostModel, LayerProfile
+from ftlab.runtime.costs import LayerProfile
 from ftlab.runtime.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
 
 TINY = load_model_config("gpt2-tiny")
@@ -186,26 +186,14 @@ def test_link_bandwidths_and_latency_between_two_gloo_processes_are_positive() -
 def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> None:
     """``cores_by_load`` counts what the workers' layers get side by side, against each alone: two pinned to one
     core get about half their solo speed each, one core's worth together (spinners' CPU time would say the same;
-    what it adds, caches and switching, only lowers it). One alone is the reference."""
+    what it adds, caches and switching, only lowers it). One alone is the reference, in every sweep and so in their
+    median."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})  # the measuring processes inherit it
     try:
         one, two = profiler.cores_by_load(TINY, [(0, 2), (2, len(layer_specs(TINY)))], micro_batch=2, seq_len=16,
-                                          seconds=1.0)  # fmt: skip
+                                          seconds=0.5, sweeps=3)  # fmt: skip
     finally:
         os.sched_setaffinity(0, before)
     assert one == 1.0
     assert 0.5 < two < 1.3
-
-
-def test_against_the_profiles_rates_one_alone_gets_about_a_core_of_the_profiles_speed() -> None:
-    """With a reference (each process's rate by the profile), the worth is in cores of the profile's speed: about
-    one for a process alone, as the profile was just measured; a profile twice as fast halves it."""
-    costs = CostModel(measure_profile(TINY, micro_batch=2, seq_len=16, repeats=3, warmup=1, links=False, threads=1))
-    ranges = [(0, 2), (2, len(layer_specs(TINY)))]
-    rates = [1 / (costs.forward_s(a, b) + costs.backward_s(a, b)) for a, b in ranges]
-    measured = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=1.0, reference=rates)
-    faster = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=1.0,
-                                    reference=[2 * r for r in rates])  # fmt: skip
-    assert 0.5 < measured[0] < 1.5
-    assert 0.3 < faster[0] / measured[0] < 0.7 and 0.3 < faster[1] / measured[1] < 0.7
