@@ -86,7 +86,7 @@ def check(model: str, micro_batch: int, spec: str, repeats: int, on: str) -> dic
     }
     print(
         f"[{model} micro-batch {micro_batch}] measured / analytic: "
-        + "  ".join(f"{kind} fwd {r['fwd']:.2f} bwd {r['bwd']:.2f} opt {r['optimizer']:.2f}" for kind, r in ratios.items())
+        + "  ".join(f"{k} fwd {r['fwd']:.2f} bwd {r['bwd']:.2f} opt {r['optimizer']:.2f}" for k, r in ratios.items())
         + f"  | model fwd {row['model_fwd']:.2f} bwd {row['model_bwd']:.2f} fwd+bwd {row['model_fwd_bwd']:.2f}"
         + f"  | a block reached {100 * reached:.1f}% of peak (assumed {100 * UTILISATION:.0f}%)",
         flush=True,

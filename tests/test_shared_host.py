@@ -43,8 +43,8 @@ def test_measured_cores_by_load_give_each_number_computing_its_own_worth() -> No
     host = HostCores(2, by_load=(1.0, 2.0, 1.5))
     run = run_shared({0: alone(1), 1: alone(2), 2: alone(3)}, cost, cores=host)
     assert run.reduce_at == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
-    # Past the measured loads the last holds on a host they filled; measured against the profile, one alone may get more than a core (the
-    # machine faster than when it was profiled) or less (other load); by the count, none gets more than a core.
+    # Past the measured loads the last holds on a host they filled; given by hand, one alone may get more than a core
+    # (faster than the costs charged) or less (other load); by the count, none gets more than a core.
     assert host.worth(5) == 1.5 and host.slowdown(5) == pytest.approx(5 / 1.5)
     assert HostCores(2, by_load=(1.1, 2.0)).slowdown(1) == pytest.approx(1 / 1.1)
     assert HostCores(2, by_load=(0.8, 1.5)).slowdown(1) == pytest.approx(1 / 0.8)
