@@ -90,7 +90,7 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
               f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    host = host_overrides(workers_share(*first_plan([*common, *overrides]))) if measure_cores else []
+    host = host_overrides(workers_share(*first_plan([*common, *overrides])).worth) if measure_cores else []
     common += host
     print(f"  {policy}: {' '.join([*overrides, *host])}", flush=True)
     started = time.monotonic()

@@ -20,11 +20,12 @@ the real run's policy planned with; each round measures it afresh, ``round_cache
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
 and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three
 sweeps, each number's median: one process per worker of the job's first plan, each computing that worker's layers,
-one to all of them side by side; each's rate over its rate alone, added up: the cores' worth so many workers
-computing at once get, what their working sets and switching between more processes than cores cost included; see
-``workers_share``) and gives the simulation of that job the mean of the two (``sim.host_cores_by_load``, and
-``sim.host_cores`` = this machine's cores): the environment the real run met, measured beside it, not fitted to its
-result. ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+one to all of them side by side; each's rate over its rate alone, the rates after the job over those alone before
+it, added up: the cores' worth so many workers computing at once get, what their working sets and switching between
+more processes than cores cost included, and the machine's drift since the profile; see ``workers_share``) and
+gives the simulation of that job the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = this
+machine's cores): the environment the real run met, measured beside it, not fitted to its result.
+``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
 of the real and of the simulated rounds are compared: two runs of one job here differ by up to 15% in their
@@ -33,8 +34,9 @@ iteration time, more than the targets.
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan; ``iter_after_s``: of the last plan, after the recovery), the recovery time (the
 sum of ``ft/recover_s`` over the job's faults: kill to the next committed step) and the goodput
-(``summary/goodput_ratio``). Targets: iteration (both plans') and goodput within 5%, recovery within 15%. The machine is shared: the real runs are as noisy as it is loaded, and so are the constants
-the simulator was given: take final figures on a quiet machine.
+(``summary/goodput_ratio``). Targets: iteration (both plans') and goodput within 5%, recovery within 15%. The
+machine is shared: the real runs are as noisy as it is loaded, and so are the constants the simulator was given:
+take final figures on a quiet machine.
 
 Scale. ``scale_run_s``: wall seconds to simulate 12 hours of ``llama2-6.7b`` on 125 nodes of 8 A100s (1,000 GPUs,
 activation checkpointing, a global batch of 1,024 sequences of 4,096 tokens in micro-batches of 2) under Oobleck,
@@ -57,16 +59,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
+
+if TYPE_CHECKING:
+    from ftlab.runtime.profiler import HostLoad
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
 KILL = "{{kind: node, node: {node}, at_step: 8, phase: reduce}}"
 HOST_SWEEPS = 3
 """Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
-grid's workers varied by 7% at four computing and 12% alone from one sweep to the next here."""
+grid's workers varied by 7% at four computing from one sweep to the next here."""
 
 JOBS: dict[str, list[str]] = {
     "fault-free": ["policy=none", "cluster=local-4", "train.stages=2"],
@@ -113,22 +118,23 @@ def first_plan(overrides: list[str]) -> tuple[Any, Any]:
     return cfg, simulate(cfg).result.plans[0]
 
 
-def workers_share(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401 - a JobConfig and a Plan
-    """The cores' worth the workers of ``plan`` get computing side by side now, one to all of them at once, each
-    process's rate counted against its own rate alone (``runtime.profiler.cores_by_load``): entry 0 is one core.
+def workers_share(cfg: Any, plan: Any, alone: tuple[float, ...] | None = None) -> HostLoad:  # noqa: ANN401
+    """The cores' worth the workers of ``plan`` (of the job ``cfg``) get computing side by side now, one to all of
+    them at once (``runtime.profiler.cores_by_load``): each process's rate counted against its own rate alone, or
+    against ``alone``, the rates alone measured just after the job's profile (``HostLoad.alone``), so that the
+    machine's drift since the profile is in the worth.
 
-    Not against the rate the profile gives its layers: one process computing a stage here got 0.82-0.88 of that, as
+    Not against the rate the profile gives the layers: one process computing a stage here got 0.82-0.88 of that, as
     a stage of gpt2-tiny's computed in one process ran 12-20% slower than its layers profiled each alone in a cache
     of its own (and within 6% of the runtime's own passes over them). That is the cost per layer the simulator
     already charges every instruction (``sim.layer_overhead_s``, measured against the profile too); counted against
-    the profile, the cores' worth charged it a second time (a 2 x 2 grid simulated 8% long, an Oobleck plan 15%).
-    Each round profiles the layers afresh, so the machine's drift since the profile is minutes', not hours'."""
+    the profile, the cores' worth charged it a second time (a 2 x 2 grid simulated 8% long, an Oobleck plan 15%)."""
     from ftlab.runtime.profiler import cores_by_load
 
     ranges = list(plan.layer_ranges().values())
     m = cfg.model
     return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker,
-                         sweeps=HOST_SWEEPS)  # fmt: skip
+                         sweeps=HOST_SWEEPS, reference=alone)  # fmt: skip
 
 
 def host_overrides(by_load: tuple[float, ...]) -> list[str]:
@@ -170,14 +176,16 @@ def pair(
         "experiment=plain", f"train.steps={steps}", f"train.cache_dir={round_cache(d)}", "progress=false",
         f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
     ]  # fmt: skip
-    sim_cfg, first = first_plan([*common, *overrides])
+    sim_cfg, first = first_plan([*common, *overrides])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
-    # The machine's load drifts over the job: the mean of what its workers could have before and after it.
+    # The machine's load drifts over the job: the mean of what its workers could have before and after it, after
+    # counted against the rates alone before (taken just after the profile).
     cores = None
     if before is not None:
-        cores = tuple((a + b) / 2 for a, b in zip(before, workers_share(sim_cfg, first), strict=True))
+        after = workers_share(sim_cfg, first, before.alone)
+        cores = tuple((a + b) / 2 for a, b in zip(before.worth, after.worth, strict=True))
     given = [] if cores is None else host_overrides(cores)
     print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
     sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)

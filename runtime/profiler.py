@@ -24,7 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -267,17 +267,31 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
     dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """What ``cores_by_load`` measured."""
+
+    worth: tuple[float, ...]
+    """The cores' worth k processes computing at once got together, k = 1 .. n (``sim.host_cores_by_load``)."""
+    alone: tuple[float, ...]
+    """Each process's rate alone, micro-batches a second: what a later measurement counts its rates against."""
+
+
 def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 1.5, sweeps: int = 1,
-) -> tuple[float, ...]:  # fmt: skip
+    seconds: float = 1.5, sweeps: int = 1, reference: Sequence[float] | None = None,
+) -> HostLoad:  # fmt: skip
     """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
     simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
     layers ``ranges[i]`` (start, stop) over and over, first each alone, then the first k side by side for every k >= 2;
-    each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1. (Not the rate
-    the profile gives its layers: one process computing a stage got 0.82-0.88 of that here, what a stage's layers
-    computed together cost beyond each profiled alone, which the simulator charges per instruction already,
-    ``sim.layer_overhead_s``.)
+    each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1.
+
+    ``reference``: each process's rate alone measured earlier (``HostLoad.alone``, just after the job's profile was
+    taken). Given, every rate is counted against it instead, one alone included, so the machine's drift since then
+    is in the worth: a job's real iterations here moved by up to 23% from one round to the next, where the processes
+    of one measurement, each against its own rate alone, saw nothing of it. (Not against the rate the profile gives
+    the layers: one process computing a stage got 0.82-0.88 of that here, what a stage's layers computed together
+    cost beyond each profiled alone, which the simulator charges per instruction already, ``sim.layer_overhead_s``.)
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
     each other: their working sets in the shared caches and the switches between more processes than cores. And it
@@ -299,18 +313,20 @@ def cores_by_load(
     for proc in procs:
         proc.start()
 
-    def sweep() -> list[float]:
+    def sweep() -> tuple[list[float], list[float]]:
+        """(each process's rate alone, the worth of 1 .. n at once)."""
         solo = {}
         for command in commands:  # one at a time, the others waiting
             command.put(seconds / 2)
             index, rate = out.get(timeout=300)
             solo[index] = rate
-        worth = [1.0]
+        against = solo if reference is None else dict(enumerate(reference))
+        worth = [solo[0] / against[0]]
         for k in range(2, len(procs) + 1):
             for command in commands[:k]:
                 command.put(seconds)
-            worth.append(max(sum(rate / solo[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
-        return worth
+            worth.append(max(sum(rate / against[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
+        return [solo[i] for i in range(len(procs))], worth
 
     try:
         for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
@@ -323,7 +339,10 @@ def cores_by_load(
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    return tuple(statistics.median(worth[k] for worth in measured) for k in range(len(procs)))
+    return HostLoad(
+        worth=tuple(statistics.median(worth[k] for _, worth in measured) for k in range(len(procs))),
+        alone=tuple(statistics.median(alone[i] for alone, _ in measured) for i in range(len(procs))),
+    )
 
 
 def _compute(
@@ -334,8 +353,10 @@ def _compute(
     seconds as each command says (None: done), reporting its rate."""
     import torch
 
+    from ftlab.runtime.agent import die_with_parent
     from ftlab.runtime.model import StageModule, build_layer
 
+    die_with_parent()  # a measurement interrupted (its caller killed) leaves no process waiting for commands
     torch.set_num_threads(threads)
     steady_allocations()
     stage = StageModule(cfg, {i: build_layer(cfg, i, seed=0) for i in range(start, stop)})

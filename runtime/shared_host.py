@@ -72,8 +72,8 @@ class SharedRun:
 class HostCores:
     """A host's cores as processes computing at once get them: ``count`` cores, and where measured
     (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing at once got together,
-    ``by_load[k - 1]`` (past the last, ``worth``), in cores of one process alone's speed (entry 0 is one). Given by
-    hand, an entry 0 other than one says one process alone is slower (other load) or faster than the costs charged."""
+    ``by_load[k - 1]`` (past the last, ``worth``), in cores of one process alone's speed just after the costs were
+    measured: entry 0 is about one, less where the host slowed down since (other load), more where it sped up."""
 
     count: float
     by_load: tuple[float, ...] = ()
@@ -101,13 +101,13 @@ class HostCores:
         return self.by_load[-1] * min(running, self.count) / min(measured, self.count)
 
     def slowdown(self, running: int) -> float:
-        """How much slower each of ``running`` processes computing at once is than on a core of its own at the
-        profile's speed."""
+        """How much slower each of ``running`` processes computing at once is than on a core of its own at the speed
+        its costs charge."""
         return running / self.worth(running) if running > 0 else 1.0
 
     def contention(self, running: int) -> float:
         """How much slower each of ``running`` processes is than one of them alone: the slowdown without what one
-        alone already has against the profile, for work the profile did not time (starting processes, copies)."""
+        alone already has against the costs, for work the profile did not time (starting processes, copies)."""
         return self.slowdown(running) / self.slowdown(1)
 
 

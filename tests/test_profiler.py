@@ -192,8 +192,21 @@ def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> N
     os.sched_setaffinity(0, {min(before)})  # the measuring processes inherit it
     try:
         one, two = profiler.cores_by_load(TINY, [(0, 2), (2, len(layer_specs(TINY)))], micro_batch=2, seq_len=16,
-                                          seconds=0.5, sweeps=3)  # fmt: skip
+                                          seconds=0.5, sweeps=3).worth  # fmt: skip
     finally:
         os.sched_setaffinity(0, before)
     assert one == 1.0
     assert 0.5 < two < 1.3
+
+
+def test_against_earlier_rates_alone_the_worth_holds_what_the_machine_drifted_since() -> None:
+    """Counted against rates alone measured earlier, one process alone gets about a core when nothing changed, and
+    about half of one against rates twice as fast (as if the machine had slowed down by half since)."""
+    ranges = [(0, 2), (2, len(layer_specs(TINY)))]
+    first = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5)
+    again = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5, reference=first.alone)
+    halved = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5,
+                                    reference=[2 * rate for rate in first.alone])  # fmt: skip
+    assert first.worth[0] == 1.0 and all(rate > 0 for rate in first.alone)
+    assert 0.6 < again.worth[0] < 1.5
+    assert 0.3 < halved.worth[0] / again.worth[0] < 0.7 and 0.3 < halved.worth[1] / again.worth[1] < 0.7
