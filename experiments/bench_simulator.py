@@ -5,6 +5,7 @@
     .venv/bin/python -m experiments.bench_simulator --no-real  # the scale run only
     .venv/bin/python -m experiments.bench_simulator --rounds 3 # each real job three times: medians compared
     .venv/bin/python -m experiments.bench_simulator --jobs oobleck recycle_reft  # some of the validation jobs
+    .venv/bin/python -m experiments.bench_simulator --jobs depth-4x1 depth-1x4 --rounds 2  # pipeline depth alone
 
 Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
 composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
@@ -16,6 +17,11 @@ the real run's policy planned with; each round measures it afresh, ``round_cache
 - ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction;
 - ``recycle_reft``: ReCycle on a 2 x 2 grid on ``local-4`` with REFT's snapshot after every step, node 1 killed in
   step 8's reduction (its stage's peer takes its micro-batches).
+
+``--jobs`` also takes two diagnosis jobs, not run by default: ``depth-4x1`` and ``depth-1x4``, fault-free, the same
+four workers and micro-batches as four one-stage replicas (no stage boundary, the whole model all-reduced) and as
+one pipeline of four stages (48 messages an iteration, nothing to all-reduce): what the simulation charges a
+message (``sim.message_cpu_s``) and an all-reduce (``sim.allreduce_cpu_bytes_per_s``) shows in their errors.
 
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
 and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three
@@ -82,6 +88,11 @@ JOBS: dict[str, list[str]] = {
     "recycle_reft": ["policy=recycle", "protection=reft", "cluster=local-4", "train.stages=2", "faults=explicit",
                      f"faults.events=[{KILL.format(node=1)}]"],
 }  # fmt: skip
+DIAGNOSIS: dict[str, list[str]] = {
+    "depth-4x1": ["policy=none", "cluster=local-4", "train.stages=1"],
+    "depth-1x4": ["policy=none", "cluster=local-4", "train.stages=4"],
+}
+"""Jobs ``--jobs`` runs only when named (module docstring)."""
 
 SCALE = [
     "model=llama2-6.7b", "cluster=a100-125x8", "policy=oobleck", "train.activation_checkpointing=true",
@@ -150,7 +161,7 @@ def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int, names:
     measure, the median of the real rounds against the median of the simulated ones."""
     out: dict[str, Any] = {}
     for name in names:
-        overrides = JOBS[name]
+        overrides = {**JOBS, **DIAGNOSIS}[name]
         paired = [pair(name, overrides, steps, scratch, measure_cores) for _ in range(rounds)]
         real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}
         sim = {m: _median([s[m] for _, s, _ in paired]) for m in paired[0][1]}
@@ -250,7 +261,8 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
-    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS), help="the validation jobs to run")
+    parser.add_argument("--jobs", nargs="+", choices=[*JOBS, *DIAGNOSIS], default=list(JOBS),
+                        help="the jobs to run: validation jobs, or the diagnosis jobs (module docstring)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")

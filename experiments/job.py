@@ -223,6 +223,8 @@ def sim_problems(sim: SimConfig) -> list[str]:
     bad = []
     for name in (f.name for f in fields(sim)):
         value = getattr(sim, name)
+        if value is None:  # an optional constant left out (SimConfig says what stands in)
+            continue
         if name == "host_cores_by_load":
             if not all(worth > 0 and math.isfinite(worth) for worth in value) or (value and sim.host_cores <= 0):
                 bad.append(f"sim.{name}={list(value)}")

@@ -28,6 +28,13 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   ``step_cpu_s``: the one-micro-batch step's CPU time beyond its compute, instructions and optimizer step;
   ``control_s``: the fastest such step's wall time beyond its CPU time (the worker's other threads receive the
   next step while it works: about nothing).
+- ``message_cpu_s``: what a stage boundary costs per message, from the CPU time of steps of one micro-batch and
+  of eight, of one worker holding every layer and of two stages (each micro-batch more crosses the boundary twice);
+  ``allreduce_cpu_bytes_per_s``: the gradient bytes over the CPU time two replicas' steps of one micro-batch each
+  take beyond the one worker's (their all-reduce). Both workers on one core meanwhile: what computing side by side
+  costs them is the host's (``sim.host_cores_by_load``), and counted here it would be charged twice (measured on
+  two cores, a message came out 1.9-3.1 ms; gloo's own copying of a 64 KB activation is 0.16 ms of it). The median
+  of five repeats.
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT snapshot's copy on the runtime itself: the one-micro-batch steps of one worker
   again, each followed by a snapshot of its whole state (a group of one member writes one shard record: weights and
@@ -49,11 +56,13 @@ The machine is shared and noisy: the file records the load average it was measur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 
@@ -169,6 +178,26 @@ def measure(cache_dir: Path) -> dict[str, float]:
             found.setdefault("snapshot_cpu_s", []).append(max(snapshot, 1e-6))
         # The CPU clock ticks at 10 ms: the median of the repeats, not the least, which is as far off as the most.
         found["layer_overhead_s"] = [statistics.median(found.pop("instruction_s")) / layers]
+        # Stage boundaries and all-reduces, both workers on one core (module docstring).
+        procs = [worker, psutil.Process(cluster.workers[1].pid)]
+        with _on_one_core(procs):
+            for _ in range(CPU_REPEATS):
+                per_step = {}  # micro-batches -> (one worker's CPU a step, the two stages' together)
+                for microbatches in (1, 8):
+                    plan = next_plan(grid_plan([0], 1, layers, 2 * microbatches, 2))
+                    one_stage, step = _cpu_per_step(backend, plan, step, procs[:1])
+                    plan = next_plan(grid_plan([0, 1], 2, layers, 2 * microbatches, 2))
+                    two_stages, step = _cpu_per_step(backend, plan, step, procs)
+                    per_step[microbatches] = one_stage[0], sum(two_stages)
+                # Each micro-batch more crosses the boundary twice (its activation, its gradient).
+                more = [(per_step[8][i] - per_step[1][i]) / 7 for i in range(2)]
+                found.setdefault("message_cpu_s", []).append(max((more[1] - more[0]) / 2, 0.0))
+                plan = next_plan(grid_plan([0, 1], 1, layers, 4, 2))  # two replicas of one micro-batch each
+                replicas, step = _cpu_per_step(backend, plan, step, procs)
+                reduced = max(statistics.mean(replicas) - per_step[1][0], 1e-4)  # the ring moves the whole buffer
+                found.setdefault("allreduce_cpu_bytes_per_s", []).append(costs.param_bytes(0, layers) / reduced)
+        found["message_cpu_s"] = [statistics.median(found["message_cpu_s"])]
+        found["allreduce_cpu_bytes_per_s"] = [statistics.median(found["allreduce_cpu_bytes_per_s"])]
         snapshot_cpu = statistics.median(found.pop("snapshot_cpu_s"))
         found["snapshot_bytes_per_s"] = [costs.checkpoint_bytes(0, layers) / snapshot_cpu]
         found["step_cpu_s"] = [statistics.median(found["step_cpu_s"])]
@@ -226,6 +255,38 @@ def _steps(backend, plan, step: int, steps: int, worker: psutil.Process) -> tupl
         walls.append(time.monotonic() - started)
         step += 1
     return min(walls), (sum(worker.cpu_times()[:2]) - cpu) / steps, step
+
+
+def _cpu_per_step(  # noqa: ANN001 - a LocalBackend and a Plan
+    backend, plan, step: int, procs: list[psutil.Process], steps: int = 10
+) -> tuple[list[float], int]:
+    """``plan`` configured, then ``steps`` of its steps from ``step`` after one to warm up: each of ``procs``' mean
+    CPU seconds a step (every thread of it), and the next step."""
+    from ftlab.runtime.scheduler import one_f_one_b
+
+    backend.configure(plan, one_f_one_b(plan), {}, None)
+    _run_step(backend, plan, step)
+    before = [sum(proc.cpu_times()[:2]) for proc in procs]
+    for offset in range(1, steps + 1):
+        _run_step(backend, plan, step + offset)
+    return [(sum(p.cpu_times()[:2]) - b) / steps for p, b in zip(procs, before, strict=True)], step + steps + 1
+
+
+@contextlib.contextmanager
+def _on_one_core(procs: list[psutil.Process]) -> Iterator[None]:
+    """Every thread of ``procs`` on one core, then back where they were: their CPU without what computing side by
+    side on several cores costs each (their working sets in the shared caches: the host's, measured beside each job,
+    ``sim.host_cores_by_load``)."""
+    core = min(os.sched_getaffinity(0))
+    threads = [(thread.id, os.sched_getaffinity(thread.id)) for proc in procs for thread in proc.threads()]
+    for tid, _ in threads:
+        os.sched_setaffinity(tid, {core})
+    try:
+        yield
+    finally:
+        for tid, cores in threads:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
 
 
 def _run_step(backend, plan, step: int) -> None:  # noqa: ANN001
@@ -301,9 +362,10 @@ def render(values: dict[str, float], runs: int) -> str:
         "# it on a quiet one for final figures); each constant the median of the runs. The simulator",
         "# (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
-    order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "abort_s", "configure_s",
-             "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
-             "storage_read_bytes_per_s", "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
+    order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "message_cpu_s",
+             "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
+             "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
+             "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:
         value = values[name]
         lines.append(f"{name}: {int(value) if name == 'host_cores' else f'{value:.6g}'}")

@@ -121,6 +121,17 @@ class SimConfig:
     (autograd's bookkeeping, buffers, dispatch): measured on this machine's runtime; a GPU type's profile is the
     whole cost. Per layer, not per instruction: on one worker here an instruction's excess over its profiled layers
     was 1.3 ms for gpt2-tiny with 2 blocks (4 layers), 2.5-3.3 ms with 6 (8 layers) and 4.5 ms with 12 (14 layers)."""
+    message_cpu_s: float = 0.0
+    """The CPU a message between two stages (an activation or a gradient) costs its sender and receiver together
+    on a shared host, beyond the link's delay, measured on this machine's runtime: the stage boundary's handling on
+    both sides (posting and waiting for the transfer, the received tensor into autograd, switching between the two
+    processes), of which gloo's own copying is little (0.16 ms for 64 KB here). A GPU type's workers have host
+    cores of their own."""
+    allreduce_cpu_bytes_per_s: float | None = None
+    """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes a ring moves through it per
+    CPU second, measured on this machine's runtime. The link's rate is wall time between two processes with a
+    core each, its waits included; charged as CPU beside the computation it counted four replicas' all-reduce of
+    13 MB at 25 ms a member, which cost each 8.7 ms of CPU here. None: the link's rate."""
     abort_s: float = 0.0
     """Aborting the iteration in flight on every survivor."""
     configure_s: float = 0.0

@@ -8,13 +8,18 @@ same moments and wait at the same moments, and a computation meets the contentio
 4 x 2 grid on two cores, a mean slowdown predicted 30% less compute than the workers measured). Here the programs
 run in time order and every computing worker's rate changes the moment a worker starts or ends a computation.
 
-Communication is charged as on the checker's abstract machine (``program_check.timeline``): a send costs its sender
-nothing and its message arrives after the link's cost; a receive waits for its message. Each program runs up to its
+Communication is charged as on the checker's abstract machine (``program_check.timeline``): a message arrives after
+the link's cost, and a receive waits for it; with ``message_cpu_s``, what a message costs the processes on both
+sides of a stage boundary is CPU too, half on the sender's core before the message leaves and half on the
+receiver's once it arrived (a pipeline of four stages on four workers ran 10% slower for real than four one-stage
+replicas of the same micro-batches, where the simulation without it had it 8% faster). Each program runs up to its
 ``ReduceGrads``. Its gradient all-reduces, given, start once every co-holder of its layers has arrived there, and
 they take the cores as a computation does: on loopback an all-reduce is the processes' own copying and adding, and
 the cores it gets are those the other workers' computations leave it (on a 2 x 2 grid on two cores, the two replica
 sets reduce while the other stage still computes: charged at the link's cost alone, the iteration came out 10% short
-of the one measured). The optimizer step is charged by the caller (``sim_timing``).
+of the one measured). What an all-reduce costs is its CPU (``SimConfig.allreduce_cpu_bytes_per_s``, where
+measured): the link's time between two processes with a core each counts its waits too (four replicas' all-reduce
+of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer step is charged by the caller (``sim_timing``).
 
 A REFT snapshot's copy, given, runs on a second thread of its worker from the iteration's start (the runtime starts it
 right after the optimizer step, and the worker waits for it before it reports the next iteration ready), and takes
@@ -128,23 +133,31 @@ class Reduction:
 def run_shared(
     programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float], cores: HostCores,
     reductions: Mapping[int, Reduction] | None = None, copies: Mapping[int, float] | None = None,
+    message_cpu_s: float = 0.0,
 ) -> SharedRun:  # fmt: skip
     """Execute ``programs`` up to their ReduceGrads on a host of ``cores``, then each worker's ``reductions``
     (none given: every worker leaves ReduceGrads as it reaches it), with each worker's snapshot copy in ``copies``
     (its seconds on a core of its own) beside them from the start; ``cost``: an instruction's seconds on a core of
-    its own (a transfer's: the link's). ProgramError on a deadlock."""
-    return _Host(programs, cost, cores, reductions or {}, copies or {}).run()
+    its own (a transfer's: the link's); ``message_cpu_s``: what a message costs its sender and receiver together on
+    a core (``SimConfig.message_cpu_s``), half each. ProgramError on a deadlock."""
+    return _Host(programs, cost, cores, reductions or {}, copies or {}, message_cpu_s).run()
 
 
 class _Host:
     def __init__(
         self, programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float],
-        cores: HostCores, reductions: Mapping[int, Reduction], copies: Mapping[int, float],
+        cores: HostCores, reductions: Mapping[int, Reduction], copies: Mapping[int, float], message_cpu_s: float,
     ) -> None:  # fmt: skip
         self.programs = programs
         self.cost = cost
         self.cores = cores
         self.reductions = reductions
+        self.handling_s = message_cpu_s / 2
+        """Each side's share of a message's CPU: the sender's before the message leaves, the receiver's after it
+        arrived."""
+        self.handling: dict[int, tuple[Channel, float] | None] = {}
+        """Worker handling a message -> for a send, its channel and the link's seconds once handled; None: a
+        receive."""
         self.reducing: set[int] = set()
         """Workers whose work left is their all-reduces."""
         self.arrived_at: dict[int, list[int]] = defaultdict(list)
@@ -190,7 +203,12 @@ class _Host:
                     self.reducing.discard(worker)
                     self.out.reduce_end[worker] = self.now
                     continue
-                self.out.compute_s[worker] += self.now - started
+                if worker in self.handling:
+                    sent = self.handling.pop(worker)
+                    if sent is not None:
+                        self.messages[sent[0]].append(self.now + sent[1])
+                else:
+                    self.out.compute_s[worker] += self.now - started
                 self.pc[worker] += 1
                 self._advance(worker)
             for worker, channel in list(self.waiting.items()):
@@ -218,6 +236,9 @@ class _Host:
                     self.started[worker] = self.now
                     return
             elif transfer[1]:
+                if self.handling_s > 0:
+                    self._handle(worker, (transfer[0], self.cost(worker, instr)))
+                    return
                 self.messages[transfer[0]].append(self.now + self.cost(worker, instr))
             else:
                 queue = self.messages[transfer[0]]
@@ -225,8 +246,17 @@ class _Host:
                     self.waiting[worker] = transfer[0]
                     return
                 queue.popleft()
+                if self.handling_s > 0:
+                    self._handle(worker, None)
+                    return
             self.pc[worker] += 1
         self._arrive(worker)  # a program without ReduceGrads ends here
+
+    def _handle(self, worker: int, sent: tuple[Channel, float] | None) -> None:
+        """``worker`` spends its share of a message's CPU on the cores; a send's message leaves after it."""
+        self.work_left[worker] = self.handling_s
+        self.started[worker] = self.now
+        self.handling[worker] = sent
 
     def _arrive(self, worker: int) -> None:
         """``worker`` reaches its ReduceGrads: its all-reduces, and those of the workers that waited for it, start

@@ -283,6 +283,8 @@ class SimBackend(Backend, FaultTarget):
         self.timer = IterationTimer(
             costs, check=sim.check_programs, cores=self.host,
             layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
+            message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
+            allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
         )  # fmt: skip
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()

@@ -104,7 +104,7 @@ class IterationTimer:
 
     def __init__(
         self, costs: CostModel, check: bool = True, cores: HostCores | None = None, layer_overhead_s: float = 0.0,
-        step_cpu_s: float = 0.0,
+        step_cpu_s: float = 0.0, message_cpu_s: float = 0.0, allreduce_cpu_bytes_per_s: float | None = None,
     ) -> None:  # fmt: skip
         self.costs = costs
         self.check = check
@@ -115,6 +115,10 @@ class IterationTimer:
         self.step_cpu_s = step_cpu_s
         """On a shared host, each worker's own work of a step besides its instructions, charged with its optimizer
         step."""
+        self.message_cpu_s = message_cpu_s
+        """On a shared host, what a message between stages costs its two workers' cores (``SimConfig``)."""
+        self.allreduce_cpu_bytes_per_s = allreduce_cpu_bytes_per_s
+        """On a shared host, the CPU a gradient all-reduce costs each member (``SimConfig``); None: the link's time."""
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
 
@@ -154,9 +158,10 @@ class IterationTimer:
         for holders, _ in plan.reduction_groups():
             for worker in holders:
                 peers[worker].update(holders)
-        reduce_s = self.costs.reduce_s(plan)
+        rate = self.allreduce_cpu_bytes_per_s
+        reduce_s = self.costs.reduce_s(plan) if rate is None else self._reduce_cpu_s(plan, rate)
         reductions = {w: Reduction(frozenset(peers[w] - {w}), reduce_s.get(w, 0.0)) for w in workers}
-        run = run_shared(own, cost, cores, reductions, copies)
+        run = run_shared(own, cost, cores, reductions, copies, self.message_cpu_s)
         whole = ComponentTiming(
             tuple(run.reduce_at[w] for w in workers),
             tuple(dict(run.phase_at.get(w, {})) for w in workers),
@@ -170,6 +175,16 @@ class IterationTimer:
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
             ((workers, whole),), run.copy_end,
         )  # fmt: skip
+
+    def _reduce_cpu_s(self, plan: Plan, bytes_per_s: float) -> dict[int, float]:
+        """Each worker's gradient all-reduces as the CPU they cost it on a shared host, at ``bytes_per_s`` through
+        each member: a ring moves 2(k - 1)/k of the buffer through each of k members."""
+        seconds: dict[int, float] = defaultdict(float)
+        for holders, layers in plan.reduction_groups():
+            nbytes = sum(self.costs.param_bytes(layer, layer + 1) for layer in layers)
+            for worker in holders:
+                seconds[worker] += 2 * (len(holders) - 1) / len(holders) * nbytes / bytes_per_s
+        return seconds
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
         ranges = plan.layer_ranges()

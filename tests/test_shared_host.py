@@ -85,6 +85,26 @@ def test_a_pipeline_waits_for_its_messages_and_frees_the_core_while_it_waits() -
     assert run.phase_at[1]["backward"] == pytest.approx(4.25)  # its BackwardPass, after its forward at half speed
 
 
+def test_a_message_costs_its_sender_before_it_leaves_and_its_receiver_after_it_arrives() -> None:
+    programs = {
+        0: [ins.ForwardPass(0), ins.SendActivation(0, 1), ins.RecvGrad(0, 1), ins.BackwardPass(0), *END],
+        1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), ins.BackwardPass(0), ins.SendGrad(0, 0), *END],
+    }
+    run = run_shared(programs, cost, cores=HostCores(2), message_cpu_s=1.0)
+    # 0 forwards (1.0), handles the send (1.5); it arrives at 1.75, 1 handles it (2.25), forwards and backwards
+    # (4.25), handles its send (4.75); the gradient arrives at 5.0, 0 handles it (5.5) and backwards (6.5).
+    assert run.reduce_at == pytest.approx({0: 6.5, 1: 4.75})
+    assert run.compute_s == pytest.approx({0: 2.0, 1: 2.0})  # handling a message is no forward or backward
+
+
+def test_a_messages_cpu_shares_the_cores_with_the_computing_workers() -> None:
+    programs = {0: [ins.SendActivation(0, 1), *END], 1: [ins.RecvActivation(0, 0), *END], 2: alone(1)}
+    run = run_shared(programs, cost, cores=HostCores(1), message_cpu_s=1.0)
+    # One core: 0's half of the message beside 2's forward at half speed (sent at 1.0, arrives at 1.25); 2 alone
+    # meanwhile (0.25 left at 1.25), then beside 1's half until 1.75; 1 alone to 2.0.
+    assert run.reduce_at == pytest.approx({0: 1.0, 1: 2.0, 2: 1.75})
+
+
 def test_with_a_core_each_it_agrees_with_the_checkers_machine() -> None:
     programs = {
         0: [ins.ForwardPass(0), ins.SendActivation(0, 1), ins.ForwardPass(1), ins.SendActivation(1, 1),

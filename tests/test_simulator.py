@@ -310,6 +310,23 @@ def test_on_a_shared_host_the_cores_give_what_so_many_computing_at_once_got(job_
     assert iteration(*gpu, "sim.step_cpu_s=0.01") == pytest.approx(iteration(*gpu))
 
 
+def test_on_a_shared_host_messages_and_all_reduces_cost_the_cores_what_was_measured(job_overrides: list[str]) -> None:
+    # A stage boundary's messages take CPU on both sides; replicas' all-reduces take the CPU measured for them
+    # rather than the link's time. Neither where nothing crosses a boundary or no layer is replicated, nor on GPUs.
+    def iteration(*overrides: str) -> float:
+        return simulate(sim_cfg(job_overrides, "policy=none", "cluster=local-4", "sim.host_cores=2",
+                                *overrides)).result.steps[1].iter_s  # fmt: skip
+
+    pipeline, replicas = ["train.stages=4"], ["train.stages=1"]
+    assert iteration(*pipeline, "sim.message_cpu_s=0.01") > iteration(*pipeline) + 0.01
+    assert iteration(*replicas, "sim.message_cpu_s=0.01") == pytest.approx(iteration(*replicas))
+    cheap, dear = (iteration(*replicas, f"sim.allreduce_cpu_bytes_per_s={rate}") for rate in (1e12, 1e8))
+    assert cheap < iteration(*replicas) < dear
+    assert iteration(*pipeline, "sim.allreduce_cpu_bytes_per_s=1e8") == pytest.approx(iteration(*pipeline))
+    gpu = ["cluster.device=A100-40GB", *pipeline]
+    assert iteration(*gpu, "sim.message_cpu_s=0.01") == pytest.approx(iteration(*gpu))
+
+
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
     """Three replicas per stage, AEC: node 1 dies copying its records; its shard is rebuilt from the others'."""
     aec = [*REFT, "protection.mode=aec", "cluster.nodes=6", "train.stages=2"]
