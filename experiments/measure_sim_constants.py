@@ -162,10 +162,10 @@ def measure(cache_dir: Path) -> dict[str, float]:
             per_microbatch = costs.forward_s(0, layers) + costs.backward_s(0, layers)
             plan = next_plan(one)
             backend.configure(plan, one_f_one_b(plan), {}, None)
-            one_step, one_cpu, step = _steps(backend, plan, step, 20, worker)
+            one_step, [one_cpu], step = _steps(backend, plan, step, 20, worker)
             eight = next_plan(grid_plan([0], 1, layers, 16, 2))
             backend.configure(eight, one_f_one_b(eight), {}, None)
-            _, eight_cpu, step = _steps(backend, eight, step, 20, worker)
+            _, [eight_cpu], step = _steps(backend, eight, step, 20, worker)
             instruction = max(((eight_cpu - one_cpu) / 7 - per_microbatch) / 2, 0.0)
             found.setdefault("instruction_s", []).append(instruction)
             work = one_cpu - per_microbatch - 2 * instruction - costs.optimizer_s(0, layers)
@@ -244,17 +244,20 @@ def measure(cache_dir: Path) -> dict[str, float]:
     return best
 
 
-def _steps(backend, plan, step: int, steps: int, worker: psutil.Process) -> tuple[float, float, int]:  # noqa: ANN001
-    """``steps`` steps of ``plan`` from ``step``: the fastest one's wall seconds, ``worker``'s mean CPU seconds a step
-    (every thread of it), and the next step."""
+def _steps(  # noqa: ANN001 - a LocalBackend and a Plan
+    backend, plan, step: int, steps: int, *workers: psutil.Process
+) -> tuple[float, list[float], int]:
+    """``steps`` steps of ``plan`` from ``step``: the fastest one's wall seconds, each of ``workers``' mean CPU
+    seconds a step (every thread of it), and the next step."""
     walls = []
-    cpu = sum(worker.cpu_times()[:2])
+    cpu = [sum(worker.cpu_times()[:2]) for worker in workers]
     for _ in range(steps):
         started = time.monotonic()
         _run_step(backend, plan, step)
         walls.append(time.monotonic() - started)
         step += 1
-    return min(walls), (sum(worker.cpu_times()[:2]) - cpu) / steps, step
+    spent = [(sum(worker.cpu_times()[:2]) - before) / steps for worker, before in zip(workers, cpu, strict=True)]
+    return min(walls), spent, step
 
 
 def _cpu_per_step(  # noqa: ANN001 - a LocalBackend and a Plan
@@ -266,10 +269,8 @@ def _cpu_per_step(  # noqa: ANN001 - a LocalBackend and a Plan
 
     backend.configure(plan, one_f_one_b(plan), {}, None)
     _run_step(backend, plan, step)
-    before = [sum(proc.cpu_times()[:2]) for proc in procs]
-    for offset in range(1, steps + 1):
-        _run_step(backend, plan, step + offset)
-    return [(sum(p.cpu_times()[:2]) - b) / steps for p, b in zip(procs, before, strict=True)], step + steps + 1
+    _, spent, step = _steps(backend, plan, step + 1, steps, *procs)
+    return spent, step
 
 
 @contextlib.contextmanager

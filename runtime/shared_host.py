@@ -19,7 +19,8 @@ the cores it gets are those the other workers' computations leave it (on a 2 x 2
 sets reduce while the other stage still computes: charged at the link's cost alone, the iteration came out 10% short
 of the one measured). What an all-reduce costs is its CPU (``SimConfig.allreduce_cpu_bytes_per_s``, where
 measured): the link's time between two processes with a core each counts its waits too (four replicas' all-reduce
-of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer step is charged by the caller (``sim_timing``).
+of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer step is charged
+by the caller (``sim_timing``).
 
 A REFT snapshot's copy, given, runs on a second thread of its worker from the iteration's start (the runtime starts it
 right after the optimizer step, and the worker waits for it before it reports the next iteration ready), and takes
