@@ -194,7 +194,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
                 found.setdefault("message_cpu_s", []).append(max((more[1] - more[0]) / 2, 0.0))
                 plan = next_plan(grid_plan([0, 1], 1, layers, 4, 2))  # two replicas of one micro-batch each
                 replicas, step = _cpu_per_step(backend, plan, step, procs)
-                reduced = max(statistics.mean(replicas) - per_step[1][0], 1e-4)  # the ring moves the whole buffer
+                reduced = max(statistics.mean(replicas) - per_step[1][0], 1e-4)  # a member's CPU: its whole buffer's
                 found.setdefault("allreduce_cpu_bytes_per_s", []).append(costs.param_bytes(0, layers) / reduced)
         found["message_cpu_s"] = [statistics.median(found["message_cpu_s"])]
         found["allreduce_cpu_bytes_per_s"] = [statistics.median(found["allreduce_cpu_bytes_per_s"])]

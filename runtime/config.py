@@ -128,8 +128,8 @@ class SimConfig:
     processes), of which gloo's own copying is little (0.16 ms for 64 KB here). A GPU type's workers have host
     cores of their own."""
     allreduce_cpu_bytes_per_s: float | None = None
-    """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes a ring moves through it per
-    CPU second, measured on this machine's runtime. The link's rate is wall time between two processes with a
+    """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
+    second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's rate is wall time between two processes with a
     core each, its waits included; charged as CPU beside the computation it counted four replicas' all-reduce of
     13 MB at 25 ms a member, which cost each 8.7 ms of CPU here. None: the link's rate."""
     abort_s: float = 0.0

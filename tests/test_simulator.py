@@ -327,6 +327,21 @@ def test_on_a_shared_host_messages_and_all_reduces_cost_the_cores_what_was_measu
     assert iteration(*gpu, "sim.message_cpu_s=0.01") == pytest.approx(iteration(*gpu))
 
 
+def test_an_all_reduce_costs_each_member_its_buffer_whatever_the_members(job_overrides: list[str]) -> None:
+    # One-stage replicas on two cores reduce all at once, after identical programs: what a dear rate adds is every
+    # member's whole buffer over the rate, shared by the cores. Four members add twice what two add (the ring's
+    # 2(k - 1)/k share each would make it three times).
+    def added(nodes: int) -> float:
+        def iteration(rate: float) -> float:
+            return simulate(sim_cfg(job_overrides, "policy=none", f"cluster.nodes={nodes}", "train.stages=1",
+                                    "sim.host_cores=2", f"sim.allreduce_cpu_bytes_per_s={rate}")).result.steps[1].iter_s  # fmt: skip
+
+        return iteration(1e8) - iteration(1e12)
+
+    assert added(2) > 0
+    assert added(4) == pytest.approx(2 * added(2), rel=1e-6)
+
+
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
     """Three replicas per stage, AEC: node 1 dies copying its records; its shard is rebuilt from the others'."""
     aec = [*REFT, "protection.mode=aec", "cluster.nodes=6", "train.stages=2"]
