@@ -333,8 +333,9 @@ def test_an_all_reduce_costs_each_member_its_buffer_whatever_the_members(job_ove
     # 2(k - 1)/k share each would make it three times).
     def added(nodes: int) -> float:
         def iteration(rate: float) -> float:
-            return simulate(sim_cfg(job_overrides, "policy=none", f"cluster.nodes={nodes}", "train.stages=1",
-                                    "sim.host_cores=2", f"sim.allreduce_cpu_bytes_per_s={rate}")).result.steps[1].iter_s  # fmt: skip
+            cfg = sim_cfg(job_overrides, "policy=none", f"cluster.nodes={nodes}", "train.stages=1", "sim.host_cores=2",
+                          f"sim.allreduce_cpu_bytes_per_s={rate}")  # fmt: skip
+            return simulate(cfg).result.steps[1].iter_s
 
         return iteration(1e8) - iteration(1e12)
 
