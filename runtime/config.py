@@ -129,9 +129,10 @@ class SimConfig:
     cores of their own."""
     allreduce_cpu_bytes_per_s: float | None = None
     """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
-    second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's rate is wall time between two processes with a
-    core each, its waits included; charged as CPU beside the computation it counted four replicas' all-reduce of
-    13 MB at 25 ms a member, which cost each 8.7 ms of CPU here. None: the link's rate."""
+    second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's
+    rate is wall time between two processes with a core each, its waits included; charged as CPU beside the
+    computation it counted four replicas' all-reduce of 13 MB at 25 ms a member, which cost each 8.7 ms of CPU
+    here. None: the link's rate."""
     abort_s: float = 0.0
     """Aborting the iteration in flight on every survivor."""
     configure_s: float = 0.0
