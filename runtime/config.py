@@ -123,10 +123,12 @@ class SimConfig:
     was 1.3 ms for gpt2-tiny with 2 blocks (4 layers), 2.5-3.3 ms with 6 (8 layers) and 4.5 ms with 12 (14 layers)."""
     message_cpu_s: float = 0.0
     """The CPU a message between two stages (an activation or a gradient) costs its sender and receiver together
-    on a shared host, beyond the link's delay, measured on this machine's runtime: the stage boundary's handling on
-    both sides (posting and waiting for the transfer, the received tensor into autograd, switching between the two
-    processes), of which gloo's own copying is little (0.16 ms for 64 KB here). A GPU type's workers have host
-    cores of their own."""
+    on a shared host, beyond the link's delay, measured on this machine's runtime with both workers on one core.
+    Little of it is the transfer: timed per instruction in the workers, a send or a receive took 0.1-0.2 ms of the
+    worker's CPU and gloo's own copying of 64 KB is 0.16 ms; the stages' forward and backward passes next to the
+    boundary took 1.3 ms a micro-batch more than the one worker's (a micro-batch run through two stages one at a
+    time, on two cores: about 1 ms a message in all). On one core, the switch between the two processes at every
+    message is in it too. A GPU type's workers have host cores of their own."""
     allreduce_cpu_bytes_per_s: float | None = None
     """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
     second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's
