@@ -260,17 +260,23 @@ class CostModel:
         return self.p2p_s(self.profile.layers[layer].checkpoint_bytes)
 
     # -- programs ----------------------------------------------------------------------------------------------
-    def reduce_s(self, plan: Plan) -> dict[int, float]:
+    def reduce_s(self, plan: Plan, group_s: Callable[[float, int], float] | None = None) -> dict[int, float]:
         """Each worker's ``ReduceGrads``: the all-reduce of each of its replica sets (issued together, so their
-        costs add up on the worker's link). Workers that share no layer are left out (they reduce nothing)."""
+        costs add up on the worker's link). Workers that share no layer are left out (they reduce nothing).
+        ``group_s``: a replica set's all-reduce from its bytes and members (default ``allreduce_s``, the link's)."""
         by_range = plan.workers_by_range()
-        return {worker: seconds for held, seconds in self.range_reduce_s(plan).items() for worker in by_range[held]}
+        return {
+            worker: seconds for held, seconds in self.range_reduce_s(plan, group_s).items() for worker in by_range[held]
+        }
 
-    def range_reduce_s(self, plan: Plan) -> dict[tuple[int, int], float]:
+    def range_reduce_s(
+        self, plan: Plan, group_s: Callable[[float, int], float] | None = None
+    ) -> dict[tuple[int, int], float]:
         """``reduce_s`` by range of layers (``Plan.workers_by_range``): the workers of a range are in the same
         replica sets, so their ``ReduceGrads`` cost the same."""
+        group_s = group_s or self.allreduce_s
         groups = [
-            (layers[0], self.allreduce_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders)))
+            (layers[0], group_s(sum(self.param_bytes(layer, layer + 1) for layer in layers), len(holders)))
             for holders, layers in plan.reduction_groups()
         ]
         reduce_s: dict[tuple[int, int], float] = {}

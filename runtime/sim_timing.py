@@ -158,8 +158,7 @@ class IterationTimer:
         for holders, _ in plan.reduction_groups():
             for worker in holders:
                 peers[worker].update(holders)
-        rate = self.allreduce_cpu_bytes_per_s
-        reduce_s = self.costs.reduce_s(plan) if rate is None else self._reduce_cpu_s(plan, rate)
+        reduce_s = self.costs.reduce_s(plan, self._reduce_cpu_s if self.allreduce_cpu_bytes_per_s else None)
         reductions = {w: Reduction(frozenset(peers[w] - {w}), reduce_s.get(w, 0.0)) for w in workers}
         run = run_shared(own, cost, cores, reductions, copies, self.message_cpu_s)
         whole = ComponentTiming(
@@ -176,17 +175,13 @@ class IterationTimer:
             ((workers, whole),), run.copy_end,
         )  # fmt: skip
 
-    def _reduce_cpu_s(self, plan: Plan, bytes_per_s: float) -> dict[int, float]:
-        """Each worker's gradient all-reduces as the CPU they cost it on a shared host: its buffer at ``bytes_per_s``,
-        whatever the members. Not the ring's 2(k - 1)/k of the buffer through each of k members, which is the link's
-        traffic: gloo's all-reduce of 13 MB on loopback cost each member 8.9, 8.1, 9.0 and 9.7 ms of CPU with 2, 3, 4
-        and 6 members here (charged the ring's share, four replicas of one stage simulated 8.8% long, 2.5% without)."""
-        seconds: dict[int, float] = defaultdict(float)
-        for holders, layers in plan.reduction_groups():
-            nbytes = sum(self.costs.param_bytes(layer, layer + 1) for layer in layers)
-            for worker in holders:
-                seconds[worker] += nbytes / bytes_per_s
-        return seconds
+    def _reduce_cpu_s(self, nbytes: float, members: int) -> float:
+        """A replica set's all-reduce as the CPU it costs each member on a shared host: its buffer at
+        ``allreduce_cpu_bytes_per_s``, whatever the members. Not the ring's 2(k - 1)/k of the buffer through each of k
+        members, which is the link's traffic: gloo's all-reduce of 13 MB on loopback cost each member 8.9, 8.1, 9.0
+        and 9.7 ms of CPU with 2, 3, 4 and 6 members here (charged the ring's share, four replicas of one stage
+        simulated 8.8% long, 2.5% without)."""
+        return nbytes / self.allreduce_cpu_bytes_per_s
 
     def _time(self, plan: Plan, programs: Mapping[int, ins.Program]) -> IterationTiming:
         ranges = plan.layer_ranges()
