@@ -280,12 +280,7 @@ class SimBackend(Backend, FaultTarget):
         """Encoding or decoding layer state: the local runtime's CPU cost (a GPU's tensors move as they are)."""
         self.build_bytes_per_s = sim.build_bytes_per_s if shared_host else _NEVER
         self.now = 0.0
-        self.timer = IterationTimer(
-            costs, check=sim.check_programs, cores=self.host,
-            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
-            message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
-            allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
-        )  # fmt: skip
+        self.timer = IterationTimer.for_sim(costs, sim, shared_host, check=sim.check_programs)
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._cancelled: set[int] = set()

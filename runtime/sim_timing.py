@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ftlab.runtime import instructions as ins
+from ftlab.runtime.config import SimConfig
 from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
-from ftlab.runtime.shared_host import HostCores, Reduction, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, host_of, run_shared
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -121,6 +122,17 @@ class IterationTimer:
         """On a shared host, the CPU a gradient all-reduce costs each member (``SimConfig``); None: the link's time."""
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
+
+    @classmethod
+    def for_sim(cls, costs: CostModel, sim: SimConfig, shared_host: bool, check: bool) -> IterationTimer:
+        """The timer of a simulated job by ``sim``'s constants: on a shared host (the local runtime on this machine),
+        its cores and the runtime's own costs per layer and per message; a device per worker otherwise."""
+        return cls(
+            costs, check=check, cores=host_of(sim) if shared_host else None,
+            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
+            message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
+            allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
+        )  # fmt: skip
 
     @property
     def components(self) -> int:

@@ -346,13 +346,7 @@ class Adaptive(Policy):
         its copies add, spread over the steps between snapshots."""
         m = _machinery(job)
         if self._timer is None:
-            cores = host_of(m) if job.shared_host else None
-            overhead = m.layer_overhead_s if job.shared_host else 0.0
-            messages = m.message_cpu_s if job.shared_host else 0.0
-            self._timer = IterationTimer(
-                job.costs, check=False, cores=cores, layer_overhead_s=overhead, step_cpu_s=m.step_cpu_s,
-                message_cpu_s=messages, allreduce_cpu_bytes_per_s=m.allreduce_cpu_bytes_per_s,
-            )
+            self._timer = IterationTimer.for_sim(job.costs, m, job.shared_host, check=False)
         timing = self._timer.time(decision.plan, decision.programs)
         plain = timing.ready_s + m.control_s + timing.optimizer_s
         copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
