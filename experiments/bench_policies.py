@@ -84,13 +84,16 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
     the cores the workers of the job's first plan get computing side by side now and give them to the job
     (``sim.host_cores`` and ``sim.host_cores_by_load``), the host its predictions are for (False:
     ``conf/sim/measured.yaml``'s idle host)."""
-    from ftlab.experiments.bench_simulator import first_plan, host_overrides, workers_share
+    from ftlab.experiments.bench_simulator import first_plan, host_overrides, host_worth, workers_share
     from ftlab.experiments.job import compose_config, run_job
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
               f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    host = host_overrides(workers_share(*first_plan([*common, *overrides])).worth) if measure_cores else []
+    host = []
+    if measure_cores:
+        cfg, plan = first_plan([*common, *overrides])
+        host = host_overrides(host_worth(cfg, plan, workers_share(cfg, plan)))
     common += host
     print(f"  {policy}: {' '.join([*overrides, *host])}", flush=True)
     started = time.monotonic()

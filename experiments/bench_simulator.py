@@ -23,15 +23,17 @@ four workers and micro-batches as four one-stage replicas (no stage boundary, th
 one pipeline of four stages (48 messages an iteration, nothing to all-reduce): what the simulation charges a
 message (``sim.message_cpu_s``) and an all-reduce (``sim.allreduce_cpu_bytes_per_s``) shows in their errors.
 
-This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Before
-and after each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three
-sweeps, each number's median: one process per worker of the job's first plan, each computing that worker's layers,
-one to all of them side by side; each's rate over its rate alone, the rates after the job over those alone before
-it, added up: the cores' worth so many workers computing at once get, what their working sets and switching between
-more processes than cores cost included, and the machine's drift since the profile; see ``workers_share``) and
-gives the simulation of that job the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = this
-machine's cores): the environment the real run met, measured beside it, not fitted to its result.
-``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Each
+round measures its profile twice, tens of seconds apart, and keeps each layer's fastest (``measure_profile``'s
+``again``): a profile taken while other load held the cores is slow for as long as it lasted. Before and after
+each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three sweeps,
+each number's median: one process per worker of the job's first plan, each computing that worker's layers, one to
+all of them side by side; each's rate over the rate the simulation charges it, added up: the cores' worth so many
+workers computing at once get, what their working sets and switching between more processes than cores cost
+included, and the machine's speed against the profile's; see ``host_worth``) and gives the simulation of that job
+the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = this machine's cores): the environment
+the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
+``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
 of the real and of the simulated rounds are compared: two runs of one job here differ by up to 15% in their
@@ -129,23 +131,44 @@ def first_plan(overrides: list[str]) -> tuple[Any, Any]:
     return cfg, simulate(cfg).result.plans[0]
 
 
-def workers_share(cfg: Any, plan: Any, alone: tuple[float, ...] | None = None) -> HostLoad:  # noqa: ANN401
-    """The cores' worth the workers of ``plan`` (of the job ``cfg``) get computing side by side now, one to all of
-    them at once (``runtime.profiler.cores_by_load``): each process's rate counted against its own rate alone, or
-    against ``alone``, the rates alone measured just after the job's profile (``HostLoad.alone``), so that the
-    machine's drift since the profile is in the worth.
-
-    Not against the rate the profile gives the layers: one process computing a stage here got 0.82-0.88 of that, as
-    a stage of gpt2-tiny's computed in one process ran 12-20% slower than its layers profiled each alone in a cache
-    of its own (and within 6% of the runtime's own passes over them). That is the cost per layer the simulator
-    already charges every instruction (``sim.layer_overhead_s``, measured against the profile too); counted against
-    the profile, the cores' worth charged it a second time (a 2 x 2 grid simulated 8% long, an Oobleck plan 15%)."""
+def workers_share(cfg: Any, plan: Any) -> HostLoad:  # noqa: ANN401
+    """What the workers of ``plan`` (of the job ``cfg``) get computing side by side now, one to all of them at once
+    (``runtime.profiler.cores_by_load``, ``HOST_SWEEPS`` sweeps)."""
     from ftlab.runtime.profiler import cores_by_load
 
     ranges = list(plan.layer_ranges().values())
     m = cfg.model
     return cores_by_load(m, ranges, cfg.train.micro_batch, m.seq_len, cfg.cluster.threads_per_worker,
-                         sweeps=HOST_SWEEPS, reference=alone)  # fmt: skip
+                         sweeps=HOST_SWEEPS)  # fmt: skip
+
+
+def charged_rates(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401
+    """Micro-batches a second the simulation charges each worker of ``plan`` for a forward and a backward pass over
+    its layers on a core of its own: the job's profile and the runtime's own cost per layer of each
+    (``sim.layer_overhead_s``)."""
+    from ftlab.experiments.job import job_profile
+    from ftlab.runtime.costs import CostModel
+
+    costs, overhead = CostModel(job_profile(cfg)[0]), cfg.sim.layer_overhead_s
+    return tuple(
+        1 / (costs.forward_s(start, stop) + costs.backward_s(start, stop) + 2 * overhead * (stop - start))
+        for start, stop in plan.layer_ranges().values()
+    )  # fmt: skip
+
+
+def host_worth(cfg: Any, plan: Any, *loads: HostLoad) -> tuple[float, ...]:  # noqa: ANN401
+    """The cores' worth by number at once for the simulation of ``cfg`` (``sim.host_cores_by_load``): each of
+    ``loads`` (``workers_share``) counted against the rates the simulation charges the workers (``charged_rates``),
+    their mean. Entry 0 is then how fast one worker alone computes its layers against what it is charged: the
+    machine's speed now against the profile's, whatever load the profile or the worker met.
+
+    Counted against each process's own rate alone instead, entry 0 was one by construction, and a profile taken in
+    a moment of load went into the simulation whole: bench rounds of one job here were simulated 21% short to 12%
+    long of their real runs (four-stage pipeline), and 3% short to 11% long (2 x 2 grid); counted against the
+    charged rates, from the fastest of two profiles (``pair``), 9% short to 2% long and 5% short to 2% long."""
+    charged = charged_rates(cfg, plan)
+    counted = [load.worth_against(charged) for load in loads]
+    return tuple(statistics.fmean(column) for column in zip(*counted, strict=True))
 
 
 def host_overrides(by_load: tuple[float, ...]) -> list[str]:
@@ -179,7 +202,7 @@ def pair(
 ) -> tuple[dict[str, float | None], dict[str, float | None], tuple[float, ...] | None]:
     """One real run of a job and its simulation; (real figures, simulated figures, the cores' worth by load
     simulated)."""
-    from ftlab.experiments.job import compose_config, run_job
+    from ftlab.experiments.job import compose_config, job_profile, run_job
     from ftlab.experiments.simulate import simulate
 
     d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
@@ -189,14 +212,11 @@ def pair(
     ]  # fmt: skip
     sim_cfg, first = first_plan([*common, *overrides])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
+    job_profile(sim_cfg, again=True)  # the fastest of two profiles, this one tens of seconds after the first
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
-    # The machine's load drifts over the job: the mean of what its workers could have before and after it, after
-    # counted against the rates alone before (taken just after the profile).
-    cores = None
-    if before is not None:
-        after = workers_share(sim_cfg, first, before.alone)
-        cores = tuple((a + b) / 2 for a, b in zip(before.worth, after.worth, strict=True))
+    # The machine's load drifts over the job: the mean of what its workers could have before and after it.
+    cores = None if before is None else host_worth(sim_cfg, first, before, workers_share(sim_cfg, first))
     given = [] if cores is None else host_overrides(cores)
     print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
     sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)

@@ -86,9 +86,10 @@ class JobResult:
 
 
 # -- the costs a job plans with ------------------------------------------------------------------------------------
-def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
+def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict[str, Any]]:
     """The per-layer costs of the job's model on its devices, and where they come from: an analytic profile for a
-    GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``)."""
+    GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``;
+    ``again``: measured once more, the fastest of both cached, ``profiler.measure_profile``)."""
     device = cfg.cluster.device
     model, micro_batch = cfg.model, cfg.train.micro_batch
     checkpointing = cfg.train.activation_checkpointing
@@ -97,7 +98,7 @@ def job_profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
         return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
-        cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker,
+        cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker, again=again,
     )  # fmt: skip
     return replace(profile, activation_checkpointing=checkpointing), {"kind": "measured", "device": profile.device}
 

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -229,6 +229,24 @@ def measure_layer(
     )
 
 
+def fastest_of(first: ModelProfile, second: ModelProfile) -> ModelProfile:
+    """Two measurements of one setting as one: each layer's fastest times and the faster links, since other
+    processes on a shared machine only ever add time."""
+    layers = tuple(
+        replace(a, fwd_s=min(a.fwd_s, b.fwd_s), bwd_input_s=min(a.bwd_input_s, b.bwd_input_s),
+                bwd_weight_s=min(a.bwd_weight_s, b.bwd_weight_s), optimizer_s=min(a.optimizer_s, b.optimizer_s))
+        for a, b in zip(first.layers, second.layers, strict=True)
+    )  # fmt: skip
+    return replace(
+        first, layers=layers, p2p_bytes_per_s=max(first.p2p_bytes_per_s, second.p2p_bytes_per_s),
+        intra_node_allreduce_bytes_per_s=max(first.intra_node_allreduce_bytes_per_s,
+                                             second.intra_node_allreduce_bytes_per_s),
+        inter_node_allreduce_bytes_per_s=max(first.inter_node_allreduce_bytes_per_s,
+                                             second.inter_node_allreduce_bytes_per_s),
+        latency_s=min(first.latency_s, second.latency_s),
+    )  # fmt: skip
+
+
 def _ping_pong(rank: int, buffer: torch.Tensor, rounds: int) -> float:
     """Seconds for ``rounds`` round trips of ``buffer`` between the two ranks."""
     import torch.distributed as dist
@@ -275,23 +293,34 @@ class HostLoad:
     """The cores' worth k processes computing at once got together, k = 1 .. n (``sim.host_cores_by_load``)."""
     alone: tuple[float, ...]
     """Each process's rate alone, micro-batches a second: what a later measurement counts its rates against."""
+    sweeps: tuple[tuple[tuple[float, ...], ...], ...]
+    """Each sweep's rates: entry 0 each process's alone, entry k - 1 the first k's side by side."""
+
+    def worth_against(self, rates: Sequence[float]) -> tuple[float, ...]:
+        """The worth with every rate counted against ``rates`` (one a process: its rate alone measured earlier, or
+        the rate the simulator charges its layers, ``experiments.bench_simulator.host_worth``), one alone included,
+        so that how fast the machine runs the processes against those rates is in the worth: a job's real
+        iterations here moved by up to 23% from one round to the next, where the processes of one measurement, each
+        against its own rate alone, saw nothing of it. Each number's median over the sweeps."""
+        return tuple(statistics.median(column) for column in zip(*(_worth(s, rates) for s in self.sweeps), strict=True))
+
+
+def _worth(sweep: tuple[tuple[float, ...], ...], against: Sequence[float]) -> list[float]:
+    """One sweep's cores' worth by number at once, its rates counted against ``against``: one alone (the first
+    process), then the sum over the first k side by side (at least 0.05: a process the scheduler starved for the
+    whole measurement still counts)."""
+    alone, *together = sweep
+    return [alone[0] / against[0], *(max(sum(r / a for r, a in zip(k, against)), 0.05) for k in together)]
 
 
 def cores_by_load(
     cfg: ModelConfig, ranges: list[tuple[int, int]], micro_batch: int, seq_len: int, threads: int = 1,
-    seconds: float = 1.5, sweeps: int = 1, reference: Sequence[float] | None = None,
+    seconds: float = 1.5, sweeps: int = 1,
 ) -> HostLoad:  # fmt: skip
     """The cores' worth a job's workers get when ``k`` of them compute at once, for k = 1 .. len(ranges) (the
     simulator's ``sim.host_cores_by_load``): one process per worker, each computing the forward and backward of its
     layers ``ranges[i]`` (start, stop) over and over, first each alone, then the first k side by side for every k >= 2;
     each's rate side by side over its rate alone, added up. One alone is the reference: entry 0 is 1.
-
-    ``reference``: each process's rate alone measured earlier (``HostLoad.alone``, just after the job's profile was
-    taken). Given, every rate is counted against it instead, one alone included, so the machine's drift since then
-    is in the worth: a job's real iterations here moved by up to 23% from one round to the next, where the processes
-    of one measurement, each against its own rate alone, saw nothing of it. (Not against the rate the profile gives
-    the layers: one process computing a stage got 0.82-0.88 of that here, what a stage's layers computed together
-    cost beyond each profiled alone, which the simulator charges per instruction already, ``sim.layer_overhead_s``.)
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
     each other: their working sets in the shared caches and the switches between more processes than cores. And it
@@ -313,25 +342,24 @@ def cores_by_load(
     for proc in procs:
         proc.start()
 
-    def sweep() -> tuple[list[float], list[float]]:
-        """(each process's rate alone, the worth of 1 .. n at once)."""
+    def sweep() -> tuple[tuple[float, ...], ...]:
+        """Each process's rate alone, then the first k's side by side for k = 2 .. n."""
         solo = {}
         for command in commands:  # one at a time, the others waiting
             command.put(seconds / 2)
             index, rate = out.get(timeout=300)
             solo[index] = rate
-        against = solo if reference is None else dict(enumerate(reference))
-        worth = [solo[0] / against[0]]
+        rates = [tuple(solo[i] for i in range(len(procs)))]
         for k in range(2, len(procs) + 1):
             for command in commands[:k]:
                 command.put(seconds)
-            worth.append(max(sum(rate / against[i] for i, rate in (out.get(timeout=300) for _ in range(k))), 0.05))
-        return [solo[i] for i in range(len(procs))], worth
+            rates.append(tuple(rate for _, rate in sorted(out.get(timeout=300) for _ in range(k))))
+        return tuple(rates)
 
     try:
         for _ in procs:  # every process built and warmed up: none is still starting while another runs alone
             out.get(timeout=300)
-        measured = [sweep() for _ in range(sweeps)]
+        measured = tuple(sweep() for _ in range(sweeps))
     finally:
         for command in commands:
             command.put(None)
@@ -339,9 +367,11 @@ def cores_by_load(
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+    alone = tuple(statistics.median(column) for column in zip(*(rates[0] for rates in measured), strict=True))
     return HostLoad(
-        worth=tuple(statistics.median(worth[k] for _, worth in measured) for k in range(len(procs))),
-        alone=tuple(statistics.median(alone[i] for alone, _ in measured) for i in range(len(procs))),
+        worth=tuple(statistics.median(column) for column in zip(*(_worth(r, r[0]) for r in measured), strict=True)),
+        alone=alone,
+        sweeps=measured,
     )
 
 
@@ -438,8 +468,13 @@ def measure_profile(
     links: bool = True,
     cache_dir: str | Path | None = None,
     threads: int = 0,
+    again: bool = False,
 ) -> ModelProfile:
     """Measure every layer of ``cfg`` on ``device``, or return the cached profile of the very same setting.
+
+    ``again``: measure even where a profile is cached, and cache the fastest of both (``fastest_of``): a profile
+    taken while other load held the cores is slow for as long as that load lasted (two of gpt2-tiny's taken a
+    minute apart here: 28.6 and 41.2 ms for a micro-batch's passes, the second's layers 1.2 to 2 times slower).
 
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
     bandwidths: communication then costs nothing in the planners. ``threads``: measure with as many torch threads
@@ -463,10 +498,13 @@ def measure_profile(
         threads=threads,
     )
     path = Path(cache_dir) / f"{cfg.name}-{key.digest()}.json" if cache_dir is not None else None
+    earlier = None
     if path is not None and path.is_file():
         cached = json.loads(path.read_text())
         if cached.get("key") == asdict(key):
-            return ModelProfile.from_dict(cached["profile"])
+            earlier = ModelProfile.from_dict(cached["profile"])
+            if not again:
+                return earlier
 
     import torch
 
@@ -496,6 +534,8 @@ def measure_profile(
         inter_node_allreduce_bytes_per_s=allreduce,
         latency_s=latency,
     )
+    if earlier is not None:
+        profile = fastest_of(earlier, profile)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")  # jobs of a parallel sweep may measure the same profile

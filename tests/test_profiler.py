@@ -80,6 +80,23 @@ def test_a_cache_file_whose_key_differs_is_ignored(tmp_path, counted_measurement
     assert len(counted_measurements) == 2 * before
 
 
+def test_measured_again_the_cache_keeps_each_layers_fastest(tmp_path) -> None:
+    """``again`` measures even where a profile is cached and caches, per layer, the faster of the two: a cached
+    layer made a million times faster stays as cached, one made a million times slower takes the new measurement."""
+    setting = dict(micro_batch=1, seq_len=16, repeats=1, warmup=0, links=False, cache_dir=tmp_path)
+    measure_profile(TINY, **setting)
+    (path,) = tmp_path.glob("*.json")
+    stored = json.loads(path.read_text())
+    fast, slow = stored["profile"]["layers"][0], stored["profile"]["layers"][1]
+    fast["fwd_s"] *= 1e-6
+    slow["fwd_s"] *= 1e6
+    path.write_text(json.dumps(stored))
+    again = measure_profile(TINY, again=True, **setting)
+    assert again.layers[0].fwd_s == fast["fwd_s"]
+    assert 0 < again.layers[1].fwd_s < slow["fwd_s"] * 1e-3
+    assert measure_profile(TINY, **setting) == again  # what it cached
+
+
 @pytest.mark.parametrize("name", sorted(DEVICES))
 def test_analytic_profiles_are_positive_and_scale_with_the_micro_batch(name: str) -> None:
     cfg = load_model_config("gpt3-2.7b")
@@ -199,16 +216,19 @@ def test_two_workers_on_one_core_get_one_cores_worth_of_their_speed_alone() -> N
     assert 0.5 < two < 1.3
 
 
-def test_against_earlier_rates_alone_the_worth_holds_what_the_machine_drifted_since() -> None:
-    """Counted against rates alone measured earlier, every number is the rates over those: one alone its rate now
-    over the earlier one, not 1; and against rates a thousand times faster (as if the machine had slowed down a
-    thousandfold since), two side by side get the least worth counted. Exact relations, not figures compared between
-    two measurements: this machine's speed moves between them (one alone came out at 0.49 of its rate seconds
+def test_against_earlier_rates_the_worth_holds_what_the_machine_drifted_since() -> None:
+    """Counted against rates measured earlier, every number is the rates over those: one alone its rate over the
+    earlier one, not 1; and against rates a thousand times faster (as if the machine had slowed down a thousandfold
+    since), two side by side get the least worth counted. Exact relations within one measurement, not figures
+    compared between two: this machine's speed moves between them (one alone came out at 0.49 of its rate seconds
     before)."""
     ranges = [(0, 2), (2, len(layer_specs(TINY)))]
-    first = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5)
-    assert first.worth[0] == 1.0 and all(rate > 0 for rate in first.alone) and first.worth[1] > 0.05
-    reference = [1000 * rate for rate in first.alone]
-    slowed = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5, reference=reference)
-    assert slowed.worth[0] == pytest.approx(slowed.alone[0] / reference[0])
-    assert slowed.worth[0] < 0.05 and slowed.worth[1] == 0.05
+    load = profiler.cores_by_load(TINY, ranges, micro_batch=2, seq_len=16, seconds=0.5, sweeps=2)
+    assert load.worth[0] == 1.0 and all(rate > 0 for rate in load.alone) and load.worth[1] > 0.05
+    assert len(load.sweeps) == 2 and all(len(sweep) == len(ranges) for sweep in load.sweeps)
+    faster = [1000 * rate for rate in load.alone]
+    slowed = load.worth_against(faster)
+    assert slowed[0] == pytest.approx(load.alone[0] / faster[0])
+    assert slowed[0] < 0.05 and slowed[1] == 0.05
+    halved = load.worth_against([rate / 2 for rate in load.alone])  # each twice as fast as the earlier rates
+    assert halved[0] == pytest.approx(2.0)
