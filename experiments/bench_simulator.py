@@ -212,7 +212,7 @@ def pair(
     ]  # fmt: skip
     sim_cfg, first = first_plan([*common, *overrides])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
-    job_profile(sim_cfg, again=True)  # the fastest of two profiles, this one tens of seconds after the first
+    job_profile(sim_cfg, again=True)  # the fastest of two profiles, the cores' worth measured between them
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
     # The machine's load drifts over the job: the mean of what its workers could have before and after it.

@@ -474,7 +474,8 @@ def measure_profile(
 
     ``again``: measure even where a profile is cached, and cache the fastest of both (``fastest_of``): a profile
     taken while other load held the cores is slow for as long as that load lasted (two of gpt2-tiny's taken a
-    minute apart here: 28.6 and 41.2 ms for a micro-batch's passes, the second's layers 1.2 to 2 times slower).
+    minute and a half apart here: 28.6 and 41.2 ms for a micro-batch's passes, the second's layers 1.2 to 2 times
+    slower).
 
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
     bandwidths: communication then costs nothing in the planners. ``threads``: measure with as many torch threads
