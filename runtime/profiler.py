@@ -310,7 +310,7 @@ def _worth(sweep: tuple[tuple[float, ...], ...], against: Sequence[float]) -> li
     process), then the sum over the first k side by side (at least 0.05: a process the scheduler starved for the
     whole measurement still counts)."""
     alone, *together = sweep
-    return [alone[0] / against[0], *(max(sum(r / a for r, a in zip(k, against)), 0.05) for k in together)]
+    return [alone[0] / against[0], *(max(sum(r / a for r, a in zip(first_k, against)), 0.05) for first_k in together)]
 
 
 def cores_by_load(
