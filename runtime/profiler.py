@@ -24,7 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,14 +287,22 @@ def _link_worker(rank: int, store_path: str, nbytes: int, rounds: int, results: 
 
 @dataclass(frozen=True)
 class HostLoad:
-    """What ``cores_by_load`` measured."""
+    """What ``cores_by_load`` measured: each sweep's rates, entry 0 each process's alone, entry k - 1 the first k's
+    side by side."""
 
-    worth: tuple[float, ...]
-    """The cores' worth k processes computing at once got together, k = 1 .. n (``sim.host_cores_by_load``)."""
-    alone: tuple[float, ...]
-    """Each process's rate alone, micro-batches a second: what a later measurement counts its rates against."""
     sweeps: tuple[tuple[tuple[float, ...], ...], ...]
-    """Each sweep's rates: entry 0 each process's alone, entry k - 1 the first k's side by side."""
+
+    @property
+    def worth(self) -> tuple[float, ...]:
+        """The cores' worth k processes computing at once got together, k = 1 .. n (``sim.host_cores_by_load``),
+        each sweep's rates counted against its own rates alone: entry 0 is 1. Each number's median over the sweeps."""
+        return _medians(_worth(sweep, sweep[0]) for sweep in self.sweeps)
+
+    @property
+    def alone(self) -> tuple[float, ...]:
+        """Each process's rate alone, micro-batches a second (the median over the sweeps): what a later measurement
+        counts its rates against."""
+        return _medians(sweep[0] for sweep in self.sweeps)
 
     def worth_against(self, rates: Sequence[float]) -> tuple[float, ...]:
         """The worth with every rate counted against ``rates`` (one a process: its rate alone measured earlier, or
@@ -302,7 +310,12 @@ class HostLoad:
         so that how fast the machine runs the processes against those rates is in the worth: a job's real
         iterations here moved by up to 23% from one round to the next, where the processes of one measurement, each
         against its own rate alone, saw nothing of it. Each number's median over the sweeps."""
-        return tuple(statistics.median(column) for column in zip(*(_worth(s, rates) for s in self.sweeps), strict=True))
+        return _medians(_worth(sweep, rates) for sweep in self.sweeps)
+
+
+def _medians(rows: Iterable[Sequence[float]]) -> tuple[float, ...]:
+    """Each column's median."""
+    return tuple(statistics.median(column) for column in zip(*rows, strict=True))
 
 
 def _worth(sweep: tuple[tuple[float, ...], ...], against: Sequence[float]) -> list[float]:
@@ -367,12 +380,7 @@ def cores_by_load(
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
-    alone = tuple(statistics.median(column) for column in zip(*(rates[0] for rates in measured), strict=True))
-    return HostLoad(
-        worth=tuple(statistics.median(column) for column in zip(*(_worth(r, r[0]) for r in measured), strict=True)),
-        alone=alone,
-        sweeps=measured,
-    )
+    return HostLoad(measured)
 
 
 def _compute(
