@@ -15,8 +15,11 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
 - ``process_start_s``: ``restart_workers`` of two workers, as on an idle host: divided by the slowdown the
   simulator would charge two processes starting on the share of the machine they had (``profiler.host_share``,
   measured around it); ``node_start_s``: starting the cluster (alike) less that: the agents.
-- ``configure_s``: configuring a plan on workers that already hold its layers; ``build_bytes_per_s``: a fresh
-  worker's configuration takes longer by building its layers' weights and optimizer state.
+- ``configure_s``: configuring a plan of two stages on workers that hold its layers and ran a step of the plan
+  before, as a recovery configures (right after the configuration before, with no step between, it took 2 ms, and
+  5-8 ms after steps); ``configure_group_s``: configuring two replicas of the whole model, one gradient reduce group,
+  takes longer by that (both, as ``process_start_s``, an idle host's); ``build_bytes_per_s``: a fresh worker's
+  configuration takes longer by building its layers' weights and optimizer state.
 - ``layer_overhead_s``: the runtime's cost per layer of a forward or backward instruction beyond the profiled
   layers', from the CPU time of one worker's steps of one micro-batch and of eight (each micro-batch more costs its
   profiled compute and two instructions of every layer), against the layers profiled just before each repeat (not
@@ -139,16 +142,33 @@ def measure(cache_dir: Path) -> dict[str, float]:
         # Two workers start at once; the simulator charges process_start_s x max(1, 2 / host cores): inverted here
         # with the share of the machine two processes had around the measurement, the constant is an idle host's.
         starting = host_share(2)
+
+        def reconfigured(shape) -> float:  # noqa: ANN001 - a Plan
+            """A new generation of ``shape`` configured on workers holding its layers, then a step of it."""
+            plan = next_plan(shape)
+            seconds = timed(lambda: backend.configure(plan, one_f_one_b(plan), {}, None))
+            _run_step(backend, plan, plan.step)
+            return seconds
+
+        pair = grid_plan([0, 1], 1, layers, 4, 2)  # two replicas: one gradient reduce group
+        held: list[float] = []  # configuring workers that hold the layers, right after the fresh configuration
         for _ in range(REPEATS):
             found.setdefault("process_start_s", []).append(timed(backend.restart_workers))
             plan = next_plan(two)
             fresh = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None))
             plan = next_plan(two)
-            same = timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None))
-            found.setdefault("configure_s", []).append(same)
-            found.setdefault("build_bytes_per_s", []).append(slowest_state / max(fresh - same, 1e-3))
+            held.append(timed(lambda plan=plan: backend.configure(plan, one_f_one_b(plan), {}, None)))
+            found.setdefault("build_bytes_per_s", []).append(slowest_state / max(fresh - held[-1], 1e-3))
+            # As a recovery configures: after steps of the generation before (its buffers and groups retired then).
+            _run_step(backend, plan, plan.step)
+            found.setdefault("configure_s", []).append(reconfigured(two))
+            backend.restart_workers()  # every layer built afresh: all at the same optimizer step
+            reconfigured(pair)
+            found.setdefault("configure_pair_s", []).append(reconfigured(pair))
         starting = (starting + host_share(2)) / 2
-        found["process_start_s"] = [t / max(1.0, 2 / starting) for t in found["process_start_s"]]
+        # Both workers configure at once: what the simulator charges is an idle host's, slowed as for two at once.
+        for name in ("process_start_s", "configure_s", "configure_pair_s"):
+            found[name] = [t / max(1.0, 2 / starting) for t in found[name]]
         found["cluster_start_s"] = [cluster_start / max(1.0, 2 / starting)]  # two agents, then their workers
         # One worker alone, steps of one micro-batch and of eight: its CPU time per step grows by the profiled compute
         # and two instructions' runtime cost per micro-batch more (of the whole model's layers: the cost grows with
@@ -213,7 +233,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
             writing = save - control - slowest_state / codec
             found.setdefault("storage_write_bytes_per_s", []).append(state / max(writing, 1e-3))
         source = StorageSource(step, str(scratch / "ckpt" / f"step-{step:06d}"))
-        configure = min(found["configure_s"])
+        configure = min(held)
         build = max(found["build_bytes_per_s"])
         for _ in range(REPEATS):
             backend.restart_workers()
@@ -237,6 +257,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
     for name in ("storage_write_bytes_per_s", "storage_read_bytes_per_s"):
         best[name] = statistics.median(found[name])
     best["node_start_s"] = max(best.pop("cluster_start_s") - best["process_start_s"], 0.0)
+    best["configure_group_s"] = max(best.pop("configure_pair_s") - best["configure_s"], 0.0)
     best["codec_bytes_per_s"] = codec
     best["snapshot_launch_s"] = SimConfig.snapshot_launch_s
     best["failure_window_s"] = local_backend._FAILURE_WINDOW_S
@@ -364,9 +385,9 @@ def render(values: dict[str, float], runs: int) -> str:
         "# (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
     order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "message_cpu_s",
-             "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "process_start_s", "node_start_s",
-             "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s", "storage_read_bytes_per_s",
-             "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
+             "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "configure_group_s", "process_start_s",
+             "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
+             "storage_read_bytes_per_s", "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:
         value = values[name]
         lines.append(f"{name}: {int(value) if name == 'host_cores' else f'{value:.6g}'}")

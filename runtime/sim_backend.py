@@ -16,7 +16,7 @@ What each wait costs:
   (``runtime.sim_timing``), up to every worker's ReduceGrads; then the commit (``sim.control_s``) and the slowest
   optimizer step. **One iteration is simulated per plan and reused for every step of it: the iterations of one plan
   are identical** (same programs, same costs), so the clock of step k of a plan is its start plus k periods.
-- a configuration: ``sim.configure_s`` (programs, a process group per generation), then the layer copies (the
+- a configuration: ``sim_timing.configuration_s`` (programs, process groups, buffers), then the layer copies (the
   ``SendLayer``/``RecvLayer`` programs on the same abstract machine; a worker's sends share its link, one after
   another), building every layer a worker did not hold (``sim.build_bytes_per_s``), decoding what it received
   (``sim.codec_bytes_per_s``), and reading what it restores from storage (``sim.storage_read_bytes_per_s``,
@@ -93,7 +93,7 @@ from ftlab.runtime.model_spec import FP32
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import timeline
 from ftlab.runtime.shared_host import host_of
-from ftlab.runtime.sim_timing import IterationTimer, IterationTiming
+from ftlab.runtime.sim_timing import IterationTimer, IterationTiming, configuration_s
 from ftlab.runtime.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
 
 _NEVER = math.inf
@@ -468,8 +468,9 @@ class SimBackend(Backend, FaultTarget):
         reading = self._restore_s(restore, restored) if restored else 0.0
         restored_from = self._restored_from(restore, restored)
         self._configuring = None
-        seconds = self.sim.configure_s + slowest + reading
-        self._arm_transfers(plan, transfers, started + self.sim.configure_s)
+        configuring = configuration_s(self.sim, plan, self.host)
+        seconds = configuring + slowest + reading
+        self._arm_transfers(plan, transfers, started + configuring)
         failure = self._wait(started + seconds, needs=needs)
         if failure:
             return failure

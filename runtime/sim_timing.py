@@ -304,6 +304,17 @@ class IterationTimer:
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
 
 
+def configuration_s(sim: SimConfig, plan: Plan, host: HostCores | None) -> float:
+    """Configuring ``plan`` before any layer moves: the slowest worker's own configuration (``sim.configure_s``)
+    and ``sim.configure_group_s`` for each gradient reduce group it is in. On a shared host (``host``) every worker
+    of the plan configures at once, and they share its cores."""
+    group_of = {layer: i for i, (_, layers) in enumerate(plan.reduction_groups()) for layer in layers}
+    # Workers of one range of layers are in the same groups.
+    groups = [len({group_of[i] for i in range(*held) if i in group_of}) for held in plan.workers_by_range()]
+    slowdown = host.contention(len(plan.workers)) if host is not None else 1.0
+    return (sim.configure_s + sim.configure_group_s * max(groups, default=0)) * slowdown
+
+
 def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
     """Workers connected by point-to-point instructions, each group in ascending order."""
     parent = {w: w for w in programs}

@@ -18,7 +18,7 @@ def test_every_constant_is_measured_and_the_file_reads_back_as_the_simulator_rea
     assert rates and all(0 < values[name] < float("inf") for name in rates)
     assert values["process_start_s"] > 0 and values["host_cores"] >= 1
     assert all(values[name] >= 0 for name in ("detect_s", "control_s", "step_cpu_s", "layer_overhead_s", "abort_s",
-                                              "configure_s"))
+                                              "configure_s", "configure_group_s"))
     path = tmp_path / "measured.yaml"
     path.write_text(render(values, 1))
     sim = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SimConfig), OmegaConf.load(path)))

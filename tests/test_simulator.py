@@ -34,9 +34,11 @@ from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Pro
 from ftlab.runtime.coordinator import first_holders
 from ftlab.runtime.costs import ModelProfile
 from ftlab.runtime.profiler import analytic_profile
+from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
 from ftlab.runtime.program_check import ProgramError, timeline
 from ftlab.runtime.sim_backend import SimBackend
-from ftlab.runtime.sim_timing import IterationTimer
+from ftlab.runtime.shared_host import HostCores
+from ftlab.runtime.sim_timing import IterationTimer, configuration_s
 from ftlab.runtime.snapshot_layout import groups_of
 
 STEPS = 10
@@ -341,6 +343,23 @@ def test_an_all_reduce_costs_each_member_its_buffer_whatever_the_members(job_ove
 
     assert added(2) > 0
     assert added(4) == pytest.approx(2 * added(2), rel=1e-6)
+
+
+def test_a_configuration_costs_the_slowest_worker_its_share_and_its_reduce_groups_on_the_cores_shared() -> None:
+    sim = SimConfig(configure_s=0.005, configure_group_s=0.008)
+    stages = grid_plan([0, 1], 2, 8, 4, 2)  # nothing is all-reduced
+    replicas = grid_plan([0, 1], 1, 8, 4, 2)  # one reduce group
+    grid = grid_plan([0, 1, 2, 3], 2, 8, 8, 2)  # one group each, four workers
+    # Worker 2 alone holds every layer, so it all-reduces the first half with worker 0 and the second with worker 1.
+    halves = Pipeline((Stage(0, 0, 4), Stage(1, 4, 8)), (0, 1))
+    mixed = Plan(0, 8, 8, 2, (halves, Pipeline((Stage(2, 0, 8),), (2, 3))))
+    assert configuration_s(sim, stages, None) == pytest.approx(0.005)
+    assert configuration_s(sim, replicas, None) == configuration_s(sim, grid, None) == pytest.approx(0.013)
+    assert configuration_s(sim, mixed, None) == pytest.approx(0.021)
+    # On a shared host every worker configures at once: two on two cores as fast as one, four at half the speed.
+    two_cores = HostCores(2)
+    assert configuration_s(sim, replicas, two_cores) == pytest.approx(0.013)
+    assert configuration_s(sim, grid, two_cores) == pytest.approx(2 * 0.013)
 
 
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:

@@ -85,7 +85,7 @@ from ftlab.runtime.contract import (
 )  # fmt: skip
 from ftlab.runtime.plan import PlanError
 from ftlab.runtime.shared_host import host_of
-from ftlab.runtime.sim_timing import IterationTimer
+from ftlab.runtime.sim_timing import IterationTimer, configuration_s
 
 IN_PLACE = ("reroute", "reconfigure")
 """The candidates a review may switch to: they keep every survivor's state and lose no step."""
@@ -366,10 +366,10 @@ class Adaptive(Policy):
         costs = job.costs
         codec = m.codec_bytes_per_s if job.shared_host else float("inf")
         build = m.build_bytes_per_s if job.shared_host else float("inf")
+        host = host_of(m) if job.shared_host else None
         seconds = m.detect_s + m.failure_window_s + m.abort_s if change.is_failure else 0.0
         if decision.restart:
             at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
-            host = host_of(m) if job.shared_host else None
             seconds += m.process_start_s * (host.contention(at_once) if host is not None else 1.0)
         arrival, received = _arrivals(decision.transfers, costs.transfer_s)
         slowest = 0.0
@@ -386,7 +386,7 @@ class Adaptive(Policy):
             decoded = _bytes(costs, got) / codec
             slowest = max(slowest, arrival.get(worker, 0.0) + decoded + _bytes(costs, new) / build)
         reading = _restore_s(decision.restore, restored, costs, m, codec) if restored else 0.0
-        return seconds + m.configure_s + slowest + reading
+        return seconds + configuration_s(m, decision.plan, host) + slowest + reading
 
 
 def _machinery(job: Job) -> SimConfig:
