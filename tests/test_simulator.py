@@ -33,11 +33,11 @@ from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.coordinator import first_holders
 from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
+from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.shared_host import HostCores
+from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.sim_timing import IterationTimer, configuration_s
 from ftlab.runtime.snapshot_layout import groups_of
 
