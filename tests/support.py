@@ -64,7 +64,8 @@ plan, so the review at step 4 switches."""
 
 REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272", "sim.configure_s=0.00211632",
                      "sim.configure_group_s=0", "sim.build_bytes_per_s=9.94965e+08",
-                     "sim.codec_bytes_per_s=5.23127e+08", "sim.host_cores=2", "sim.step_cpu_s=0", "sim.host_cores_by_load=[]")  # fmt: skip
+                     "sim.codec_bytes_per_s=5.23127e+08", "sim.host_cores=2", "sim.step_cpu_s=0",
+                     "sim.host_cores_by_load=[]")  # fmt: skip
 """The machinery constants of adaptive's reroute-then-reconfigure scenario (``conf/sim/measured.yaml`` of 2026-11-25,
 with no cost of a reduce group's configuration, and a runtime cost of 0.05 ms a layer of an instruction: about what the
 analytic A100 profile's layers cost; the rates of building and decoding at 3/4, as in ``REVIEW_MACHINERY``), fixed so
