@@ -87,6 +87,8 @@ class SaveProgress:
     """Every writer's bytes so far."""
     copy_s: float
     """The slowest writer's copy time so far."""
+    cpu_s: float
+    """Every writer's copy CPU time so far, added up."""
 
 
 @dataclass
@@ -98,6 +100,7 @@ class PendingSnapshot:
     waiting: set[int]
     nbytes: int = 0
     copy_s: float = 0.0
+    cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,8 @@ class SimConfig:
     """Checkpoint reads, all readers together."""
     snapshot_bytes_per_s: float = 1e9
     """A REFT snapshot's copy into the node's memory (with its checksum), and a record's read back, per worker, bytes
-    per second: the copy-and-CRC rate measured here for ``policies/reft/interval.py`` (about 2.5 GB/s copying into
-    pre-touched /dev/shm and 2.2 GB/s of CRC-32, one thread, on this loaded 2-core machine: about 1 GB/s)."""
+    per second of the copy thread's CPU: what a real run records as ``ft/snapshot_bytes`` over
+    ``ft/snapshot_cpu_s`` (``experiments/measure_sim_constants.py``)."""
     snapshot_launch_s: float = 1e-3
     """A snapshot's cost on the training thread before its copy runs beside training: starting the copy thread
     and describing the state to it (``policies/reft/interval.py``'s ``LAUNCH_S``, an estimate, not a measurement)."""

@@ -198,7 +198,8 @@ class Coordinator:
         for progress in self.backend.completed_saves():
             self.protection.saved(progress.action, progress.step, progress.records)
             if progress.complete:
-                self._publish(ev.SnapshotTaken, step=progress.step, copy_s=progress.copy_s, nbytes=progress.nbytes)
+                self._publish(ev.SnapshotTaken, step=progress.step, copy_s=progress.copy_s, cpu_s=progress.cpu_s,
+                              nbytes=progress.nbytes)
 
     # -- recovery ------------------------------------------------------------------------------------------------
     def _recover(self, failure: Failure, attempted: Plan, step: int) -> tuple[Decision, int]:

@@ -220,6 +220,8 @@ class SnapshotTaken(Event):
     step: int
     copy_s: float
     """The slowest writer's copy time."""
+    cpu_s: float
+    """Every writer's copy CPU time, added up: what the snapshot cost the cores beside training."""
     nbytes: int
     """Every record's bytes, redundancy included."""
 

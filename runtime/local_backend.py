@@ -197,11 +197,12 @@ class LocalBackend(Backend, FaultTarget):
         snapshot.waiting.discard(worker)
         snapshot.nbytes += sum(r.nbytes for r in report.records)
         snapshot.copy_s = max(snapshot.copy_s, report.copy_s)
+        snapshot.cpu_s += report.cpu_s
         complete = not snapshot.waiting
         if complete:
             del self._snapshots[report.step]
         self._progress.append(SaveProgress(report.step, snapshot.action, (worker,), report.records, complete,
-                                           snapshot.nbytes, snapshot.copy_s))  # fmt: skip
+                                           snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s))  # fmt: skip
 
     def restart_workers(self) -> Failure | None:
         """End every worker process and start fresh ones on every live node.

@@ -262,6 +262,8 @@ class Snapshotted:
     step: int
     records: tuple[MemoryRecord, ...]
     copy_s: float
+    cpu_s: float
+    """The copy thread's CPU time."""
 
 
 @dataclass(frozen=True)

@@ -638,10 +638,13 @@ class SimBackend(Backend, FaultTarget):
             snapshot.waiting.difference_update(copy.writers.members)
             snapshot.nbytes += copy.writers.nbytes
             snapshot.copy_s = max(snapshot.copy_s, copy.ends - copy.begins)
+            snapshot.cpu_s += copy.writers.nbytes / self.sim.snapshot_bytes_per_s  # each on a core of its own
             if not snapshot.waiting:
                 del self._snapshots[copy.step]
-            progress.append(SaveProgress(copy.step, snapshot.action, copy.writers.workers, copy.writers.records,
-                                         not snapshot.waiting, snapshot.nbytes, snapshot.copy_s))  # fmt: skip
+            progress.append(SaveProgress(
+                copy.step, snapshot.action, copy.writers.workers, copy.writers.records, not snapshot.waiting,
+                snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s,
+            ))  # fmt: skip
         return progress
 
     def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:

@@ -154,6 +154,10 @@ class SnapshotReport:
     records: tuple[MemoryRecord, ...]
     """With their checksums and sizes."""
     copy_s: float
+    cpu_s: float
+    """The CPU time of the copy's thread: what the copy cost the cores beside training, whatever it waited for.
+    (A worker of several threads, ``cluster.threads_per_worker``, may share a large tensor's copy among them: their
+    part is not counted.)"""
 
 
 def write_records(
@@ -196,9 +200,9 @@ class Snapshotter:
         assert self._copy is None, "a snapshot is already being copied"
 
         def copy() -> SnapshotReport:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             written = write_records(self.files, states, records, step, keep, lambda: self.on_phase(step, "snapshot"))
-            return SnapshotReport(step, tuple(written), time.perf_counter() - started)
+            return SnapshotReport(step, tuple(written), time.perf_counter() - started, time.thread_time() - cpu)
 
         self._copy = self.host.submit(copy)
 

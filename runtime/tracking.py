@@ -304,8 +304,8 @@ class RunRecorder:
                 self._log_step(metrics, event.step)
             case ev.SnapshotTaken():
                 # At the index of the last step the snapshot holds, as train/loss of that step.
-                self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_bytes": event.nbytes},
-                                         event.step - 1)  # fmt: skip
+                self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_cpu_s": event.cpu_s,
+                                          "ft/snapshot_bytes": event.nbytes}, event.step - 1)  # fmt: skip
             case ev.StateRestored():
                 self.tracker.log_metrics({"ft/restore_s": event.seconds, "ft/restore_bytes": event.nbytes},
                                          event.generation)  # fmt: skip

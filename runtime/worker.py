@@ -439,7 +439,7 @@ class Worker:
         report = self.snapshotter.finish() if running else None  # type: ignore[union-attr]
         self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
         if report is not None:
-            self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s))
+            self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s, report.cpu_s))
 
     def _load_from_memory(self, source: MemorySource, plan: Plan, helpers: tuple[int, ...], layers: list[int]) -> tuple[int, str]:
         """REFT-load: send the records of this node that others need, then rebuild every old group that overlaps

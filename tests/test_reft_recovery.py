@@ -47,10 +47,16 @@ def no_segment_left() -> object:
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
+def fault_free_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the fault-free run keeps its MLflow store and checkpoints."""
+    return tmp_path_factory.mktemp("fault-free")
+
+
+@pytest.fixture(scope="module")
+def fault_free(fault_free_dir: Path, token_cache: Path) -> JobResult:
     from ftlab.experiments.job import compose_config, run_job
 
-    d = tmp_path_factory.mktemp("fault-free")
+    d = fault_free_dir
     overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
                  "progress=false", *REFT]  # fmt: skip
     return run_job(compose_config(overrides))
@@ -80,6 +86,18 @@ def test_a_node_killed_in_any_phase_resumes_from_memory_with_no_step_lost(
     (restore,) = restores(events)
     assert restore["source"] == "memory" and restore["step"] == (6 if phase == "optimizer" else 5)
     assert [len(p.pipelines) for p in result.plans] == [2, 1], "restarted on the 3 surviving nodes"
+
+
+def test_each_snapshot_records_its_copy_threads_cpu(fault_free: JobResult, fault_free_dir: Path) -> None:
+    # The workers' copy threads' CPU time, added up: a thread's CPU never exceeds its copy's time, and the copy of
+    # megabytes of state takes some.
+    client = MlflowClient(f"sqlite:///{fault_free_dir}/mlflow.db")
+    history = {name: {m.step: m.value for m in client.get_metric_history(fault_free.run_id, f"ft/snapshot_{name}")}
+               for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip
+    writers = len(fault_free.plans[0].workers)
+    assert history["cpu_s"] and history["cpu_s"].keys() == history["copy_s"].keys() == history["bytes"].keys()
+    for step, cpu_s in history["cpu_s"].items():
+        assert 0 < cpu_s <= writers * history["copy_s"][step], step
 
 
 MODES = [("arc", "memory"), ("aec", "parity"), ("arc+aec", "memory"), ("aor", "memory")]

@@ -296,6 +296,23 @@ def test_on_a_shared_host_a_copy_takes_cores_from_the_iteration_it_overlaps(job_
     assert plain[1].iter_s + launch < copied[1e11][1].iter_s < copied[1e10][1].iter_s
 
 
+def test_a_snapshots_copy_cpu_is_its_bytes_at_the_copy_rate_however_long_the_copies_waited(
+    job_overrides: list[str], tmp_path: Path
+) -> None:
+    # Copies on one shared core beside the iterations take longer than their CPU: the record's CPU is the rate's.
+    rate = 1e9
+    result = simulate_job(compose_config([*job_overrides, "mode=simulate", *REFT, f"sim.snapshot_bytes_per_s={rate}",
+                                          "sim.host_cores=1"]))  # fmt: skip
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    history = {name: {m.step: m.value for m in client.get_metric_history(result.run_id, f"ft/snapshot_{name}")}
+               for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip
+    writers = len(result.plans[0].workers)
+    assert len(history["cpu_s"]) == STEPS - 1  # the last step's snapshot is still copying when the job ends
+    for step, cpu_s in history["cpu_s"].items():
+        assert cpu_s == pytest.approx(history["bytes"][step] / rate)
+        assert history["copy_s"][step] > cpu_s / writers
+
+
 def test_on_a_shared_host_the_cores_give_what_so_many_computing_at_once_got(job_overrides: list[str]) -> None:
     # Measured cores' worth by load: as many cores as workers up to two computing at once leaves the iteration as two
     # plain cores do; fewer for three and four lengthens it.
