@@ -4,13 +4,18 @@
     .venv/bin/python -m experiments.bench_simulator --smoke    # shorter jobs (what CI and a busy machine can afford)
     .venv/bin/python -m experiments.bench_simulator --no-real  # the scale run only
     .venv/bin/python -m experiments.bench_simulator --rounds 3 # each real job three times: medians compared
+    .venv/bin/python -m experiments.bench_simulator --constants-as-measured  # conf/sim/measured.yaml's constants
     .venv/bin/python -m experiments.bench_simulator --jobs oobleck recycle_reft  # some of the validation jobs
     .venv/bin/python -m experiments.bench_simulator --jobs depth-4x1 depth-1x4 --rounds 2  # pipeline depth alone
 
 Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
 composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
-the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants in
-``conf/sim/measured.yaml``:
+the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants of the
+machinery measured for that round, before its jobs (``round_constants``: one run of
+``experiments.measure_sim_constants``, some two and a half minutes). Measured hours apart here, the constants
+differed by up to 30% (a message's CPU, the runtime's cost per layer, a step's own work), and with them the
+simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour were charged to jobs run in a busy
+one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
@@ -35,9 +40,9 @@ the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = this m
 the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
 ``conf/sim/measured.yaml``'s.
 
-With ``--rounds N`` each job runs N times, each round simulated on the cores measured beside it, and the medians
-of the real and of the simulated rounds are compared: two runs of one job here differ by up to 15% in their
-iteration time, more than the targets.
+With ``--rounds N`` each job runs N times, a round being every job once after the round's constants, each simulated
+on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: two runs of
+one job here differ by up to 15% in their iteration time, more than the targets.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan; ``iter_after_s``: of the last plan, after the recovery), the recovery time (the
@@ -179,13 +184,25 @@ def host_overrides(by_load: tuple[float, ...]) -> list[str]:
     return [f"sim.host_cores={cores}", f"sim.host_cores_by_load=[{','.join(f'{c:.3f}' for c in by_load)}]"]
 
 
-def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int, names: list[str]) -> dict[str, Any]:
-    """Each job of ``names`` ``rounds`` times for real, each round simulated on the cores measured beside it; per
-    measure, the median of the real rounds against the median of the simulated ones."""
+Paired = tuple[dict[str, float | None], dict[str, float | None], tuple[float, ...] | None]
+"""A round of a job: its real figures, its simulated figures, and the cores' worth by load simulated."""
+
+
+def validate(
+    steps: int, scratch: Path, measure_cores: bool, measure_constants: bool, rounds: int, names: list[str]
+) -> tuple[dict[str, Any], list[list[str]]]:
+    """Each job of ``names`` ``rounds`` times for real, each round simulated on the constants measured before it and
+    the cores measured beside each job; per job and measure, the median of the real rounds against the median of
+    the simulated ones; and each round's constants."""
+    rounds_of: dict[str, list[Paired]] = {name: [] for name in names}
+    constants = []
+    for _ in range(rounds):
+        constants.append(round_constants(scratch) if measure_constants else [])
+        for name in names:
+            overrides = {**JOBS, **DIAGNOSIS}[name]
+            rounds_of[name].append(pair(name, overrides, steps, scratch, measure_cores, constants[-1]))
     out: dict[str, Any] = {}
-    for name in names:
-        overrides = {**JOBS, **DIAGNOSIS}[name]
-        paired = [pair(name, overrides, steps, scratch, measure_cores) for _ in range(rounds)]
+    for name, paired in rounds_of.items():
         real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}
         sim = {m: _median([s[m] for _, s, _ in paired]) for m in paired[0][1]}
         errors = {measure: error(sim[measure], real[measure]) for measure in real}
@@ -194,14 +211,26 @@ def validate(steps: int, scratch: Path, measure_cores: bool, rounds: int, names:
         print(f"[{name}] " + "  ".join(
             f"{m}: real {_fmt(real[m])} sim {_fmt(sim[m])} error {_pct(errors[m])}" for m in real
         ), flush=True)  # fmt: skip
-    return out
+    return out, constants
+
+
+def round_constants(scratch: Path) -> list[str]:
+    """The constants of the machinery measured now (``measure_sim_constants.measure``, one run), as the overrides of
+    a round's simulations; but ``host_cores``, which the cores measured beside each job give."""
+    from ftlab.experiments.measure_sim_constants import measure
+
+    print("[constants] measuring ...", flush=True)
+    values = measure(round_cache(Path(tempfile.mkdtemp(prefix="constants-", dir=scratch))))
+    overrides = [f"sim.{name}={value:.6g}" for name, value in values.items() if name != "host_cores"]
+    print(f"[constants] {' '.join(overrides)}", flush=True)
+    return overrides
 
 
 def pair(
-    name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool
-) -> tuple[dict[str, float | None], dict[str, float | None], tuple[float, ...] | None]:
-    """One real run of a job and its simulation; (real figures, simulated figures, the cores' worth by load
-    simulated)."""
+    name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool, constants: list[str]
+) -> Paired:
+    """One real run of a job and its simulation on ``constants`` (overrides of ``sim``) and the cores measured beside
+    it."""
     from ftlab.experiments.job import compose_config, job_profile, run_job
     from ftlab.experiments.simulate import simulate
 
@@ -210,7 +239,7 @@ def pair(
         "experiment=plain", f"train.steps={steps}", f"train.cache_dir={round_cache(d)}", "progress=false",
         f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
     ]  # fmt: skip
-    sim_cfg, first = first_plan([*common, *overrides])  # the round's profile is measured here
+    sim_cfg, first = first_plan([*common, *overrides, *constants])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
     job_profile(sim_cfg, again=True)  # the fastest of two profiles, the cores' worth measured between them
     print(f"[{name}] real ...", flush=True)
@@ -219,7 +248,8 @@ def pair(
     cores = None if before is None else host_worth(sim_cfg, first, before, workers_share(sim_cfg, first))
     given = [] if cores is None else host_overrides(cores)
     print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
-    sim = figures(simulate(OmegaConf.to_object(compose_config([*common, *overrides, "mode=simulate", *given]))).result)
+    simulated = compose_config([*common, *overrides, "mode=simulate", *constants, *given])
+    sim = figures(simulate(OmegaConf.to_object(simulated)).result)
     print(f"[{name}]   round: " + "  ".join(f"{m} real {_fmt(real[m])} sim {_fmt(sim[m])}" for m in real), flush=True)
     return real, sim, cores
 
@@ -280,6 +310,8 @@ def main() -> None:
     parser.add_argument("--no-real", action="store_true", help="skip the validation jobs")
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
+    parser.add_argument("--constants-as-measured", action="store_true",
+                        help="use conf/sim/measured.yaml's constants instead of measuring them each round")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
     parser.add_argument("--jobs", nargs="+", choices=[*JOBS, *DIAGNOSIS], default=list(JOBS),
                         help="the jobs to run: validation jobs, or the diagnosis jobs (module docstring)")
@@ -288,7 +320,9 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: give at least 1")
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
     steps = 14 if args.smoke else 30
-    jobs = {} if args.no_real else validate(steps, scratch, not args.cores_as_measured, args.rounds, args.jobs)
+    jobs, constants = ({}, []) if args.no_real else validate(
+        steps, scratch, not args.cores_as_measured, not args.constants_as_measured, args.rounds, args.jobs
+    )
     speed = scale(not args.no_record, scratch)
 
     def worst(*measures: str) -> float | None:
@@ -301,6 +335,7 @@ def main() -> None:
         "max_error_goodput": worst("goodput"),
         **speed,
         "jobs": jobs,
+        "constants": constants,
     }
     print(json.dumps(summary))
     sys.stdout.flush()
