@@ -12,10 +12,10 @@ Validation. Each job runs on the real runtime here (``run_job``: real agents, wo
 composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
 the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants of the
 machinery measured for that round, before its jobs (``round_constants``: one run of
-``experiments.measure_sim_constants``, some two and a half minutes). Measured hours apart here, the constants
-differed by up to 30% (a message's CPU, the runtime's cost per layer, a step's own work), and with them the
-simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour were charged to jobs run in a busy
-one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
+``experiments.measure_sim_constants``, some two and a half minutes). Measured three hours apart here, the
+runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's own work by a factor of 2.7, and with
+them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour were charged to jobs run in
+a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
@@ -42,7 +42,7 @@ the real run met, measured beside it, not fitted to its result. ``--cores-as-mea
 
 With ``--rounds N`` each job runs N times, a round being every job once after the round's constants, each simulated
 on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: two runs of
-one job here differ by up to 15% in their iteration time, more than the targets.
+one job here differ by up to 30% in their iteration time, more than the targets.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan; ``iter_after_s``: of the last plan, after the recovery), the recovery time (the
@@ -58,7 +58,7 @@ preemption rate per node on 125 nodes): some 650 preemptions and as many joins. 
 ``simulate`` (checks, planning, the simulated day), with no MLflow record; ``scale_record_s`` adds the record.
 
 The last line printed is one JSON object: ``max_error_iter`` (over both plans' iterations), ``max_error_recover``,
-``max_error_goodput``, ``scale_run_s``, and per job its real and simulated figures.
+``max_error_goodput``, ``scale_run_s``, per job its real and simulated figures, and each round's constants.
 """
 
 from __future__ import annotations
