@@ -194,13 +194,13 @@ def validate(
     """Each job of ``names`` ``rounds`` times for real, each round simulated on the constants measured before it and
     the cores measured beside each job; per job and measure, the median of the real rounds against the median of
     the simulated ones; and each round's constants."""
+    catalogue = {**JOBS, **DIAGNOSIS}
     rounds_of: dict[str, list[Paired]] = {name: [] for name in names}
     constants = []
     for _ in range(rounds):
         constants.append(round_constants(scratch) if measure_constants else [])
         for name in names:
-            overrides = {**JOBS, **DIAGNOSIS}[name]
-            rounds_of[name].append(pair(name, overrides, steps, scratch, measure_cores, constants[-1]))
+            rounds_of[name].append(pair(name, catalogue[name], steps, scratch, measure_cores, constants[-1]))
     out: dict[str, Any] = {}
     for name, paired in rounds_of.items():
         real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}

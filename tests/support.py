@@ -86,3 +86,13 @@ def analytic_profiles() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(job_module, "job_profile", analytic)
         yield
+
+
+def snapshot_history(store: str, run_id: str) -> dict[str, dict[int, float]]:
+    """Each snapshot's ``ft/snapshot_cpu_s``, ``ft/snapshot_copy_s`` and ``ft/snapshot_bytes`` in the MLflow store
+    ``store`` (a tracking URI), by the step each was logged at; keyed ``cpu_s``, ``copy_s`` and ``bytes``."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    return {name: {m.step: m.value for m in client.get_metric_history(run_id, f"ft/snapshot_{name}")}
+            for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip

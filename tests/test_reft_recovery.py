@@ -28,7 +28,7 @@ from ftlab.runtime.contract import MemorySource
 from ftlab.runtime.coordinator import JobStopped
 from ftlab.runtime.local_backend import LocalBackend
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
-from tests.support import explicit
+from tests.support import explicit, snapshot_history
 
 STEPS = 8
 REFT = ["experiment=plain", "policy=checkpoint_restart", "protection=reft", f"protection.flush_every={STEPS}",
@@ -91,9 +91,7 @@ def test_a_node_killed_in_any_phase_resumes_from_memory_with_no_step_lost(
 def test_each_snapshot_records_its_copy_threads_cpu(fault_free: JobResult, fault_free_dir: Path) -> None:
     # The workers' copy threads' CPU time, added up: a thread's CPU never exceeds its copy's time, and the copy of
     # megabytes of state takes some.
-    client = MlflowClient(f"sqlite:///{fault_free_dir}/mlflow.db")
-    history = {name: {m.step: m.value for m in client.get_metric_history(fault_free.run_id, f"ft/snapshot_{name}")}
-               for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip
+    history = snapshot_history(f"sqlite:///{fault_free_dir}/mlflow.db", fault_free.run_id)
     writers = len(fault_free.plans[0].workers)
     assert history["cpu_s"] and history["cpu_s"].keys() == history["copy_s"].keys() == history["bytes"].keys()
     for step, cpu_s in history["cpu_s"].items():

@@ -40,6 +40,7 @@ from ftlab.runtime.shared_host import HostCores
 from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.sim_timing import IterationTimer, configuration_s
 from ftlab.runtime.snapshot_layout import groups_of
+from tests.support import snapshot_history
 
 STEPS = 10
 
@@ -303,9 +304,7 @@ def test_a_snapshots_copy_cpu_is_its_bytes_at_the_copy_rate_however_long_the_cop
     rate = 1e9
     result = simulate_job(compose_config([*job_overrides, "mode=simulate", *REFT, f"sim.snapshot_bytes_per_s={rate}",
                                           "sim.host_cores=1"]))  # fmt: skip
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    history = {name: {m.step: m.value for m in client.get_metric_history(result.run_id, f"ft/snapshot_{name}")}
-               for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip
+    history = snapshot_history(f"sqlite:///{tmp_path}/mlflow.db", result.run_id)
     writers = len(result.plans[0].workers)
     assert len(history["cpu_s"]) == STEPS - 1  # the last step's snapshot is still copying when the job ends
     for step, cpu_s in history["cpu_s"].items():
