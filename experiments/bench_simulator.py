@@ -18,10 +18,11 @@ them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a quie
 a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
-- ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 8's reduction;
-- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 8's reduction;
+- ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 22's reduction
+  (``KILL_AT``, of ``STEPS`` = 50);
+- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 22's reduction;
 - ``recycle_reft``: ReCycle on a 2 x 2 grid on ``local-4`` with REFT's snapshot after every step, node 1 killed in
-  step 8's reduction (its stage's peer takes its micro-batches).
+  step 22's reduction (its stage's peer takes its micro-batches).
 
 ``--jobs`` also takes two diagnosis jobs, not run by default: ``depth-4x1`` and ``depth-1x4``, fault-free, the same
 four workers and micro-batches as four one-stage replicas (no stage boundary, the whole model all-reduced) and as
@@ -81,20 +82,34 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
-KILL = "{{kind: node, node: {node}, at_step: 8, phase: reduce}}"
 HOST_SWEEPS = 3
 """Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
 grid's workers varied by 7% at four computing from one sweep to the next here."""
+STEPS, KILL_AT = 50, 22
+"""A job's steps, and the step in whose reduction a job with a fault loses its node: 21 iterations of the first
+plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares, and this
+machine's load moves within seconds: 10-step windows of one fault-free run of 150 steps here had medians from 0.167
+to 0.196 s, so the 6 iterations a kill in step 8 left the first plan could fall on one slow stretch."""
+SMOKE_STEPS, SMOKE_KILL_AT = 14, 8
 
-JOBS: dict[str, list[str]] = {
-    "fault-free": ["policy=none", "cluster=local-4", "train.stages=2"],
-    "oobleck": ["policy=oobleck", "policy.fault_threshold=1", "cluster=local-6", "cluster.device_memory_gb=0.04",
-                "faults=explicit", f"faults.events=[{KILL.format(node=3)}]"],
-    "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5", "cluster=local-4",
-                           "faults=explicit", f"faults.events=[{KILL.format(node=1)}]"],
-    "recycle_reft": ["policy=recycle", "protection=reft", "cluster=local-4", "train.stages=2", "faults=explicit",
-                     f"faults.events=[{KILL.format(node=1)}]"],
-}  # fmt: skip
+
+def kill(node: int, at_step: int) -> str:
+    return f"faults.events=[{{kind: node, node: {node}, at_step: {at_step}, phase: reduce}}]"
+
+
+def jobs(kill_at: int) -> dict[str, list[str]]:
+    """The validation jobs, a fault (where the job has one) in step ``kill_at``'s reduction."""
+    return {
+        "fault-free": ["policy=none", "cluster=local-4", "train.stages=2"],
+        "oobleck": ["policy=oobleck", "policy.fault_threshold=1", "cluster=local-6", "cluster.device_memory_gb=0.04",
+                    "faults=explicit", kill(3, kill_at)],
+        "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5",
+                               "cluster=local-4", "faults=explicit", kill(1, kill_at)],
+        "recycle_reft": ["policy=recycle", "protection=reft", "cluster=local-4", "train.stages=2", "faults=explicit",
+                         kill(1, kill_at)],
+    }  # fmt: skip
+
+
 DIAGNOSIS: dict[str, list[str]] = {
     "depth-4x1": ["policy=none", "cluster=local-4", "train.stages=1"],
     "depth-1x4": ["policy=none", "cluster=local-4", "train.stages=4"],
@@ -189,12 +204,13 @@ Paired = tuple[dict[str, float | None], dict[str, float | None], tuple[float, ..
 
 
 def validate(
-    steps: int, scratch: Path, measure_cores: bool, measure_constants: bool, rounds: int, names: list[str]
+    steps: int, kill_at: int, scratch: Path, measure_cores: bool, measure_constants: bool, rounds: int,
+    names: list[str],
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """Each job of ``names`` ``rounds`` times for real, each round simulated on the constants measured before it and
     the cores measured beside each job; per job and measure, the median of the real rounds against the median of
     the simulated ones; and each round's constants."""
-    catalogue = {**JOBS, **DIAGNOSIS}
+    catalogue = {**jobs(kill_at), **DIAGNOSIS}
     rounds_of: dict[str, list[Paired]] = {name: [] for name in names}
     constants = []
     for _ in range(rounds):
@@ -306,27 +322,29 @@ def _pct(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="14 steps a job instead of 30")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"{SMOKE_STEPS} steps a job instead of {STEPS}, a kill in step {SMOKE_KILL_AT}")
     parser.add_argument("--no-real", action="store_true", help="skip the validation jobs")
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
     parser.add_argument("--constants-as-measured", action="store_true",
                         help="use conf/sim/measured.yaml's constants instead of measuring them each round")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
-    parser.add_argument("--jobs", nargs="+", choices=[*JOBS, *DIAGNOSIS], default=list(JOBS),
+    parser.add_argument("--jobs", nargs="+", choices=[*jobs(KILL_AT), *DIAGNOSIS],
+                        default=list(jobs(KILL_AT)),
                         help="the jobs to run: validation jobs, or the diagnosis jobs (module docstring)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-bench-sim-"))
-    steps = 14 if args.smoke else 30
-    jobs, constants = ({}, []) if args.no_real else validate(
-        steps, scratch, not args.cores_as_measured, not args.constants_as_measured, args.rounds, args.jobs
+    steps, kill_at = (SMOKE_STEPS, SMOKE_KILL_AT) if args.smoke else (STEPS, KILL_AT)
+    validated, constants = ({}, []) if args.no_real else validate(
+        steps, kill_at, scratch, not args.cores_as_measured, not args.constants_as_measured, args.rounds, args.jobs
     )
     speed = scale(not args.no_record, scratch)
 
     def worst(*measures: str) -> float | None:
-        found = [j["error"][m] for j in jobs.values() for m in measures if j["error"][m] is not None]
+        found = [j["error"][m] for j in validated.values() for m in measures if j["error"][m] is not None]
         return max(found) if found else None
 
     summary = {
@@ -334,7 +352,7 @@ def main() -> None:
         "max_error_recover": worst("recover_s"),
         "max_error_goodput": worst("goodput"),
         **speed,
-        "jobs": jobs,
+        "jobs": validated,
         "constants": constants,
     }
     print(json.dumps(summary))
