@@ -117,6 +117,11 @@ class HostCores:
         return self.slowdown(running) / self.slowdown(1)
 
 
+def contention_on(host: HostCores | None, running: int) -> float:
+    """``host.contention(running)``, or 1 where no host is shared (each process has a core of its own)."""
+    return host.contention(running) if host is not None else 1.0
+
+
 def host_of(sim: SimConfig) -> HostCores | None:
     """The host every worker shares by ``sim``'s constants, or None where it names no cores."""
     return HostCores(sim.host_cores, tuple(sim.host_cores_by_load)) if sim.host_cores > 0 else None

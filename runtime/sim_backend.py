@@ -92,7 +92,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.model_spec import FP32
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import timeline
-from ftlab.runtime.shared_host import host_of
+from ftlab.runtime.shared_host import contention_on, host_of
 from ftlab.runtime.sim_timing import IterationTimer, IterationTiming, configuration_s
 from ftlab.runtime.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
 
@@ -799,8 +799,7 @@ class SimBackend(Backend, FaultTarget):
 
     def copy_bytes_per_s(self, at_once: int) -> float:
         """One worker's copy into or out of its node's memory while ``at_once`` workers copy."""
-        slowdown = self.host.contention(at_once) if self.host is not None else 1.0
-        return self.sim.snapshot_bytes_per_s / slowdown
+        return self.sim.snapshot_bytes_per_s / contention_on(self.host, at_once)
 
     def memory_loads(self, source: MemorySource) -> dict[int, WorkerLoad]:
         """The runtime's load plan for restoring ``source`` on the plan being configured: live workers outside it
@@ -825,7 +824,7 @@ class SimBackend(Backend, FaultTarget):
 
     def _start_s(self, at_once: int) -> float:
         """Starting ``at_once`` worker processes together on one host."""
-        return self.sim.process_start_s * (self.host.contention(at_once) if self.host is not None else 1.0)
+        return self.sim.process_start_s * contention_on(self.host, at_once)
 
     def _restore_s(self, source: Source | None, readers: dict[int, tuple[int, ...]]) -> float:
         assert source is not None

@@ -38,7 +38,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
-from ftlab.runtime.shared_host import HostCores, Reduction, host_of, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, contention_on, host_of, run_shared
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -311,8 +311,7 @@ def configuration_s(sim: SimConfig, plan: Plan, host: HostCores | None) -> float
     group_of = {layer: i for i, (_, layers) in enumerate(plan.reduction_groups()) for layer in layers}
     # Workers of one range of layers are in the same groups.
     groups = [len({group_of[i] for i in range(*held) if i in group_of}) for held in plan.workers_by_range()]
-    slowdown = host.contention(len(plan.workers)) if host is not None else 1.0
-    return (sim.configure_s + sim.configure_group_s * max(groups, default=0)) * slowdown
+    return (sim.configure_s + sim.configure_group_s * max(groups, default=0)) * contention_on(host, len(plan.workers))
 
 
 def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:

@@ -84,7 +84,7 @@ from ftlab.runtime.contract import (
     StorageSource, Stop,
 )  # fmt: skip
 from ftlab.runtime.plan import PlanError
-from ftlab.runtime.shared_host import host_of
+from ftlab.runtime.shared_host import contention_on, host_of
 from ftlab.runtime.sim_timing import IterationTimer, configuration_s
 
 IN_PLACE = ("reroute", "reconfigure")
@@ -370,7 +370,7 @@ class Adaptive(Policy):
         seconds = m.detect_s + m.failure_window_s + m.abort_s if change.is_failure else 0.0
         if decision.restart:
             at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
-            seconds += m.process_start_s * (host.contention(at_once) if host is not None else 1.0)
+            seconds += m.process_start_s * contention_on(host, at_once)
         arrival, received = _arrivals(decision.transfers, costs.transfer_s)
         slowest = 0.0
         restored: dict[int, tuple[int, ...]] = {}
