@@ -86,14 +86,15 @@ HOST_SWEEPS = 3
 """Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
 grid's workers varied by 7% at four computing from one sweep to the next here."""
 STEPS, KILL_AT = 50, 22
-"""A job's steps, and the step in whose reduction a job with a fault loses its node: 21 iterations of the first
-plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares, and this
-machine's load moves within seconds: 10-step windows of one fault-free run of 150 steps here had medians from 0.167
-to 0.196 s, so the 6 iterations a kill in step 8 left the first plan could fall on one slow stretch."""
+"""A job's steps, and the step in whose reduction a job with a fault loses its node: 22 iterations of the first
+plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares,
+and this machine's load moves within seconds: 10-step windows of one fault-free run of 150 steps here had medians
+from 0.167 to 0.196 s, so the 6 iterations a kill in step 8 left the first plan could fall on one slow stretch."""
 SMOKE_STEPS, SMOKE_KILL_AT = 14, 8
 
 
 def kill(node: int, at_step: int) -> str:
+    """A job's fault schedule as an override: ``node`` killed in step ``at_step``'s reduction."""
     return f"faults.events=[{{kind: node, node: {node}, at_step: {at_step}, phase: reduce}}]"
 
 
