@@ -331,8 +331,8 @@ def main() -> None:
     parser.add_argument("--constants-as-measured", action="store_true",
                         help="use conf/sim/measured.yaml's constants instead of measuring them each round")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
-    parser.add_argument("--jobs", nargs="+", choices=[*jobs(KILL_AT), *DIAGNOSIS],
-                        default=list(jobs(KILL_AT)),
+    validation = list(jobs(KILL_AT))
+    parser.add_argument("--jobs", nargs="+", choices=[*validation, *DIAGNOSIS], default=validation,
                         help="the jobs to run: validation jobs, or the diagnosis jobs (module docstring)")
     args = parser.parse_args()
     if args.rounds < 1:
