@@ -11,13 +11,11 @@
 Validation. Each job runs on the real runtime here (``run_job``: real agents, workers and SIGKILLs), then the same
 composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
 the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants of the
-machinery measured in this bench: each round measures them before its jobs (``round_constants``: one run of
-``experiments.measure_sim_constants``, some two and a half minutes), and every simulation is given each constant's
-median over the rounds (``median_constants``), so the simulations run once the real rounds are done. Measured
-three hours apart here, the runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's own work
-by a factor of 2.7, and with them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour
-were charged to jobs run in a busy one; and one run's figures move from round to round by more than the real runs
-do. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
+machinery measured for that round, before its jobs (``round_constants``: one run of
+``experiments.measure_sim_constants``, some two and a half minutes). Measured three hours apart here, the
+runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's own work by a factor of 2.7, and with
+them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour were charged to jobs run in
+a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
 - ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 22's reduction
@@ -44,8 +42,8 @@ the real run met, measured beside it, not fitted to its result. ``--cores-as-mea
 ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, a round being every job once after the round's constants, each simulated
-on the cores measured beside it and the rounds' median constants, and the medians of the real and of the simulated
-rounds are compared: two runs of one job here differ by up to 30% in their iteration time, more than the targets.
+on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: two runs of
+one job here differ by up to 30% in their iteration time, more than the targets.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan; ``iter_after_s``: of the last plan, after the recovery), the recovery time (the
@@ -61,8 +59,7 @@ preemption rate per node on 125 nodes): some 650 preemptions and as many joins. 
 ``simulate`` (checks, planning, the simulated day), with no MLflow record; ``scale_record_s`` adds the record.
 
 The last line printed is one JSON object: ``max_error_iter`` (over both plans' iterations), ``max_error_recover``,
-``max_error_goodput``, ``scale_run_s``, per job its real and simulated figures, each round's constants, and the
-medians charged (``constants_charged``).
+``max_error_goodput``, ``scale_run_s``, per job its real and simulated figures, and each round's constants.
 """
 
 from __future__ import annotations
@@ -75,7 +72,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,7 +186,7 @@ def host_worth(cfg: Any, plan: Any, *loads: HostLoad) -> tuple[float, ...]:  # n
     Counted against each process's own rate alone instead, entry 0 was one by construction, and a profile taken in
     a moment of load went into the simulation whole: bench rounds of one job here were simulated 21% short to 12%
     long of their real runs (four-stage pipeline), and 3% short to 11% long (2 x 2 grid); counted against the
-    charged rates, from the fastest of two profiles (``run_real``), 9% short to 2% long and 5% short to 2% long."""
+    charged rates, from the fastest of two profiles (``pair``), 9% short to 2% long and 5% short to 2% long."""
     charged = charged_rates(cfg, plan)
     counted = [load.worth_against(charged) for load in loads]
     return tuple(statistics.fmean(column) for column in zip(*counted, strict=True))
@@ -208,37 +204,22 @@ Paired = tuple[dict[str, float | None], dict[str, float | None], tuple[float, ..
 """A round of a job: its real figures, its simulated figures, and the cores' worth by load simulated."""
 
 
-@dataclass(frozen=True)
-class RealRun:
-    """A job run for real, with what its simulation needs of the machine it met."""
-
-    config: list[str]
-    """The job's overrides (its round's cache, store and checkpoints included)."""
-    figures: dict[str, float | None]
-    first: Any
-    """Its first plan, whose workers ``loads`` measured."""
-    loads: tuple[HostLoad, ...]
-    """The cores its workers could have, before and after it (``workers_share``); none: as measured in the file."""
-
-
 def validate(
     steps: int, kill_at: int, scratch: Path, measure_cores: bool, measure_constants: bool, rounds: int,
     names: list[str],
-) -> tuple[dict[str, Any], list[dict[str, float]]]:
-    """Each job of ``names`` ``rounds`` times for real, then each round simulated on the median of the rounds'
-    constants and the cores measured beside it; per job and measure, the median of the real rounds against the
-    median of the simulated ones; and each round's constants."""
+) -> tuple[dict[str, Any], list[list[str]]]:
+    """Each job of ``names`` ``rounds`` times for real, each round simulated on the constants measured before it and
+    the cores measured beside each job; per job and measure, the median of the real rounds against the median of
+    the simulated ones; and each round's constants."""
     catalogue = {**jobs(kill_at), **DIAGNOSIS}
-    runs: dict[str, list[RealRun]] = {name: [] for name in names}
+    rounds_of: dict[str, list[Paired]] = {name: [] for name in names}
     constants = []
     for _ in range(rounds):
-        constants.append(round_constants(scratch) if measure_constants else {})
+        constants.append(round_constants(scratch) if measure_constants else [])
         for name in names:
-            runs[name].append(run_real(name, catalogue[name], steps, scratch, measure_cores))
-    charged = median_constants(constants)
+            rounds_of[name].append(pair(name, catalogue[name], steps, scratch, measure_cores, constants[-1]))
     out: dict[str, Any] = {}
-    for name, ran in runs.items():
-        paired = [simulate_run(name, run, charged) for run in ran]
+    for name, paired in rounds_of.items():
         real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}
         sim = {m: _median([s[m] for _, s, _ in paired]) for m in paired[0][1]}
         errors = {measure: error(sim[measure], real[measure]) for measure in real}
@@ -250,68 +231,44 @@ def validate(
     return out, constants
 
 
-def round_constants(scratch: Path) -> dict[str, float]:
-    """The constants of the machinery measured now (``measure_sim_constants.measure``, one run); but
-    ``host_cores``, which the cores measured beside each job give."""
+def round_constants(scratch: Path) -> list[str]:
+    """The constants of the machinery measured now (``measure_sim_constants.measure``, one run), as the overrides of
+    a round's simulations; but ``host_cores``, which the cores measured beside each job give."""
     from ftlab.experiments.measure_sim_constants import measure
 
     print("[constants] measuring ...", flush=True)
     values = measure(round_cache(Path(tempfile.mkdtemp(prefix="constants-", dir=scratch))))
-    values = {name: value for name, value in values.items() if name != "host_cores"}
-    print(f"[constants] {' '.join(_overrides(values))}", flush=True)
-    return values
+    overrides = [f"sim.{name}={value:.6g}" for name, value in values.items() if name != "host_cores"]
+    print(f"[constants] {' '.join(overrides)}", flush=True)
+    return overrides
 
 
-def median_constants(rounds: list[dict[str, float]]) -> list[str]:
-    """Each constant's median over the rounds, as overrides of ``sim`` (none measured: the file's).
-
-    One run of ``measure_sim_constants`` per round, each round's simulations on its own: in five rounds within 50
-    minutes here the cost per layer came out 0.26-0.46 ms and a step's own work 3.7-7.7 ms, while the 2 x 2 grid's
-    real iteration moved by 9%, and its simulations ranged 0.131-0.163 s against real runs of 0.144-0.157 s. On the
-    medians the same rounds simulated 0.139-0.158 s."""
-    if not rounds:
-        return []
-    return _overrides({name: statistics.median(r[name] for r in rounds) for name in rounds[0]})
-
-
-def _overrides(constants: dict[str, float]) -> list[str]:
-    return [f"sim.{name}={value:.6g}" for name, value in constants.items()]
-
-
-def run_real(name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool) -> RealRun:
-    """One real run of a job, in a directory of its own, with the cores measured beside it."""
+def pair(
+    name: str, overrides: list[str], steps: int, scratch: Path, measure_cores: bool, constants: list[str]
+) -> Paired:
+    """One real run of a job and its simulation on ``constants`` (overrides of ``sim``) and the cores measured beside
+    it."""
     from ftlab.experiments.job import compose_config, job_profile, run_job
+    from ftlab.experiments.simulate import simulate
 
     d = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch))
-    config = [
+    common = [
         "experiment=plain", f"train.steps={steps}", f"train.cache_dir={round_cache(d)}", "progress=false",
-        f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints", *overrides,
+        f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.checkpoint_dir={d}/checkpoints",
     ]  # fmt: skip
-    sim_cfg, first = first_plan(config)  # the round's profile is measured here
+    sim_cfg, first = first_plan([*common, *overrides, *constants])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
     job_profile(sim_cfg, again=True)  # the fastest of two profiles, the cores' worth measured between them
     print(f"[{name}] real ...", flush=True)
-    real = figures(run_job(compose_config(config)))
-    # The machine's load drifts over the job: what its workers could have before it and after it.
-    loads = () if before is None else (before, workers_share(sim_cfg, first))
-    print(f"[{name}]   real: " + "  ".join(f"{m} {_fmt(v)}" for m, v in real.items()), flush=True)
-    return RealRun(config, real, first, loads)
-
-
-def simulate_run(name: str, run: RealRun, constants: list[str]) -> Paired:
-    """The simulation of a real run on ``constants`` (overrides of ``sim``) and the cores measured beside it,
-    counted against the rates those constants charge (``host_worth``)."""
-    from ftlab.experiments.job import compose_config
-    from ftlab.experiments.simulate import simulate
-
-    simulated = [*run.config, "mode=simulate", *constants]
-    cores = host_worth(OmegaConf.to_object(compose_config(simulated)), run.first, *run.loads) if run.loads else None
+    real = figures(run_job(compose_config([*common, *overrides])))
+    # The machine's load drifts over the job: the mean of what its workers could have before and after it.
+    cores = None if before is None else host_worth(sim_cfg, first, before, workers_share(sim_cfg, first))
     given = [] if cores is None else host_overrides(cores)
-    sim = figures(simulate(OmegaConf.to_object(compose_config([*simulated, *given]))).result)
-    print(f"[{name}]   round: " + "  ".join(
-        f"{m} real {_fmt(run.figures[m])} sim {_fmt(sim[m])}" for m in run.figures
-    ), flush=True)  # fmt: skip
-    return run.figures, sim, cores
+    print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
+    simulated = compose_config([*common, *overrides, "mode=simulate", *constants, *given])
+    sim = figures(simulate(OmegaConf.to_object(simulated)).result)
+    print(f"[{name}]   round: " + "  ".join(f"{m} real {_fmt(real[m])} sim {_fmt(sim[m])}" for m in real), flush=True)
+    return real, sim, cores
 
 
 def round_cache(d: Path) -> Path:
@@ -372,7 +329,7 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="time the scale run without its MLflow record")
     parser.add_argument("--cores-as-measured", action="store_true", help="use conf/sim/measured.yaml's host_cores")
     parser.add_argument("--constants-as-measured", action="store_true",
-                        help="use conf/sim/measured.yaml's constants instead of measuring them in each round")
+                        help="use conf/sim/measured.yaml's constants instead of measuring them each round")
     parser.add_argument("--rounds", type=int, default=1, help="run each real job this many times: medians compared")
     validation = list(jobs(KILL_AT))
     parser.add_argument("--jobs", nargs="+", choices=[*validation, *DIAGNOSIS], default=validation,
@@ -398,7 +355,6 @@ def main() -> None:
         **speed,
         "jobs": validated,
         "constants": constants,
-        "constants_charged": median_constants(constants),
     }
     print(json.dumps(summary))
     sys.stdout.flush()
