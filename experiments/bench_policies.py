@@ -36,9 +36,9 @@ the best single policy's), with the other figures beside them.
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
 constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
 plan get computing their layers side by side now, one to all of them at once (``runtime.profiler.cores_by_load``,
-as ``bench_simulator`` does) and gives them to the job (``sim.host_cores_by_load``): the host the real run meets,
-measured beside it, not fitted to its result (``--cores-as-measured``: the idle host's). Run the full comparison on a
-quiet machine; ``--smoke`` only shows it works.
+as ``bench_simulator`` does) and gives them to the job (``sim.host_cores_by_load`` and ``sim.host_layer_speed``):
+the host the real run meets, measured beside it, not fitted to its result (``--cores-as-measured``: the idle
+host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it works.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def schedule(nodes: int, steps: int, phase: str) -> list[str]:
 def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: bool) -> dict[str, Any]:
     """One job in this process; a job that stops or crashes is reported with its reason. ``measure_cores``: measure
     the cores the workers of the job's first plan get computing side by side now and give them to the job
-    (``sim.host_cores`` and ``sim.host_cores_by_load``), the host its predictions are for (False:
-    ``conf/sim/measured.yaml``'s idle host)."""
-    from ftlab.experiments.bench_simulator import first_plan, host_overrides, host_worth, workers_share
+    (``sim.host_cores``, ``sim.host_cores_by_load`` and ``sim.host_layer_speed``), the host its predictions are for
+    (False: ``conf/sim/measured.yaml``'s idle host)."""
+    from ftlab.experiments.bench_simulator import first_plan, host_overrides, measured_host, workers_share
     from ftlab.experiments.job import compose_config, run_job
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
@@ -93,7 +93,7 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
     host = []
     if measure_cores:
         cfg, plan = first_plan([*common, *overrides])
-        host = host_overrides(host_worth(cfg, plan, workers_share(cfg, plan)))
+        host = host_overrides(measured_host(cfg, plan, workers_share(cfg, plan)))
     common += host
     print(f"  {policy}: {' '.join([*overrides, *host])}", flush=True)
     started = time.monotonic()

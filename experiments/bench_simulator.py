@@ -34,12 +34,12 @@ round measures its profile twice, tens of seconds apart, and keeps each layer's 
 ``again``): a profile taken while other load held the cores is slow for as long as it lasted. Before and after
 each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three sweeps,
 each number's median: one process per worker of the job's first plan, each computing that worker's layers, one to
-all of them side by side; each's rate over the rate the simulation charges it, added up: the cores' worth so many
-workers computing at once get, what their working sets and switching between more processes than cores cost
-included, and the machine's speed against the profile's; see ``host_worth``) and gives the simulation of that job
-the mean of the two (``sim.host_cores_by_load``, and ``sim.host_cores`` = this machine's cores): the environment
-the real run met, measured beside it, not fitted to its result. ``--cores-as-measured`` keeps
-``conf/sim/measured.yaml``'s.
+all of them side by side) and gives the simulation of that job the mean of the two (``measured_host``): the cores'
+worth so many workers computing at once get, what their working sets and switching between more processes than
+cores cost included (``sim.host_cores_by_load``, and ``sim.host_cores`` = this machine's cores), and how fast each
+layer is computed alone against its charge, the machine's speed against the profile's included
+(``sim.host_layer_speed``): the environment the real run met, measured beside it, not fitted to its result.
+``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, a round being every job once after the round's constants, each simulated
 on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: two runs of
@@ -72,6 +72,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -177,31 +178,56 @@ def charged_rates(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401
     )  # fmt: skip
 
 
-def host_worth(cfg: Any, plan: Any, *loads: HostLoad) -> tuple[float, ...]:  # noqa: ANN401
-    """The cores' worth by number at once for the simulation of ``cfg`` (``sim.host_cores_by_load``): each of
-    ``loads`` (``workers_share``) counted against the rates the simulation charges the workers (``charged_rates``),
-    their mean. Entry 0 is then how fast one worker alone computes its layers against what it is charged: the
-    machine's speed now against the profile's, whatever load the profile or the worker met.
+@dataclass(frozen=True)
+class MeasuredHost:
+    """What a job's workers get of this host, measured beside it, as its simulation takes it."""
 
-    Counted against each process's own rate alone instead, entry 0 was one by construction, and a profile taken in
-    a moment of load went into the simulation whole: bench rounds of one job here were simulated 21% short to 12%
-    long of their real runs (four-stage pipeline), and 3% short to 11% long (2 x 2 grid); counted against the
-    charged rates, from the fastest of two profiles (``pair``), 9% short to 2% long and 5% short to 2% long."""
+    by_load: tuple[float, ...]
+    """``sim.host_cores_by_load``: the cores' worth by number computing at once, against each process alone."""
+    layer_speed: tuple[float, ...]
+    """``sim.host_layer_speed``: how fast each layer is computed against its charge."""
+
+
+def measured_host(cfg: Any, plan: Any, *loads: HostLoad) -> MeasuredHost:  # noqa: ANN401
+    """The host for the simulation of ``cfg`` from ``loads`` (``workers_share`` of ``plan``'s workers), their mean:
+
+    - the cores' worth by number at once, each process counted against its own rate alone (``HostLoad.worth``):
+      what computing side by side costs;
+    - each layer's speed: the rate alone of the processes computing it over the rate the simulation charges their
+      layers (``charged_rates``): the machine's speed now against the profile's, whatever load the profile met,
+      and what computing a stage costs beyond its layers timed one by one.
+
+    Both were once one: every process counted against its charged rate, one alone being the first process. The
+    stages of a 2 x 2 grid here computed at 1.16-1.33 (the first, with the embedding) and 0.95 (the second, with
+    the output head) of their charges, so ReCycle's plan after a kill, whose slowest worker runs the second stage
+    alone for much of an iteration, was simulated 10-19% short in every round; and copies, messages and all-reduces,
+    whose costs are measured constants of their own, ran at the first stage's speed."""
     charged = charged_rates(cfg, plan)
-    counted = [load.worth_against(charged) for load in loads]
-    return tuple(statistics.fmean(column) for column in zip(*counted, strict=True))
+    speeds = [statistics.fmean(load.alone[i] / charged[i] for load in loads) for i in range(len(charged))]
+    ranges = list(plan.layer_ranges().values())
+    layer_speed = tuple(
+        statistics.fmean(speed for speed, (start, stop) in zip(speeds, ranges, strict=True) if start <= layer < stop)
+        for layer in range(plan.num_layers)
+    )  # fmt: skip
+    by_load = tuple(statistics.fmean(column) for column in zip(*(load.worth for load in loads), strict=True))
+    return MeasuredHost(by_load, layer_speed)
 
 
-def host_overrides(by_load: tuple[float, ...]) -> list[str]:
-    """The simulator's host for cores measured by ``workers_share``: the cores this process may run on, and the
-    cores' worth per number computing at once (past the workers' number, the copies beside them on a host with
-    spare cores: ``shared_host.HostCores.worth``)."""
+def host_overrides(host: MeasuredHost) -> list[str]:
+    """The simulator's host as measured by ``workers_share``: the cores this process may run on, the cores' worth
+    per number computing at once (past the workers' number, the copies beside them on a host with spare cores:
+    ``shared_host.HostCores.worth``) and each layer's speed."""
     cores = len(os.sched_getaffinity(0))
-    return [f"sim.host_cores={cores}", f"sim.host_cores_by_load=[{','.join(f'{c:.3f}' for c in by_load)}]"]
+
+    def listed(values: tuple[float, ...]) -> str:
+        return f"[{','.join(f'{v:.3f}' for v in values)}]"
+
+    return [f"sim.host_cores={cores}", f"sim.host_cores_by_load={listed(host.by_load)}",
+            f"sim.host_layer_speed={listed(host.layer_speed)}"]  # fmt: skip
 
 
-Paired = tuple[dict[str, float | None], dict[str, float | None], tuple[float, ...] | None]
-"""A round of a job: its real figures, its simulated figures, and the cores' worth by load simulated."""
+Paired = tuple[dict[str, float | None], dict[str, float | None], MeasuredHost | None]
+"""A round of a job: its real figures, its simulated figures, and the host simulated."""
 
 
 def validate(
@@ -223,7 +249,7 @@ def validate(
         real = {m: _median([r[m] for r, _, _ in paired]) for m in paired[0][0]}
         sim = {m: _median([s[m] for _, s, _ in paired]) for m in paired[0][1]}
         errors = {measure: error(sim[measure], real[measure]) for measure in real}
-        out[name] = {"real": real, "sim": sim, "error": errors, "host_cores": [c for _, _, c in paired],
+        out[name] = {"real": real, "sim": sim, "error": errors, "host": [c and asdict(c) for _, _, c in paired],
                      "rounds": [{"real": r, "sim": s} for r, s, _ in paired]}  # fmt: skip
         print(f"[{name}] " + "  ".join(
             f"{m}: real {_fmt(real[m])} sim {_fmt(sim[m])} error {_pct(errors[m])}" for m in real
@@ -262,7 +288,7 @@ def pair(
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
     # The machine's load drifts over the job: the mean of what its workers could have before and after it.
-    cores = None if before is None else host_worth(sim_cfg, first, before, workers_share(sim_cfg, first))
+    cores = None if before is None else measured_host(sim_cfg, first, before, workers_share(sim_cfg, first))
     given = [] if cores is None else host_overrides(cores)
     print(f"[{name}] simulated ({' '.join(given) or 'cores as measured'}) ...", flush=True)
     simulated = compose_config([*common, *overrides, "mode=simulate", *constants, *given])

@@ -45,7 +45,7 @@ from ftlab.runtime.devices import DEVICES
 from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
 from ftlab.runtime.launchers import launch_problems, make_launcher
 from ftlab.runtime.placement import choose_backend
-from ftlab.runtime.model_spec import layer_specs
+from ftlab.runtime.model_spec import layer_specs, num_layers
 from ftlab.runtime.plan import Plan, PlanError
 from ftlab.runtime.profiler import analytic_profile, measure_profile
 from ftlab.runtime.tracking import RunRecorder, Tracker
@@ -193,12 +193,16 @@ def check_settings(cfg: JobConfig) -> None:
     machinery = sim_problems(cfg.sim)
     if machinery:
         raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
-                          f"more, rates above 0, host cores of 0 (not shared) or more and cores' worth by load above "
-                          f"0 (of a host with cores)")  # fmt: skip
+                          f"more, rates above 0, host cores of 0 (not shared) or more, and cores' worth by load and "
+                          f"layer speeds above 0 (of a host with cores)")  # fmt: skip
     try:
         cfg.model.check()
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    speeds, layers = len(cfg.sim.host_layer_speed), num_layers(cfg.model)
+    if speeds not in (0, layers):
+        raise ConfigError(f"sim.host_layer_speed has {speeds} entries: give one for each of model {cfg.model.name}'s "
+                          f"{layers} layers, or none")  # fmt: skip
     if cfg.model.vocab_size < 3:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} leaves no room for words beside the unknown-word and "
@@ -226,7 +230,7 @@ def sim_problems(sim: SimConfig) -> list[str]:
         value = getattr(sim, name)
         if value is None:  # an optional constant left out (SimConfig says what stands in)
             continue
-        if name == "host_cores_by_load":
+        if name in ("host_cores_by_load", "host_layer_speed"):
             if not all(worth > 0 and math.isfinite(worth) for worth in value) or (value and sim.host_cores <= 0):
                 bad.append(f"sim.{name}={list(value)}")
             continue

@@ -78,8 +78,9 @@ class SharedRun:
 class HostCores:
     """A host's cores as processes computing at once get them: ``count`` cores, and where measured
     (``runtime.profiler.cores_by_load``), the cores' worth ``k`` processes computing at once got together,
-    ``by_load[k - 1]`` (past the last, ``worth``), in cores of one process alone's speed just after the costs were
-    measured: entry 0 is about one, less where the host slowed down since (other load), more where it sped up."""
+    ``by_load[k - 1]`` (past the last, ``worth``), in cores of one process alone's speed. Measured beside a job,
+    entry 0 is one, and how fast each worker computes against its costs is ``SimConfig.host_layer_speed``'s (the
+    caller's); an entry 0 other than one speeds up or slows down everything the host runs."""
 
     count: float
     by_load: tuple[float, ...] = ()

@@ -98,6 +98,10 @@ class IterationTimer:
     are slowed as that many processes computing.
     ``None``: each worker has a device of its own.
 
+    ``layer_speed``: on a shared host, how fast each layer is computed against its charge
+    (``SimConfig.host_layer_speed``; empty: 1): a worker's forward and backward instructions run at its layers'
+    speed, each layer weighted by its charge.
+
     ``time(..., copies=...)``: the iteration with REFT snapshot copies beside it, each worker's in seconds on a core of
     its own. On a shared host they take cores from the computation (``runtime.shared_host``); a device's copy engine
     leaves the computation alone, and the copies are the caller's to charge (``runtime.sim_backend``).
@@ -106,6 +110,7 @@ class IterationTimer:
     def __init__(
         self, costs: CostModel, check: bool = True, cores: HostCores | None = None, layer_overhead_s: float = 0.0,
         step_cpu_s: float = 0.0, message_cpu_s: float = 0.0, allreduce_cpu_bytes_per_s: float | None = None,
+        layer_speed: Sequence[float] = (),
     ) -> None:  # fmt: skip
         self.costs = costs
         self.check = check
@@ -120,6 +125,7 @@ class IterationTimer:
         """On a shared host, what a message between stages costs its two workers' cores (``SimConfig``)."""
         self.allreduce_cpu_bytes_per_s = allreduce_cpu_bytes_per_s
         """On a shared host, the CPU a gradient all-reduce costs each member (``SimConfig``); None: the link's time."""
+        self.layer_speed = tuple(layer_speed)
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
 
@@ -132,6 +138,7 @@ class IterationTimer:
             layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
             message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
             allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
+            layer_speed=sim.host_layer_speed if shared_host else (),
         )  # fmt: skip
 
     @property
@@ -161,10 +168,12 @@ class IterationTimer:
         durations = self.costs.durations(plan)
 
         overhead = {w: self.layer_overhead_s * (stop - start) for w, (start, stop) in ranges.items()}
+        speed = {w: self._speed(start, stop) for w, (start, stop) in ranges.items()}
 
         def cost(worker: int, instruction: ins.Instruction) -> float:
-            extra = overhead[worker] if isinstance(instruction, ins.COMPUTE) else 0.0
-            return durations(worker, instruction) + extra
+            if isinstance(instruction, ins.COMPUTE):
+                return (durations(worker, instruction) + overhead[worker]) / speed[worker]
+            return durations(worker, instruction)
 
         peers: dict[int, set[int]] = defaultdict(set)
         for holders, _ in plan.reduction_groups():
@@ -186,6 +195,18 @@ class IterationTimer:
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
             ((workers, whole),), run.copy_end,
         )  # fmt: skip
+
+    def _speed(self, start: int, stop: int) -> float:
+        """How fast a worker computes layers [start, stop) against their charge: its layers' speeds, each weighted
+        by its charge (a forward and a backward pass, the runtime's own cost included)."""
+        if not self.layer_speed or stop <= start:
+            return 1.0
+        charges = [
+            self.costs.forward_s(i, i + 1) + self.costs.backward_s(i, i + 1) + 2 * self.layer_overhead_s
+            for i in range(start, stop)
+        ]  # fmt: skip
+        taken = sum(charge / self.layer_speed[i] for i, charge in zip(range(start, stop), charges, strict=True))
+        return sum(charges) / taken if taken > 0 else 1.0
 
     def _reduce_cpu_s(self, nbytes: float, members: int) -> float:
         """A replica set's all-reduce as the CPU it costs each member on a shared host: its buffer at

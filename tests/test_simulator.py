@@ -32,10 +32,11 @@ from ftlab.runtime import instructions as ins
 from ftlab.runtime.config import SimConfig
 from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.coordinator import first_holders
-from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.costs import CostModel, ModelProfile
 from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
 from ftlab.runtime.profiler import analytic_profile
 from ftlab.runtime.program_check import ProgramError, timeline
+from ftlab.runtime.scheduler import one_f_one_b
 from ftlab.runtime.shared_host import HostCores
 from ftlab.runtime.sim_backend import SimBackend
 from ftlab.runtime.sim_timing import IterationTimer, configuration_s
@@ -312,6 +313,31 @@ def test_a_snapshots_copy_cpu_is_its_bytes_at_the_copy_rate_however_long_the_cop
         assert history["copy_s"][step] > cpu_s / writers
 
 
+def test_on_a_shared_host_each_worker_computes_at_its_layers_speed(job_overrides: list[str]) -> None:
+    # How fast each layer is computed against its charge (measured beside a job): each speed lengthens or shortens
+    # the computation of exactly the workers holding the layer, by its factor; every layer at 1 is the charge itself.
+    cfg = sim_cfg(job_overrides, "train.stages=2")
+    costs = CostModel(analytic(cfg)[0])
+    plan = grid_plan([0, 1, 2, 3], 2, costs.num_layers, cfg.train.global_batch, cfg.train.micro_batch)
+    programs = one_f_one_b(plan)
+    second = max(start for start, _ in plan.layer_ranges().values())  # the second stage's first layer
+
+    def compute(*speeds: float) -> float:
+        """Every worker's forward and backward seconds on a host with a core for each."""
+        timer = IterationTimer(costs, cores=HostCores(8), layer_overhead_s=1e-4, layer_speed=speeds)
+        return timer.time(plan, programs).total_compute_s
+
+    layers = costs.num_layers
+    charged = compute()
+    assert compute(*[1.0] * layers) == pytest.approx(charged, rel=1e-12)
+    assert compute(*[2.0] * layers) == pytest.approx(charged / 2)
+    halved = [0.5 if layer >= second else 1.0 for layer in range(layers)]
+    doubled = [2.0 if layer >= second else 1.0 for layer in range(layers)]
+    second_stage = compute(*halved) - charged  # the second stage's workers' compute, once more
+    assert second_stage > 0
+    assert compute(*doubled) == pytest.approx(charged - second_stage / 2)
+
+
 def test_on_a_shared_host_the_cores_give_what_so_many_computing_at_once_got(job_overrides: list[str]) -> None:
     # Measured cores' worth by load: as many cores as workers up to two computing at once leaves the iteration as two
     # plain cores do; fewer for three and four lengthens it.
@@ -433,7 +459,7 @@ def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> No
 def test_activation_checkpointing_trades_activation_memory_for_a_forward() -> None:
     from dataclasses import replace
 
-    from ftlab.runtime.costs import CostModel, stage_footprint
+    from ftlab.runtime.costs import stage_footprint
     from ftlab.runtime.model_spec import load_model_config
 
     profile = analytic_profile(load_model_config("llama2-6.7b"), "A100-80GB", 1, 4096)
