@@ -180,10 +180,10 @@ class SimConfig:
     Measured beside a job, each entry counts the processes against their own rates alone (entry 0 is 1): how fast
     each worker computes against its charge is ``host_layer_speed``'s, not the host's."""
     host_layer_speed: list[float] = field(default_factory=list)
-    """Where measured beside a job (``experiments/bench_simulator.py``'s ``host_speed``), one entry a layer: how fast a
-    process of this host, computing its stage alone, computes the layer against what the simulation charges it (the
-    profile's time and ``layer_overhead_s``). On a shared host a worker's forward and backward instructions run at
-    its layers' speed, each layer weighted by its charge; communication, copies and the optimizer are measured
-    constants of their own and run at the host's rate alone. The profile times each layer alone: the stages of a
-    2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.22 (the embedding's) and 0.95 (the
-    output head's) of their charges at the same moment. Empty: every layer at 1."""
+    """Where measured beside a job (``experiments/bench_simulator.py``'s ``measured_host``), one entry a layer: how
+    fast a process of this host, computing its stage alone, computes the layer against what the simulation charges
+    it (the profile's time and ``layer_overhead_s``). On a shared host a worker's forward and backward instructions
+    run at its layers' speed, each layer weighted by its charge; communication, copies and the optimizer are
+    measured constants of their own and run at the host's rate alone. The profile times each layer alone: the stages
+    of a 2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.22 (the embedding's) and 0.95
+    (the output head's) of their charges at the same moment. Empty: every layer at 1."""

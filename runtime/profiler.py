@@ -296,21 +296,13 @@ class HostLoad:
     def worth(self) -> tuple[float, ...]:
         """The cores' worth k processes computing at once got together, k = 1 .. n (``sim.host_cores_by_load``),
         each sweep's rates counted against its own rates alone: entry 0 is 1. Each number's median over the sweeps."""
-        return _medians(_worth(sweep, sweep[0]) for sweep in self.sweeps)
+        return _medians(_worth(sweep) for sweep in self.sweeps)
 
     @property
     def alone(self) -> tuple[float, ...]:
-        """Each process's rate alone, micro-batches a second (the median over the sweeps): what a later measurement
-        counts its rates against."""
+        """Each process's rate alone, micro-batches a second (the median over the sweeps): over the rate the
+        simulation charges its layers, how fast this host computes them (``sim.host_layer_speed``)."""
         return _medians(sweep[0] for sweep in self.sweeps)
-
-    def worth_against(self, rates: Sequence[float]) -> tuple[float, ...]:
-        """The worth with every rate counted against ``rates`` (one a process: its rate alone measured earlier, or
-        the rate the simulator charges its layers, ``experiments.bench_simulator.host_worth``), one alone included,
-        so that how fast the machine runs the processes against those rates is in the worth: a job's real
-        iterations here moved by up to 23% from one round to the next, where the processes of one measurement, each
-        against its own rate alone, saw nothing of it. Each number's median over the sweeps."""
-        return _medians(_worth(sweep, rates) for sweep in self.sweeps)
 
 
 def _medians(rows: Iterable[Sequence[float]]) -> tuple[float, ...]:
@@ -318,12 +310,12 @@ def _medians(rows: Iterable[Sequence[float]]) -> tuple[float, ...]:
     return tuple(statistics.median(column) for column in zip(*rows, strict=True))
 
 
-def _worth(sweep: tuple[tuple[float, ...], ...], against: Sequence[float]) -> list[float]:
-    """One sweep's cores' worth by number at once, its rates counted against ``against``: one alone (the first
-    process), then the sum over the first k side by side (at least 0.05: a process the scheduler starved for the
-    whole measurement still counts)."""
+def _worth(sweep: tuple[tuple[float, ...], ...]) -> list[float]:
+    """One sweep's cores' worth by number at once, each rate counted against the process's rate alone: one alone,
+    then the sum over the first k side by side (at least 0.05: a process the scheduler starved for the whole
+    measurement still counts)."""
     alone, *together = sweep
-    return [alone[0] / against[0], *(max(sum(r / a for r, a in zip(first_k, against)), 0.05) for first_k in together)]
+    return [1.0, *(max(sum(r / a for r, a in zip(first_k, alone)), 0.05) for first_k in together)]
 
 
 def cores_by_load(
