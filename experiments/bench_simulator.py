@@ -198,10 +198,10 @@ def measured_host(cfg: Any, plan: Any, *loads: HostLoad) -> MeasuredHost:  # noq
       and what computing a stage costs beyond its layers timed one by one.
 
     Both were once one: every process counted against its charged rate, one alone being the first process. The
-    stages of a 2 x 2 grid here computed at 1.16-1.33 (the first, with the embedding) and 0.95 (the second, with
-    the output head) of their charges, so ReCycle's plan after a kill, whose slowest worker runs the second stage
-    alone for much of an iteration, was simulated 10-19% short in every round; and copies, messages and all-reduces,
-    whose costs are measured constants of their own, ran at the first stage's speed."""
+    first stage of a 2 x 2 grid here (with the embedding) computes 1.17-1.35 times as fast against its charge as the
+    second (with the output head), so ReCycle's plan after a kill, whose slowest worker runs the second stage alone
+    for much of an iteration, was simulated 10-19% short in every round; and copies, messages and all-reduces, whose
+    costs are measured constants of their own, ran at the first stage's speed."""
     charged = charged_rates(cfg, plan)
     speeds = [statistics.fmean(load.alone[i] / charged[i] for load in loads) for i in range(len(charged))]
     ranges = list(plan.layer_ranges().values())

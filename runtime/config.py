@@ -185,5 +185,6 @@ class SimConfig:
     it (the profile's time and ``layer_overhead_s``). On a shared host a worker's forward and backward instructions
     run at its layers' speed, each layer weighted by its charge; communication, copies and the optimizer are
     measured constants of their own and run at the host's rate alone. The profile times each layer alone: the stages
-    of a 2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.22 (the embedding's) and 0.95
-    (the output head's) of their charges at the same moment. Empty: every layer at 1."""
+    of a 2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.05-1.40 (the embedding's) and
+    0.87-1.07 (the output head's) of their charges over one bench, the first 1.17-1.35 times as fast as the second
+    each time. Empty: every layer at 1."""
