@@ -170,12 +170,10 @@ def charged_rates(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401
     (``sim.layer_overhead_s``)."""
     from ftlab.experiments.job import job_profile
     from ftlab.runtime.costs import CostModel
+    from ftlab.runtime.sim_timing import compute_charge_s
 
     costs, overhead = CostModel(job_profile(cfg)[0]), cfg.sim.layer_overhead_s
-    return tuple(
-        1 / (costs.forward_s(start, stop) + costs.backward_s(start, stop) + 2 * overhead * (stop - start))
-        for start, stop in plan.layer_ranges().values()
-    )  # fmt: skip
+    return tuple(1 / compute_charge_s(costs, overhead, start, stop) for start, stop in plan.layer_ranges().values())
 
 
 @dataclass(frozen=True)

@@ -201,12 +201,9 @@ class IterationTimer:
         by its charge (a forward and a backward pass, the runtime's own cost included)."""
         if not self.layer_speed or stop <= start:
             return 1.0
-        charges = [
-            self.costs.forward_s(i, i + 1) + self.costs.backward_s(i, i + 1) + 2 * self.layer_overhead_s
-            for i in range(start, stop)
-        ]  # fmt: skip
-        taken = sum(charge / self.layer_speed[i] for i, charge in zip(range(start, stop), charges, strict=True))
-        return sum(charges) / taken if taken > 0 else 1.0
+        charges = {i: compute_charge_s(self.costs, self.layer_overhead_s, i, i + 1) for i in range(start, stop)}
+        taken = sum(charge / self.layer_speed[i] for i, charge in charges.items())
+        return sum(charges.values()) / taken if taken > 0 else 1.0
 
     def _reduce_cpu_s(self, nbytes: float, members: int) -> float:
         """A replica set's all-reduce as the CPU it costs each member on a shared host: its buffer at
@@ -323,6 +320,13 @@ class IterationTimer:
             reduce_end.update(dict.fromkeys(workers, max(latest[held[0] : held[1]]) + reduce_s.get(held, 0.0)))
         optimizer = max(self.costs.optimizer_s(start, stop) for start, stop in last_of_range)
         return IterationTiming(max(reduce_end.values()), optimizer, compute, total, reduce_end, components)
+
+
+def compute_charge_s(costs: CostModel, layer_overhead_s: float, start: int, stop: int) -> float:
+    """What a shared host's simulation charges a micro-batch's forward and backward passes over layers
+    [start, stop): the profile's time and the runtime's own cost per layer of each (``sim.layer_overhead_s``). A
+    layer's speed (``SimConfig.host_layer_speed``) is measured against it and applied to it."""
+    return costs.forward_s(start, stop) + costs.backward_s(start, stop) + 2 * layer_overhead_s * (stop - start)
 
 
 def configuration_s(sim: SimConfig, plan: Plan, host: HostCores | None) -> float:
