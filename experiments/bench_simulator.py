@@ -12,17 +12,18 @@ Validation. Each job runs on the real runtime here (``run_job``: real agents, wo
 composed config is simulated (``mode=simulate``) from the profile measured on this machine for that round (the one
 the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants of the
 machinery measured for that round, before its jobs (``round_constants``: one run of
-``experiments.measure_sim_constants``, some two and a half minutes). Measured three hours apart here, the
-runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's own work by a factor of 2.7, and with
-them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a quiet hour were charged to jobs run in
-a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s. The jobs:
+``experiments.measure_sim_constants``, some two and a half minutes, another where the machine's drift spoiled it).
+Measured three hours apart here, the runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's
+own work by a factor of 2.7, and with them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a
+quiet hour were charged to jobs run in a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
-- ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 22's reduction
-  (``KILL_AT``, of ``STEPS`` = 50);
-- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 22's reduction;
+- ``oobleck``: ``local-6`` with 40 MB devices (two-node pipelines), f = 1, node 3 killed in step 42's reduction
+  (``KILL_AT``, of ``STEPS`` = 90);
+- ``checkpoint_restart``: ``local-4`` with checkpoints every 5 steps, node 1 killed in step 42's reduction;
 - ``recycle_reft``: ReCycle on a 2 x 2 grid on ``local-4`` with REFT's snapshot after every step, node 1 killed in
-  step 22's reduction (its stage's peer takes its micro-batches).
+  step 42's reduction (its stage's peer takes its micro-batches).
 
 ``--jobs`` also takes two diagnosis jobs, not run by default: ``depth-4x1`` and ``depth-1x4``, fault-free, the same
 four workers and micro-batches as four one-stage replicas (no stage boundary, the whole model all-reduced) and as
@@ -86,11 +87,16 @@ CACHE_DIR = REPO / ".ftlab" / "cache"
 HOST_SWEEPS = 3
 """Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
 grid's workers varied by 7% at four computing from one sweep to the next here."""
-STEPS, KILL_AT = 50, 22
-"""A job's steps, and the step in whose reduction a job with a fault loses its node: 22 iterations of the first
-plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares,
-and this machine's load moves within seconds: 10-step windows of one fault-free run of 150 steps here had medians
-from 0.167 to 0.196 s, so the 6 iterations a kill in step 8 left the first plan could fall on one slow stretch."""
+STEPS, KILL_AT = 90, 42
+"""A job's steps, and the step in whose reduction a job with a fault loses its node: 42 iterations of the first
+plan (40 after the warm-up) and some 47 of the last; checkpoint-restart's checkpoint every 5 steps leaves it three
+steps to redo. The median of a plan's iterations is what a round compares, and this machine's load moves within
+seconds: 10-step windows of one fault-free run of 150 steps here had medians from 0.167 to 0.196 s. With 50 steps
+and the kill in step 22 (until 2026-11-27), five rounds of one job gave real iterations 5-7% apart (the standard
+deviation of their logarithms) and their simulations, each given the host measured beside its run, as far apart,
+with no correlation between a round's real run and its simulation (-0.03 over the 35 pairs of one bench): the
+machine moved faster than a measurement before and after a job can follow, so the rounds' noise is what a longer
+window can average out."""
 SMOKE_STEPS, SMOKE_KILL_AT = 14, 8
 
 
@@ -256,12 +262,13 @@ def validate(
 
 
 def round_constants(scratch: Path) -> list[str]:
-    """The constants of the machinery measured now (``measure_sim_constants.measure``, one run), as the overrides of
-    a round's simulations; but ``host_cores``, which the cores measured beside each job give."""
-    from ftlab.experiments.measure_sim_constants import measure
+    """The constants of the machinery measured now (``measure_sim_constants.measure_unspoiled``: one run, another
+    where the machine's drift spoiled one), as the overrides of a round's simulations; but ``host_cores``, which
+    the cores measured beside each job give."""
+    from ftlab.experiments.measure_sim_constants import measure_unspoiled
 
     print("[constants] measuring ...", flush=True)
-    values = measure(round_cache(Path(tempfile.mkdtemp(prefix="constants-", dir=scratch))))
+    values = measure_unspoiled(round_cache(Path(tempfile.mkdtemp(prefix="constants-", dir=scratch))))
     overrides = [f"sim.{name}={value:.6g}" for name, value in values.items() if name != "host_cores"]
     print(f"[constants] {' '.join(overrides)}", flush=True)
     return overrides
