@@ -274,7 +274,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
 DRIFT_SPOILS = ("layer_overhead_s", "step_cpu_s", "message_cpu_s")
 """Costs the runtime always has, each the difference of CPU times taken at different moments, held at zero where it
 comes out negative: a zero says the machine's speed moved between them by more than the cost. In the second round of
-the bench of 2026-11-27 12:57 UTC a step's own work and a message both came out 0 (the rounds before and after:
+the bench of 2026-11-27 12:57 UTC a step's own work and a message both came out 0 (in the round before:
 4.7 ms and 1.9 ms), and that round's simulations came out 5-24% short of their real twins."""
 
 
