@@ -128,7 +128,9 @@ class SimConfig:
     worker's CPU and gloo's own copying of 64 KB is 0.16 ms; the stages' forward and backward passes next to the
     boundary took 1.3 ms a micro-batch more than the one worker's (a micro-batch run through two stages one at a
     time, on two cores: about 1 ms a message in all). On one core, the switch between the two processes at every
-    message is in it too. A GPU type's workers have host cores of their own."""
+    message is in it too. Being the passes' cost, it is charged per message up to one worker's half per pass of its
+    own: a stage between two others pays half per message (``runtime.shared_host``). A GPU type's workers have host
+    cores of their own."""
     allreduce_cpu_bytes_per_s: float | None = None
     """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
     second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's

@@ -12,15 +12,25 @@ Communication is charged as on the checker's abstract machine (``program_check.t
 the link's cost, and a receive waits for it; with ``message_cpu_s``, what a message costs the processes on both
 sides of a stage boundary is CPU too, half on the sender's core before the message leaves and half on the
 receiver's once it arrived (a pipeline of four stages on four workers ran 10% slower for real than four one-stage
-replicas of the same micro-batches, where the simulation without it had it 8% faster). Each program runs up to its
+replicas of the same micro-batches, where the simulation without it had it 8% faster). A worker pays its half per
+message up to one half per forward or backward pass of its own, so a stage between two others, with a message on
+each side of every pass, pays half as much per message: what a message costs is the pass after the wait, which
+finds its working set gone, not the send or the receive. Timed per instruction on an Oobleck plan of two
+three-stage pipelines on two cores (2026-11-27), a send or a receive took 0.05-0.15 ms of its worker's CPU, and the
+passes took 1.24-1.34 times their charge in CPU, the middle stage's (twice the messages) no more than the end
+stages'; charged per message, that plan's simulated iteration came out 9-12% longer than the real one in three
+runs, and 2% longer charged per pass (with the optimizer steps of ``shared_span``). Each program runs up to its
 ``ReduceGrads``. Its gradient all-reduces, given, start once every co-holder of its layers has arrived there, and
 they take the cores as a computation does: on loopback an all-reduce is the processes' own copying and adding, and
 the cores it gets are those the other workers' computations leave it (on a 2 x 2 grid on two cores, the two replica
 sets reduce while the other stage still computes: charged at the link's cost alone, the iteration came out 10% short
 of the one measured). What an all-reduce costs is its CPU (``SimConfig.allreduce_cpu_bytes_per_s``, where
 measured): the link's time between two processes with a core each counts its waits too (four replicas' all-reduce
-of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer step is charged
-by the caller (``sim_timing``).
+of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer steps are
+charged by the caller (``sim_timing``), every worker's at once with its own work (``shared_span``): a worker that
+steps fewer layers is done sooner and leaves its share of the cores to the others. (On the Oobleck plan above, the
+slowest worker's step charged to all six took 17.7 ms, each worker's own 15.6 ms; the real run took 11.3 ms from
+the last worker's report to the last one's step, 17 ms of CPU in all.)
 
 A REFT snapshot's copy, given, runs on a second thread of its worker from the iteration's start (the runtime starts it
 right after the optimizer step, and the worker waits for it before it reports the next iteration ready), and takes
@@ -128,6 +138,17 @@ def host_of(sim: SimConfig) -> HostCores | None:
     return HostCores(sim.host_cores, tuple(sim.host_cores_by_load)) if sim.host_cores > 0 else None
 
 
+def shared_span(seconds: Sequence[float], cores: HostCores) -> float:
+    """How long processes started at once on ``cores`` take until the last is done, each with its ``seconds`` of
+    work on a core of its own: processor sharing, each one done leaving its share to the others."""
+    span = done = 0.0
+    remaining = sorted(s for s in seconds if s > 0)
+    for i, amount in enumerate(remaining):
+        span += (amount - done) * cores.slowdown(len(remaining) - i)
+        done = amount
+    return span
+
+
 @dataclass(frozen=True)
 class Reduction:
     """A worker's ReduceGrads: the workers it waits for (the co-holders of its layers) and its all-reduces' seconds
@@ -150,6 +171,18 @@ def run_shared(
     return _Host(programs, cost, cores, reductions or {}, copies or {}, message_cpu_s).run()
 
 
+_BOUNDARY_MESSAGES = (ins.SendActivation, ins.SendGrad, ins.RecvActivation, ins.RecvGrad)
+
+
+def _passes_per_message(program: Sequence[ins.Instruction]) -> float:
+    """How much of its half of a message's CPU a worker running ``program`` pays per message it sends or receives:
+    all of it, up to one half per forward or backward pass of its own (a stage between two others pays half of it;
+    module docstring)."""
+    passes = sum(isinstance(i, ins.COMPUTE) for i in program)
+    messages = sum(isinstance(i, _BOUNDARY_MESSAGES) for i in program)
+    return min(1.0, passes / messages) if messages else 0.0
+
+
 class _Host:
     def __init__(
         self, programs: Mapping[int, Sequence[ins.Instruction]], cost: Callable[[int, ins.Instruction], float],
@@ -159,9 +192,9 @@ class _Host:
         self.cost = cost
         self.cores = cores
         self.reductions = reductions
-        self.handling_s = message_cpu_s / 2
-        """Each side's share of a message's CPU: the sender's before the message leaves, the receiver's after it
-        arrived."""
+        self.handling_s = {w: message_cpu_s / 2 * _passes_per_message(program) for w, program in programs.items()}
+        """Each worker's share of a message's CPU, per message it sends or receives: the sender's before the message
+        leaves, the receiver's after it arrived."""
         self.handling: dict[int, tuple[Channel, float] | None] = {}
         """Worker handling a message -> for a send, its channel and the link's seconds once handled; None: a
         receive."""
@@ -243,7 +276,7 @@ class _Host:
                     self.started[worker] = self.now
                     return
             elif transfer[1]:
-                if self.handling_s > 0:
+                if self.handling_s[worker] > 0:
                     self._handle(worker, (transfer[0], self.cost(worker, instr)))
                     return
                 self.messages[transfer[0]].append(self.now + self.cost(worker, instr))
@@ -253,7 +286,7 @@ class _Host:
                     self.waiting[worker] = transfer[0]
                     return
                 queue.popleft()
-                if self.handling_s > 0:
+                if self.handling_s[worker] > 0:
                     self._handle(worker, None)
                     return
             self.pc[worker] += 1
@@ -261,7 +294,7 @@ class _Host:
 
     def _handle(self, worker: int, sent: tuple[Channel, float] | None) -> None:
         """``worker`` spends its share of a message's CPU on the cores; a send's message leaves after it."""
-        self.work_left[worker] = self.handling_s
+        self.work_left[worker] = self.handling_s[worker]
         self.started[worker] = self.now
         self.handling[worker] = sent
 

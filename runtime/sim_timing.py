@@ -38,7 +38,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.scheduler import OneFOneB
-from ftlab.runtime.shared_host import HostCores, Reduction, contention_on, host_of, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, contention_on, host_of, run_shared, shared_span
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -60,7 +60,7 @@ class IterationTiming:
     ready_s: float
     """From the iteration's start until every worker has reduced its gradients (the commit point)."""
     optimizer_s: float
-    """The slowest worker's optimizer step, after the commit."""
+    """After the commit, until the last worker's optimizer step is done."""
     compute_s: float
     """The busiest worker's forward and backward time."""
     total_compute_s: float
@@ -95,7 +95,7 @@ class IterationTimer:
     profiled alone on one core). The whole plan then runs as one, under processor sharing
     (``runtime.shared_host``), its all-reduces included: a small plan, and its components are not independent, since
     they share the cores. The optimizer steps, every worker's at once with its other work of a step (``step_cpu_s``),
-    are slowed as that many processes computing.
+    share the cores as processes started together, each stepping its own layers (``shared_host.shared_span``).
     ``None``: each worker has a device of its own.
 
     ``layer_speed``: on a shared host, how fast each layer is computed against its charge
@@ -188,9 +188,7 @@ class IterationTimer:
             tuple(run.compute_s.get(w, 0.0) for w in workers),
         )
         compute = max(whole.compute_s, default=0.0)
-        optimizer = cores.slowdown(len(workers)) * (
-            self.step_cpu_s + max(self.costs.optimizer_s(*ranges[w]) for w in workers)
-        )
+        optimizer = shared_span([self.step_cpu_s + self.costs.optimizer_s(*ranges[w]) for w in workers], cores)
         return IterationTiming(
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
             ((workers, whole),), run.copy_end,

@@ -6,7 +6,7 @@ import pytest
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.shared_host import HostCores, Reduction, run_shared
+from ftlab.runtime.shared_host import HostCores, Reduction, run_shared, shared_span
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 
@@ -98,11 +98,38 @@ def test_a_message_costs_its_sender_before_it_leaves_and_its_receiver_after_it_a
 
 
 def test_a_messages_cpu_shares_the_cores_with_the_computing_workers() -> None:
-    programs = {0: [ins.SendActivation(0, 1), *END], 1: [ins.RecvActivation(0, 0), *END], 2: alone(1)}
+    programs = {
+        0: [ins.ForwardPass(0), ins.SendActivation(0, 1), *END],
+        1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), *END],
+        2: alone(3),
+    }
     run = run_shared(programs, cost, cores=HostCores(1), message_cpu_s=1.0)
-    # One core: 0's half of the message beside 2's forward at half speed (sent at 1.0, arrives at 1.25); 2 alone
-    # meanwhile (0.25 left at 1.25), then beside 1's half until 1.75; 1 alone to 2.0.
-    assert run.reduce_at == pytest.approx({0: 1.0, 1: 2.0, 2: 1.75})
+    # One core: 0 forwards beside 2 at half speed (until 2.0; 2 has 2 s left), then its half of the message beside
+    # 2 (sent at 3.0, arrives at 3.25; 2 has 1.5 left, then 1.25 alone); 1's half beside 2 until 4.25 (2: 0.75 left);
+    # 1's forward beside 2 until 2 ends at 5.75, 1 alone to 6.0.
+    assert run.reduce_at == pytest.approx({0: 3.0, 1: 6.0, 2: 5.75})
+
+
+def test_a_stage_between_two_others_pays_one_share_of_a_message_per_pass() -> None:
+    # Timed per instruction, the passes of a stage between two others took no more CPU beyond their charge than an
+    # end stage's, with twice the messages: its share per message is halved to one per pass.
+    programs = {
+        0: [ins.ForwardPass(0), ins.SendActivation(0, 1), *END],
+        1: [ins.RecvActivation(0, 0), ins.ForwardPass(0), ins.SendActivation(0, 2), *END],
+        2: [ins.RecvActivation(0, 1), ins.ForwardPass(0), *END],
+    }
+    run = run_shared(programs, cost, cores=HostCores(3), message_cpu_s=1.0)
+    # A core each: 0 forwards (1.0) and sends (0.5: 1.5, arrives at 1.75); 1 receives (0.25: 2.0), forwards (3.0)
+    # and sends (0.25: 3.25, arrives at 3.5); 2 receives (0.5: 4.0) and forwards (5.0).
+    assert run.reduce_at == pytest.approx({0: 1.5, 1: 3.25, 2: 5.0})
+
+
+def test_processes_started_at_once_share_the_cores_until_the_last_is_done() -> None:
+    cores = HostCores(2, by_load=(1.0, 2.0, 1.5))
+    assert shared_span([1.0, 1.0, 1.0], cores) == pytest.approx(3 / 1.5)  # three at once get 1.5 cores' worth
+    # The two short ones are done at 2.0 (1 s each at half speed); the long one then runs alone: 3 s more.
+    assert shared_span([1.0, 1.0, 4.0], cores) == pytest.approx(5.0)
+    assert shared_span([], cores) == 0.0
 
 
 def test_with_a_core_each_it_agrees_with_the_checkers_machine() -> None:
