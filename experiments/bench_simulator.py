@@ -35,7 +35,8 @@ round measures its profile twice, tens of seconds apart, and keeps each layer's 
 ``again``): a profile taken while other load held the cores is slow for as long as it lasted. Before and after
 each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three sweeps,
 each number's median: one process per worker of the job's first plan, each computing that worker's layers, one to
-all of them side by side) and gives the simulation of that job the mean of the two (``measured_host``): the cores'
+all of them side by side; the plan of the profile kept, which for Oobleck may have other stages than the first
+profile's) and gives the simulation of that job the mean of the two (``measured_host``): the cores'
 worth so many workers computing at once get, what their working sets and switching between more processes than
 cores cost included (``sim.host_cores_by_load``, and ``sim.host_cores`` = this machine's cores), and how fast each
 layer is computed alone against its charge, the machine's speed against the profile's included
@@ -288,6 +289,10 @@ def pair(
     sim_cfg, first = first_plan([*common, *overrides, *constants])  # the round's profile is measured here
     before = workers_share(sim_cfg, first) if measure_cores else None
     job_profile(sim_cfg, again=True)  # the fastest of two profiles, the cores' worth measured between them
+    # The profile kept may plan other stages (Oobleck's pipelines of two stages or three): the real run's.
+    sim_cfg, kept = first_plan([*common, *overrides, *constants])
+    if kept.layer_ranges() != first.layer_ranges():
+        first, before = kept, (workers_share(sim_cfg, kept) if measure_cores else None)
     print(f"[{name}] real ...", flush=True)
     real = figures(run_job(compose_config([*common, *overrides])))
     # The machine's load drifts over the job: the mean of what its workers could have before and after it.
