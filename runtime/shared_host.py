@@ -171,15 +171,12 @@ def run_shared(
     return _Host(programs, cost, cores, reductions or {}, copies or {}, message_cpu_s).run()
 
 
-_BOUNDARY_MESSAGES = (ins.SendActivation, ins.SendGrad, ins.RecvActivation, ins.RecvGrad)
-
-
 def _passes_per_message(program: Sequence[ins.Instruction]) -> float:
     """How much of its half of a message's CPU a worker running ``program`` pays per message it sends or receives:
     all of it, up to one half per forward or backward pass of its own (a stage between two others pays half of it;
     module docstring)."""
     passes = sum(isinstance(i, ins.COMPUTE) for i in program)
-    messages = sum(isinstance(i, _BOUNDARY_MESSAGES) for i in program)
+    messages = sum(isinstance(i, ins.PeerInstruction) for i in program)  # activations and gradients
     return min(1.0, passes / messages) if messages else 0.0
 
 
