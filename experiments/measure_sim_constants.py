@@ -35,9 +35,11 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   of eight, of one worker holding every layer and of two stages (each micro-batch more crosses the boundary twice);
   ``allreduce_cpu_bytes_per_s``: the gradient bytes over the CPU time two replicas' steps of one micro-batch each
   take beyond the one worker's (their all-reduce). Both workers on one core meanwhile: what computing side by side
-  costs them is the host's (``sim.host_cores_by_load``), and counted here it would be charged twice (measured on
-  two cores, a message came out 1.9-3.1 ms; gloo's own copying of a 64 KB activation is 0.16 ms of it). The median
-  of five repeats.
+  costs them is the host's (``sim.host_cores_by_load``), and counted here it would be charged twice (measured
+  unpinned on two cores, a message came out 1.9-3.1 ms; gloo's own copying of a 64 KB activation is 0.16 ms of
+  it). The median of five repeats. ``message_cpu_own_core_s``: a message measured the same way with each worker
+  pinned to a core of its own, which it keeps while it waits (what a plan whose processes fit the cores is
+  charged); five repeats more.
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT snapshot's copy on the runtime itself: the one-micro-batch steps of one worker
   again, each followed by a snapshot of its whole state (a group of one member writes one shard record: weights and
@@ -207,22 +209,35 @@ def measure(cache_dir: Path) -> dict[str, float]:
         found["layer_overhead_s"] = [statistics.median(found.pop("instruction_s")) / layers]
         # Stage boundaries and all-reduces, both workers on one core (module docstring).
         procs = [worker, psutil.Process(cluster.workers[1].pid)]
-        with _on_one_core(procs):
+
+        def message_cpu(step: int) -> tuple[float, float, int]:
+            """A message's CPU, from two stages' and one worker's CPU a step, of one micro-batch and of eight; the
+            one worker's CPU a step of one micro-batch; the next step."""
+            per_step = {}  # micro-batches -> (one worker's CPU a step, the two stages' together)
+            for microbatches in (1, 8):
+                plan = next_plan(grid_plan([0], 1, layers, 2 * microbatches, 2))
+                one_stage, step = _cpu_per_step(backend, plan, step, procs[:1])
+                plan = next_plan(grid_plan([0, 1], 2, layers, 2 * microbatches, 2))
+                two_stages, step = _cpu_per_step(backend, plan, step, procs)
+                per_step[microbatches] = one_stage[0], sum(two_stages)
+            # Each micro-batch more crosses the boundary twice (its activation, its gradient).
+            more = [(per_step[8][i] - per_step[1][i]) / 7 for i in range(2)]
+            return max((more[1] - more[0]) / 2, 0.0), per_step[1][0], step
+
+        with _pinned(procs, one_core=True):
             for _ in range(CPU_REPEATS):
-                per_step = {}  # micro-batches -> (one worker's CPU a step, the two stages' together)
-                for microbatches in (1, 8):
-                    plan = next_plan(grid_plan([0], 1, layers, 2 * microbatches, 2))
-                    one_stage, step = _cpu_per_step(backend, plan, step, procs[:1])
-                    plan = next_plan(grid_plan([0, 1], 2, layers, 2 * microbatches, 2))
-                    two_stages, step = _cpu_per_step(backend, plan, step, procs)
-                    per_step[microbatches] = one_stage[0], sum(two_stages)
-                # Each micro-batch more crosses the boundary twice (its activation, its gradient).
-                more = [(per_step[8][i] - per_step[1][i]) / 7 for i in range(2)]
-                found.setdefault("message_cpu_s", []).append(max((more[1] - more[0]) / 2, 0.0))
+                message, alone, step = message_cpu(step)
+                found.setdefault("message_cpu_s", []).append(message)
                 plan = next_plan(grid_plan([0, 1], 1, layers, 4, 2))  # two replicas of one micro-batch each
                 replicas, step = _cpu_per_step(backend, plan, step, procs)
-                reduced = max(statistics.mean(replicas) - per_step[1][0], 1e-4)  # a member's CPU: its whole buffer's
+                reduced = max(statistics.mean(replicas) - alone, 1e-4)  # a member's CPU: its whole buffer's
                 found.setdefault("allreduce_cpu_bytes_per_s", []).append(costs.param_bytes(0, layers) / reduced)
+        # A core each, where the host has two: what a message costs workers that keep their cores while they wait.
+        with _pinned(procs, one_core=False):
+            for _ in range(CPU_REPEATS):
+                message, _, step = message_cpu(step)
+                found.setdefault("message_cpu_own_core_s", []).append(message)
+        found["message_cpu_own_core_s"] = [statistics.median(found["message_cpu_own_core_s"])]
         found["message_cpu_s"] = [statistics.median(found["message_cpu_s"])]
         found["allreduce_cpu_bytes_per_s"] = [statistics.median(found["allreduce_cpu_bytes_per_s"])]
         found["snapshot_bytes_per_s"] = [statistics.median(found["snapshot_bytes_per_s"])]
@@ -271,7 +286,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
     return best
 
 
-DRIFT_SPOILS = ("layer_overhead_s", "step_cpu_s", "message_cpu_s")
+DRIFT_SPOILS = ("layer_overhead_s", "step_cpu_s", "message_cpu_s", "message_cpu_own_core_s")
 """Costs the runtime always has, each the difference of CPU times taken at different moments, held at zero where it
 comes out negative: a zero says the machine's speed moved between them by more than the cost. In the second round of
 the bench of 2026-11-27 12:57 UTC a step's own work and a message both came out 0 (in the round before:
@@ -323,18 +338,24 @@ def _cpu_per_step(  # noqa: ANN001 - a LocalBackend and a Plan
 
 
 @contextlib.contextmanager
-def _on_one_core(procs: list[psutil.Process]) -> Iterator[None]:
-    """Every thread of ``procs`` on one core, then back where they were: their CPU without what computing side by
-    side on several cores costs each (their working sets in the shared caches: the host's, measured beside each job,
-    ``sim.host_cores_by_load``)."""
-    core = min(os.sched_getaffinity(0))
-    threads = [(thread.id, os.sched_getaffinity(thread.id)) for proc in procs for thread in proc.threads()]
-    for tid, _ in threads:
+def _pinned(procs: list[psutil.Process], one_core: bool) -> Iterator[None]:
+    """Every thread of ``procs`` on one core, or each process on a core of its own where this process may run on as
+    many (else on one core too), then back where they were. On one core: their CPU without what computing side by
+    side on several cores costs each (their working sets in the shared caches: the host's, measured beside each
+    job, ``sim.host_cores_by_load``), each waiting process's core used by the other meanwhile."""
+    allowed = sorted(os.sched_getaffinity(0))
+    spread = not one_core and len(allowed) >= len(procs)
+    threads = [
+        (thread.id, allowed[i] if spread else allowed[0], os.sched_getaffinity(thread.id))
+        for i, proc in enumerate(procs)
+        for thread in proc.threads()
+    ]  # fmt: skip
+    for tid, core, _ in threads:
         os.sched_setaffinity(tid, {core})
     try:
         yield
     finally:
-        for tid, cores in threads:
+        for tid, _, cores in threads:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, cores)
 
@@ -413,8 +434,8 @@ def render(values: dict[str, float], runs: int) -> str:
         "# (conf/sim -> runtime.config.SimConfig) reads them.",
     ]
     order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "message_cpu_s",
-             "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "configure_group_s", "process_start_s",
-             "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
+             "message_cpu_own_core_s", "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "configure_group_s",
+             "process_start_s", "node_start_s", "build_bytes_per_s", "codec_bytes_per_s", "storage_write_bytes_per_s",
              "storage_read_bytes_per_s", "host_cores", "snapshot_bytes_per_s", "snapshot_launch_s"]  # fmt: skip
     for name in order:
         value = values[name]

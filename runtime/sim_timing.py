@@ -110,7 +110,7 @@ class IterationTimer:
     def __init__(
         self, costs: CostModel, check: bool = True, cores: HostCores | None = None, layer_overhead_s: float = 0.0,
         step_cpu_s: float = 0.0, message_cpu_s: float = 0.0, allreduce_cpu_bytes_per_s: float | None = None,
-        layer_speed: Sequence[float] = (),
+        layer_speed: Sequence[float] = (), message_cpu_own_core_s: float | None = None,
     ) -> None:  # fmt: skip
         self.costs = costs
         self.check = check
@@ -123,6 +123,8 @@ class IterationTimer:
         step."""
         self.message_cpu_s = message_cpu_s
         """On a shared host, what a message between stages costs its two workers' cores (``SimConfig``)."""
+        self.message_cpu_own_core_s = message_cpu_own_core_s
+        """The same where the plan's processes fit the host's cores (``SimConfig``); None: ``message_cpu_s``."""
         self.allreduce_cpu_bytes_per_s = allreduce_cpu_bytes_per_s
         """On a shared host, the CPU a gradient all-reduce costs each member (``SimConfig``); None: the link's time."""
         self.layer_speed = tuple(layer_speed)
@@ -139,6 +141,7 @@ class IterationTimer:
             message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
             allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
             layer_speed=sim.host_layer_speed if shared_host else (),
+            message_cpu_own_core_s=sim.message_cpu_own_core_s if shared_host else None,
         )  # fmt: skip
 
     @property
@@ -181,7 +184,7 @@ class IterationTimer:
                 peers[worker].update(holders)
         reduce_s = self.costs.reduce_s(plan, self._reduce_cpu_s if self.allreduce_cpu_bytes_per_s else None)
         reductions = {w: Reduction(frozenset(peers[w] - {w}), reduce_s.get(w, 0.0)) for w in workers}
-        run = run_shared(own, cost, cores, reductions, copies, self.message_cpu_s)
+        run = run_shared(own, cost, cores, reductions, copies, self._message_cpu_s(len(workers), copies, cores))
         whole = ComponentTiming(
             tuple(run.reduce_at[w] for w in workers),
             tuple(dict(run.phase_at.get(w, {})) for w in workers),
@@ -193,6 +196,12 @@ class IterationTimer:
             max(run.reduce_end.values()), optimizer, compute, sum(whole.compute_s), dict(run.reduce_end),
             ((workers, whole),), run.copy_end,
         )  # fmt: skip
+
+    def _message_cpu_s(self, workers: int, copies: Mapping[int, float], cores: HostCores) -> float:
+        """A message's CPU for a plan of ``workers`` with ``copies`` beside them on ``cores``: where every process has
+        a core of its own, a waiting worker keeps its core and finds its working set there."""
+        fits = workers + sum(seconds > 0 for seconds in copies.values()) <= cores.count
+        return self.message_cpu_own_core_s if fits and self.message_cpu_own_core_s is not None else self.message_cpu_s
 
     def _speed(self, start: int, stop: int) -> float:
         """How fast a worker computes layers [start, stop) against their charge: its layers' speeds, each weighted

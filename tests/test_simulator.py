@@ -371,6 +371,27 @@ def test_on_a_shared_host_messages_and_all_reduces_cost_the_cores_what_was_measu
     assert iteration(*gpu, "sim.message_cpu_s=0.01") == pytest.approx(iteration(*gpu))
 
 
+def test_where_the_workers_fit_the_cores_a_message_costs_what_was_measured_on_a_core_each(
+    job_overrides: list[str],
+) -> None:  # fmt: skip
+    # Two workers on two cores keep a core each while they wait: their messages cost the own-core figure. Four on
+    # two cores find theirs used by the others: the one-core figure, whatever the own-core one.
+    def iteration(nodes: int, *overrides: str) -> float:
+        cfg = sim_cfg(job_overrides, "policy=none", f"cluster.nodes={nodes}", f"train.stages={nodes}",
+                      "sim.host_cores=2", "sim.message_cpu_s=0.01", *overrides)  # fmt: skip
+        return simulate(cfg).result.steps[1].iter_s
+
+    for nodes, fits in ((2, True), (4, False)):
+        one_core = iteration(nodes, "sim.message_cpu_own_core_s=null")  # no own-core figure: the one-core one
+        assert iteration(nodes, "sim.message_cpu_own_core_s=0.01") == pytest.approx(one_core)
+        free = iteration(nodes, "sim.message_cpu_own_core_s=0")
+        if fits:
+            no_cost = iteration(nodes, "sim.message_cpu_s=0", "sim.message_cpu_own_core_s=null")
+            assert free < one_core and free == pytest.approx(no_cost)
+        else:
+            assert free == pytest.approx(one_core)
+
+
 def test_an_all_reduce_costs_each_member_its_buffer_whatever_the_members(job_overrides: list[str]) -> None:
     # One-stage replicas on two cores reduce all at once, after identical programs: what a dear rate adds is every
     # member's whole buffer over the rate, shared by the cores. Four members add twice what two add (the ring's
