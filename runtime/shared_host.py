@@ -138,15 +138,22 @@ def host_of(sim: SimConfig) -> HostCores | None:
     return HostCores(sim.host_cores, tuple(sim.host_cores_by_load)) if sim.host_cores > 0 else None
 
 
+def shared_ends(seconds: Sequence[float], cores: HostCores) -> list[float]:
+    """When each of processes started at once on ``cores`` is done, each with its ``seconds`` of work on a core of
+    its own: processor sharing, each one done leaving its share to the others."""
+    ends = [0.0] * len(seconds)
+    running = sum(amount > 0 for amount in seconds)
+    now = done = 0.0
+    for i in sorted((i for i, amount in enumerate(seconds) if amount > 0), key=lambda i: seconds[i]):
+        now += (seconds[i] - done) * cores.slowdown(running)
+        done, ends[i] = seconds[i], now
+        running -= 1
+    return ends
+
+
 def shared_span(seconds: Sequence[float], cores: HostCores) -> float:
-    """How long processes started at once on ``cores`` take until the last is done, each with its ``seconds`` of
-    work on a core of its own: processor sharing, each one done leaving its share to the others."""
-    span = done = 0.0
-    remaining = sorted(s for s in seconds if s > 0)
-    for i, amount in enumerate(remaining):
-        span += (amount - done) * cores.slowdown(len(remaining) - i)
-        done = amount
-    return span
+    """How long processes started at once on ``cores`` take until the last is done (``shared_ends``)."""
+    return max(shared_ends(seconds, cores), default=0.0)
 
 
 @dataclass(frozen=True)

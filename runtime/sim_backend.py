@@ -24,8 +24,10 @@ What each wait costs:
 - a restart: every worker process starts again (``sim.process_start_s``; on a shared host, slowed as that many
   processes computing at once).
 - a save: each protection ``Action`` kind has a cost (``action_cost``); a storage checkpoint encodes each writer's
-  layers (in parallel) and writes them all at ``sim.storage_write_bytes_per_s``. Other kinds register their own
-  with ``register_action``, and sources to restore from with ``register_source``.
+  layers (in parallel) and writes them all at ``sim.storage_write_bytes_per_s``. On a shared host the encoding
+  shares the cores with the snapshot copies in flight (REFT's flush follows its step's snapshot:
+  ``_beside_copies``). Other kinds register their own with ``register_action``, and sources to restore from with
+  ``register_source``.
 - a REFT snapshot (``TakeSnapshot``) is asynchronous, as on the runtime (below).
 - an abort: ``sim.abort_s``, or longer while a survivor finishes the snapshot it is copying.
 
@@ -92,7 +94,7 @@ from ftlab.runtime.costs import CostModel
 from ftlab.runtime.model_spec import FP32
 from ftlab.runtime.plan import Plan
 from ftlab.runtime.program_check import timeline
-from ftlab.runtime.shared_host import contention_on, host_of
+from ftlab.runtime.shared_host import contention_on, host_of, shared_ends
 from ftlab.runtime.sim_timing import IterationTimer, IterationTiming, configuration_s
 from ftlab.runtime.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
 
@@ -110,6 +112,9 @@ class SimSave:
     seconds: float
     nbytes: int
     location: str
+    cpu_s: Mapping[int, float] = field(default_factory=dict)
+    """Each writer's CPU in ``seconds`` that runs side by side with the others', on a core of its own (a storage
+    checkpoint's encoding): on a shared host it shares the cores with the snapshot copies in flight."""
 
 
 ActionCost = Callable[[Action, int, Mapping[int, tuple[int, ...]], "SimBackend"], SimSave]
@@ -132,10 +137,11 @@ def register_source(kind: type[Source], cost: SourceCost) -> None:
 
 def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], b: SimBackend) -> SimSave:
     assert isinstance(action, SaveCheckpoint)
-    per_writer = [b.checkpoint_bytes(layers) for layers in writers.values()]
-    encode = max(per_writer, default=0) / b.codec_bytes_per_s
-    seconds = b.sim.control_s + encode + sum(per_writer) / b.sim.storage_write_bytes_per_s
-    return SimSave(seconds, int(sum(per_writer)), f"{action.directory}/step-{step:06d}")
+    per_writer = {worker: b.checkpoint_bytes(layers) for worker, layers in writers.items()}
+    encode = {worker: nbytes / b.codec_bytes_per_s for worker, nbytes in per_writer.items()}
+    written = sum(per_writer.values()) / b.sim.storage_write_bytes_per_s
+    seconds = b.sim.control_s + max(encode.values(), default=0.0) + written
+    return SimSave(seconds, int(sum(per_writer.values())), f"{action.directory}/step-{step:06d}", encode)
 
 
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
@@ -595,16 +601,46 @@ class SimBackend(Backend, FaultTarget):
                 f"runtime.sim_backend.register_action"
             )
         saved = cost(action, step, writers, self)
+        seconds = self._beside_copies(saved) if self.host is not None and saved.cpu_s else saved.seconds
         started = self.now
         for worker, (armed_step, phase) in list(self._armed.items()):
             if armed_step == step and phase == "checkpoint" and writers.get(worker):
                 first = self.checkpoint_bytes(writers[worker][:1]) / self.codec_bytes_per_s
                 self._step_timers.append(self.call_at(started + first, self._at_phase(worker, step, phase)))
-        failure = self._wait(started + saved.seconds, needs=set(writers))
+        failure = self._wait(started + seconds, needs=set(writers))
         self._cancel_step_timers()
         if failure:
             return failure
         return SaveReport(saved.nbytes, saved.location)
+
+    def _beside_copies(self, saved: SimSave) -> float:
+        """A save's seconds on a shared host with the snapshot copies in flight beside it. On the runtime a flush to
+        storage follows its step's snapshot, and the workers write it while their copy threads run: the writers'
+        CPU (``saved.cpu_s``) and what is left of each copy share the cores, each copy ends when it is done, and
+        the next iteration, timed with the copies beside it, is timed without them if they end within the save."""
+        assert self.host is not None
+        copying = [c for c in self._copies if c.ends > self.now]
+        if not copying:
+            return saved.seconds
+        threads = [(c, self._copy_cpu_left(c)) for c in copying for _ in c.writers.workers]
+        writing = list(saved.cpu_s.values())
+        alone = self.host.slowdown(1)  # the rates are measured alone: only the sharing slows them here
+        ends = [end / alone for end in shared_ends([*writing, *(left for _, left in threads)], self.host)]
+        seconds = saved.seconds - max(writing) + max(ends[: len(writing)])
+        copy_ends: dict[int, float] = {}
+        for (copy, _), end in zip(threads, ends[len(writing) :], strict=True):
+            copy_ends[id(copy)] = max(copy_ends.get(id(copy), 0.0), self.now + end)
+        self._copies = [replace(c, ends=copy_ends[id(c)]) if id(c) in copy_ends else c for c in self._copies]
+        if max(copy_ends.values()) <= self.now + seconds:
+            self._overlapped = None
+        return seconds
+
+    def _copy_cpu_left(self, copy: _Copy) -> float:
+        """The CPU a writer of ``copy`` has left to copy, on a core of its own."""
+        whole = copy.writers.parts[0].nbytes / self.sim.snapshot_bytes_per_s
+        if copy.begins >= self.now:
+            return whole
+        return whole * (copy.ends - self.now) / (copy.ends - copy.begins)
 
     def completed_saves(self) -> list[SaveProgress]:
         done: list[_Copy] = []

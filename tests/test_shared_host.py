@@ -6,7 +6,7 @@ import pytest
 
 from ftlab.runtime import instructions as ins
 from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.shared_host import HostCores, Reduction, run_shared, shared_span
+from ftlab.runtime.shared_host import HostCores, Reduction, run_shared, shared_ends, shared_span
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 
@@ -129,6 +129,7 @@ def test_processes_started_at_once_share_the_cores_until_the_last_is_done() -> N
     assert shared_span([1.0, 1.0, 1.0], cores) == pytest.approx(3 / 1.5)  # three at once get 1.5 cores' worth
     # The two short ones are done at 2.0 (1 s each at half speed); the long one then runs alone: 3 s more.
     assert shared_span([1.0, 1.0, 4.0], cores) == pytest.approx(5.0)
+    assert shared_ends([4.0, 1.0, 0.0, 1.0], cores) == pytest.approx([5.0, 2.0, 0.0, 2.0])  # in the order given
     assert shared_span([], cores) == 0.0
 
 

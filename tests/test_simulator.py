@@ -298,6 +298,25 @@ def test_on_a_shared_host_a_copy_takes_cores_from_the_iteration_it_overlaps(job_
     assert plain[1].iter_s + launch < copied[1e11][1].iter_s < copied[1e10][1].iter_s
 
 
+def test_on_a_shared_host_a_flush_shares_the_cores_with_its_steps_copies(job_overrides: list[str]) -> None:
+    # After the commit of step 3, REFT snapshots step 4's state and flushes it to storage; the workers write the
+    # checkpoint while their copy threads run (as on the runtime), so the flush takes longer than the same checkpoint
+    # without copies, and the copies are done when step 4 begins: it runs as an iteration with none beside it.
+    def steps(*overrides: str) -> list[ev.StepCommitted]:
+        return simulate(sim_cfg(job_overrides, *overrides, "sim.host_cores=1")).result.steps
+
+    def flush_s(committed: list[ev.StepCommitted]) -> float:  # from step 3's commit to step 4's start
+        return committed[4].at - committed[4].iter_s - committed[3].at
+
+    reft = steps(*[o for o in REFT if not o.startswith("protection.flush_every")], "protection.flush_every=4")
+    storage = steps(*[o for o in RESTART if not o.startswith("protection.every")], "protection.every=4")
+    plain = steps("policy=none", *REFT[-1:])
+    launch = SimConfig().snapshot_launch_s
+    assert flush_s(reft) > flush_s(storage) > 0
+    assert reft[4].iter_s == pytest.approx(plain[4].iter_s + launch)
+    assert reft[3].iter_s > plain[3].iter_s + launch and reft[5].iter_s == pytest.approx(reft[3].iter_s)
+
+
 def test_a_snapshots_copy_cpu_is_its_bytes_at_the_copy_rate_however_long_the_copies_waited(
     job_overrides: list[str], tmp_path: Path
 ) -> None:
