@@ -617,7 +617,8 @@ class SimBackend(Backend, FaultTarget):
         """A save's seconds on a shared host with the snapshot copies in flight beside it. On the runtime a flush to
         storage follows its step's snapshot, and the workers write it while their copy threads run: the writers'
         CPU (``saved.cpu_s``) and what is left of each copy share the cores, each copy ends when it is done, and
-        the next iteration, timed with the copies beside it, is timed without them if they end within the save."""
+        the next iteration, timed with the copies beside it, is timed without them if they end within the save.
+        Left as is: a fault armed in a copy (the "snapshot" phase) keeps the moment its launch scheduled."""
         assert self.host is not None
         copying = [c for c in self._copies if c.ends > self.now]
         if not copying:
