@@ -137,8 +137,7 @@ class SimConfig:
     five runs here, against 1.71-2.64 ms on one core in the same runs. Timed per instruction, the two workers of a
     two-stage pipeline on two cores took 0.1 ms of CPU a message, and their passes ran on a core all the time they
     took: on one core, each message switches the core to the other process and the pass after it finds its working
-    set gone.
-    None: ``message_cpu_s``."""
+    set gone. None: ``message_cpu_s``."""
     allreduce_cpu_bytes_per_s: float | None = None
     """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
     second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's

@@ -620,18 +620,18 @@ class SimBackend(Backend, FaultTarget):
         the next iteration, timed with the copies beside it, is timed without them if they end within the save.
         Left as is: a fault armed in a copy (the "snapshot" phase) keeps the moment its launch scheduled."""
         assert self.host is not None
-        copying = [c for c in self._copies if c.ends > self.now]
-        if not copying:
+        left = {i: self._copy_cpu_left(c) for i, c in enumerate(self._copies) if c.ends > self.now}
+        if not left:
             return saved.seconds
-        threads = [(c, self._copy_cpu_left(c)) for c in copying for _ in c.writers.workers]
+        threads = [i for i in left for _ in self._copies[i].writers.workers]  # each writer copies on a thread
         writing = list(saved.cpu_s.values())
         alone = self.host.slowdown(1)  # the rates are measured alone: only the sharing slows them here
-        ends = [end / alone for end in shared_ends([*writing, *(left for _, left in threads)], self.host)]
+        ends = [end / alone for end in shared_ends([*writing, *(left[i] for i in threads)], self.host)]
         seconds = saved.seconds - max(writing) + max(ends[: len(writing)])
         copy_ends: dict[int, float] = {}
-        for (copy, _), end in zip(threads, ends[len(writing) :], strict=True):
-            copy_ends[id(copy)] = max(copy_ends.get(id(copy), 0.0), self.now + end)
-        self._copies = [replace(c, ends=copy_ends[id(c)]) if id(c) in copy_ends else c for c in self._copies]
+        for i, end in zip(threads, ends[len(writing) :], strict=True):
+            copy_ends[i] = max(copy_ends.get(i, 0.0), self.now + end)
+        self._copies = [replace(c, ends=copy_ends[i]) if i in copy_ends else c for i, c in enumerate(self._copies)]
         if max(copy_ends.values()) <= self.now + seconds:
             self._overlapped = None
         return seconds
