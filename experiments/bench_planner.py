@@ -35,10 +35,10 @@ from ftlab.policies.oobleck.batch import distribute_batch
 from ftlab.policies.oobleck.instantiate import assign_nodes, instantiate
 from ftlab.policies.oobleck.templates import TemplatePlanner, generate_templates
 from ftlab.policies.recycle import ReCyclePlan, StageCosts, plan_recycle
-from ftlab.runtime.model_spec import layer_specs, load_model_config
-from ftlab.runtime.plan import even_split, grid_plan
-from ftlab.runtime.costs import ModelProfile, profile_from_specs
-from ftlab.runtime.profiler import analytic_profile
+from ftlab.runtime.core.model_spec import layer_specs, load_model_config
+from ftlab.runtime.core.plan import even_split, grid_plan
+from ftlab.runtime.core.costs import ModelProfile, profile_from_specs
+from ftlab.runtime.processes.profiler import analytic_profile
 
 PAPER_TABLE_3 = {  # (nodes, GPUs per node) -> seconds for 24, 32, 64, 96 layers
     (8, 1): (0.28, 0.71, 9.65, 68.50),

@@ -35,7 +35,7 @@ the best single policy's), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
 constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
-plan get computing their layers side by side now, one to all of them at once (``runtime.profiler.cores_by_load``,
+plan get computing their layers side by side now, one to all of them at once (``runtime.processes.profiler.cores_by_load``,
 as ``bench_simulator`` does) and gives them to the job (``sim.host_cores_by_load`` and ``sim.host_layer_speed``):
 the host the real run meets, measured beside it, not fitted to its result (``--cores-as-measured``: the idle
 host's). Run the full comparison on a quiet machine; ``--smoke`` only shows it works.
@@ -111,7 +111,7 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
 
 
 def measure(result: Any) -> dict[str, Any]:
-    from ftlab.runtime import events as ev
+    from ftlab.runtime.control import events as ev
 
     s = result.summary
     pauses = [f.recover_s for f in result.faults if f.recover_s is not None]

@@ -3,7 +3,7 @@
     .venv/bin/python -m ftlab.experiments.bench_runtime                       # gpt2-tiny, 2 stages x 2 replicas
     .venv/bin/python -m ftlab.experiments.bench_runtime --model gpt2-small --rounds 1 --steps 10
 
-Both sides train from the same initial weights (``runtime.model.build_layer``) on the same micro-batches, so their
+Both sides train from the same initial weights (``runtime.training.model.build_layer``) on the same micro-batches, so their
 losses must agree (step 0 to float rounding; later steps drift only by the order of floating-point sums). Each
 system runs alone on the machine; rounds go in ABBA order (ftlab, DeepSpeed | DeepSpeed, ftlab | ...) so that a drift
 in machine load (this machine is shared) hits both alike.
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftlab.experiments.deepspeed_reference import ReferenceJob, run_reference
-from ftlab.runtime.config import TrainConfig
+from ftlab.runtime.core.config import TrainConfig
 
 
 @dataclass
@@ -143,9 +143,9 @@ _SITECUSTOMIZE = """
 import os, sys
 _dir = os.environ.get("BENCH_PROFILE_DIR")
 _argv = " ".join(getattr(sys, "orig_argv", sys.argv))
-if _dir and ("runtime.worker" in _argv or "experiments.deepspeed_reference" in _argv):
+if _dir and ("runtime.processes.worker" in _argv or "experiments.deepspeed_reference" in _argv):
     import atexit, cProfile
-    _role = "ftlab-worker" if "runtime.worker" in _argv else "deepspeed-rank" + os.environ.get("RANK", "")
+    _role = "ftlab-worker" if "runtime.processes.worker" in _argv else "deepspeed-rank" + os.environ.get("RANK", "")
     _tag = f"{_role}-{os.getpid()}"
     _prof = cProfile.Profile()
     _prof.enable()
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     from omegaconf import OmegaConf
 
     from ftlab.experiments.config import JobConfig
-    from ftlab.runtime.data import tokenize_corpus
+    from ftlab.runtime.training.data import tokenize_corpus
     from ftlab.experiments.job import compose_config
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-runtime-"))

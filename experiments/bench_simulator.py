@@ -33,7 +33,7 @@ message (``sim.message_cpu_s``) and an all-reduce (``sim.allreduce_cpu_bytes_per
 This machine is shared: other engineers' jobs take some of its cores, and which share changes by the minute. Each
 round measures its profile twice, tens of seconds apart, and keeps each layer's fastest (``measure_profile``'s
 ``again``): a profile taken while other load held the cores is slow for as long as it lasted. Before and after
-each real job the bench measures the cores its workers can have (``runtime.profiler.cores_by_load``, three sweeps,
+each real job the bench measures the cores its workers can have (``runtime.processes.profiler.cores_by_load``, three sweeps,
 each number's median: one process per worker of the job's first plan, each computing that worker's layers, one to
 all of them side by side; the plan of the profile kept, which for Oobleck may have other stages than the first
 profile's) and gives the simulation of that job the mean of the two (``measured_host``): the cores'
@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 if TYPE_CHECKING:
-    from ftlab.runtime.profiler import HostLoad
+    from ftlab.runtime.processes.profiler import HostLoad
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
@@ -160,8 +160,8 @@ def first_plan(overrides: list[str]) -> tuple[Any, Any]:
 
 def workers_share(cfg: Any, plan: Any) -> HostLoad:  # noqa: ANN401
     """What the workers of ``plan`` (of the job ``cfg``) get computing side by side now, one to all of them at once
-    (``runtime.profiler.cores_by_load``, ``HOST_SWEEPS`` sweeps)."""
-    from ftlab.runtime.profiler import cores_by_load
+    (``runtime.processes.profiler.cores_by_load``, ``HOST_SWEEPS`` sweeps)."""
+    from ftlab.runtime.processes.profiler import cores_by_load
 
     ranges = list(plan.layer_ranges().values())
     m = cfg.model
@@ -174,8 +174,8 @@ def charged_rates(cfg: Any, plan: Any) -> tuple[float, ...]:  # noqa: ANN401
     its layers on a core of its own: the job's profile and the runtime's own cost per layer of each
     (``sim.layer_overhead_s``)."""
     from ftlab.experiments.job import job_profile
-    from ftlab.runtime.costs import CostModel
-    from ftlab.runtime.sim_timing import compute_charge_s
+    from ftlab.runtime.core.costs import CostModel
+    from ftlab.runtime.sim.timing import compute_charge_s
 
     costs, overhead = CostModel(job_profile(cfg)[0]), cfg.sim.layer_overhead_s
     return tuple(1 / compute_charge_s(costs, overhead, start, stop) for start, stop in plan.layer_ranges().values())

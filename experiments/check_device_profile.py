@@ -4,11 +4,11 @@
     python -m experiments.check_device_profile --models gpt3-medium --micro-batches 1 2 4
 
 A paper-scale simulation (``experiments/sim_paper.py``, ``cluster.device=A100-80GB`` and the like) costs every layer
-by ``runtime.costs.profile_from_specs``: its FLOPs over the datasheet's peak at ``runtime.devices.UTILISATION``, a
+by ``runtime.core.costs.profile_from_specs``: its FLOPs over the datasheet's peak at ``runtime.core.devices.UTILISATION``, a
 backward twice the forward, an optimizer step bound by memory. Nothing in CI can check that against hardware. This
-times the runtime's own layers of each model (``runtime.profiler.measure_layer``: the embedding, one transformer block
+times the runtime's own layers of each model (``runtime.processes.profiler.measure_layer``: the embedding, one transformer block
 and the head, since a model's blocks are alike) on the GPU at hand in bf16, and prints, beside the analytic profile of
-the matching ``runtime.devices`` entry (``--spec`` names another), per layer and for the whole model's forward and
+the matching ``runtime.core.devices`` entry (``--spec`` names another), per layer and for the whole model's forward and
 backward (the embedding, every block, the head), measured over analytic, and the fraction of the peak the blocks
 reached. A ratio above 1: the GPU is slower than the simulator assumes.
 
@@ -22,22 +22,22 @@ import argparse
 import json
 from typing import Any
 
-from ftlab.runtime.costs import LayerProfile
-from ftlab.runtime.devices import DEVICES, UTILISATION, device
-from ftlab.runtime.model_spec import layer_specs, load_model_config, num_layers
-from ftlab.runtime.profiler import analytic_profile, device_name, measure_layer
+from ftlab.runtime.core.costs import LayerProfile
+from ftlab.runtime.core.devices import DEVICES, UTILISATION, device
+from ftlab.runtime.core.model_spec import layer_specs, load_model_config, num_layers
+from ftlab.runtime.processes.profiler import analytic_profile, device_name, measure_layer
 
 MODELS = ("gpt3-medium", "gpt3-2.7b", "gpt3-6.7b", "llama2-6.7b")
 SPEC_BY_NAME = (("H200", "H200-141GB"), ("H100", "H100-80GB"), ("A100-SXM4-80GB", "A100-80GB"),
                 ("A100", "A100-40GB"), ("A40", "A40"), ("V100", "V100-16GB"))  # fmt: skip
-"""A substring of ``torch.cuda.get_device_name`` -> the ``runtime.devices`` entry of that GPU; the first match wins."""
+"""A substring of ``torch.cuda.get_device_name`` -> the ``runtime.core.devices`` entry of that GPU; the first match wins."""
 
 
 def matching_spec(name: str) -> str:
     for part, spec in SPEC_BY_NAME:
         if part in name:
             return spec
-    raise SystemExit(f"no runtime.devices entry matches GPU {name!r}: pass --spec, one of {', '.join(DEVICES)}")
+    raise SystemExit(f"no runtime.core.devices entry matches GPU {name!r}: pass --spec, one of {', '.join(DEVICES)}")
 
 
 def whole_model(layers: dict[int, LayerProfile], blocks: int) -> tuple[float, float]:
@@ -98,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model configs under conf/model")
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4], help="sequences per micro-batch")
-    parser.add_argument("--spec", choices=list(DEVICES), help="the runtime.devices entry to compare against")
+    parser.add_argument("--spec", choices=list(DEVICES), help="the runtime.core.devices entry to compare against")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measure (the fastest is kept)")
     parser.add_argument("--device", default="cuda", help="the torch device to time on (cpu: a smoke run of the script)")
     args = parser.parse_args()
@@ -109,7 +109,7 @@ def main() -> None:
         raise SystemExit("no CUDA device here: this check times layers on a GPU (--device cpu for a smoke run)")
     name = device_name(args.device)
     spec = args.spec or matching_spec(name)
-    print(f"GPU {name!r} against runtime.devices {spec!r} at UTILISATION {UTILISATION}", flush=True)
+    print(f"GPU {name!r} against runtime.core.devices {spec!r} at UTILISATION {UTILISATION}", flush=True)
     rows = {
         f"{model}/mb{micro_batch}": check(model, micro_batch, spec, args.repeats, args.device)
         for model in args.models

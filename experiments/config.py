@@ -23,8 +23,8 @@ from omegaconf import MISSING
 
 from ftlab import policies
 from ftlab.faults.schedules import FaultsConfig
-from ftlab.runtime.config import ClusterConfig, SimConfig, TrackingConfig, TrainConfig
-from ftlab.runtime.model_spec import ModelConfig
+from ftlab.runtime.core.config import ClusterConfig, SimConfig, TrackingConfig, TrainConfig
+from ftlab.runtime.core.model_spec import ModelConfig
 
 COMPONENT_GROUPS = ("policy", "protection")
 

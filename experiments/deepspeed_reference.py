@@ -1,10 +1,10 @@
 """The reference side of ``experiments.bench_runtime``: DeepSpeed's own ``PipelineEngine`` on ftlab's model and data.
 
-Same layers (``runtime.model.build_layer``, so the same initial weights), same split (DeepSpeed's "uniform"
-partition equals ``runtime.plan.even_split``; checked), same micro-batches (``runtime.data.Batches``: data-parallel
+Same layers (``runtime.training.model.build_layer``, so the same initial weights), same split (DeepSpeed's "uniform"
+partition equals ``runtime.core.plan.even_split``; checked), same micro-batches (``runtime.training.data.Batches``: data-parallel
 rank r feeds micro-batches r, r + DP, ... of each step, as ftlab's ``grid_plan`` deals them), same optimizer
 (fused ``torch.optim.AdamW``, same betas / weight decay) and the same learning rate schedule
-(``runtime.optim.lr_at``, written into the optimizer before every step), one thread per process, gloo on CPU.
+(``runtime.training.optim.lr_at``, written into the optimizer before every step), one thread per process, gloo on CPU.
 
 The one adaptation: ftlab's head layer takes (hidden, labels) and returns the loss; a ``PipelineModule`` layer gets
 only the previous layer's output and DeepSpeed calls ``loss_fn(outputs, labels)``. So the last layer here returns
@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ftlab.runtime.agent import die_with_parent
+from ftlab.runtime.processes.agent import die_with_parent
 
 REPO = Path(__file__).resolve().parents[1]
 _MASTER_ADDR = "127.0.0.1"
@@ -124,11 +124,11 @@ def _worker(job: ReferenceJob) -> None:
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from ftlab.runtime.data import Batches, load_tokens
-    from ftlab.runtime.model import build_layer
-    from ftlab.runtime.model_spec import load_model_config, num_layers
-    from ftlab.runtime.optim import OptimSettings, lr_at
-    from ftlab.runtime.plan import even_split
+    from ftlab.runtime.training.data import Batches, load_tokens
+    from ftlab.runtime.training.model import build_layer
+    from ftlab.runtime.core.model_spec import load_model_config, num_layers
+    from ftlab.runtime.training.optim import OptimSettings, lr_at
+    from ftlab.runtime.core.plan import even_split
 
     model = load_model_config(job.model)
     n_layers = num_layers(model)
@@ -154,7 +154,7 @@ def _worker(job: ReferenceJob) -> None:
             return self.inner.lm_head(self.inner.norm(x))
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # runtime.model_families.Head.forward's loss, verbatim.
+        # runtime.training.model_families.Head.forward's loss, verbatim.
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -179,7 +179,7 @@ def _worker(job: ReferenceJob) -> None:
                 "eps": 1e-8,
                 "weight_decay": job.weight_decay,
                 "torch_adam": True,  # torch.optim.AdamW (DeepSpeed's FusedAdam is a GPU kernel)
-                "fused": True,  # the fused kernel, as runtime.optim.layer_optimizer uses
+                "fused": True,  # the fused kernel, as runtime.training.optim.layer_optimizer uses
             },
         },
         "zero_optimization": {"stage": 0},

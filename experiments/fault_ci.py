@@ -29,10 +29,10 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
-from ftlab.runtime import checkpoint, shm
-from ftlab.runtime.contract import ConfigError
-from ftlab.runtime.coordinator import JobStopped
-from ftlab.runtime.layer_state import decode
+from ftlab.runtime.state import checkpoint, shm
+from ftlab.runtime.core.contract import ConfigError
+from ftlab.runtime.control.coordinator import JobStopped
+from ftlab.runtime.training.layer_state import decode
 
 STEPS = 10
 CHECKPOINT_EVERY = 3

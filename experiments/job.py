@@ -33,22 +33,22 @@ from ftlab.faults.injector import Injector
 from ftlab.faults.schedules import (
     ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
 )
-from ftlab.runtime import checkpoint
-from ftlab.runtime import events as ev
-from ftlab.runtime.backend import Membership
-from ftlab.runtime.config import ClusterConfig, SimConfig
-from ftlab.runtime.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
-from ftlab.runtime.coordinator import JobStopped
-from ftlab.runtime.data import load_tokens, tokenize_corpus
-from ftlab.runtime.devices import DEVICES
-from ftlab.runtime.fault_ledger import FaultLedger, FaultRecord
-from ftlab.runtime.launchers import launch_problems, make_launcher
-from ftlab.runtime.placement import choose_backend
-from ftlab.runtime.model_spec import layer_specs, num_layers
-from ftlab.runtime.plan import Plan, PlanError
-from ftlab.runtime.profiler import analytic_profile, measure_profile
-from ftlab.runtime.tracking import RunRecorder, Tracker
+from ftlab.runtime.state import checkpoint
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.control.backend import Membership
+from ftlab.runtime.core.config import ClusterConfig, SimConfig
+from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
+from ftlab.runtime.core.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
+from ftlab.runtime.control.coordinator import JobStopped
+from ftlab.runtime.training.data import load_tokens, tokenize_corpus
+from ftlab.runtime.core.devices import DEVICES
+from ftlab.runtime.reporting.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.processes.launchers import launch_problems, make_launcher
+from ftlab.runtime.processes.placement import choose_backend
+from ftlab.runtime.core.model_spec import layer_specs, num_layers
+from ftlab.runtime.core.plan import Plan, PlanError
+from ftlab.runtime.processes.profiler import analytic_profile, measure_profile
+from ftlab.runtime.reporting.tracking import RunRecorder, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class JobResult:
 # -- the costs a job plans with ------------------------------------------------------------------------------------
 def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict[str, Any]]:
     """The per-layer costs of the job's model on its devices, and where they come from: an analytic profile for a
-    GPU type of ``runtime.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``;
+    GPU type of ``runtime.core.devices``, else measured on this machine (cached under ``<train.cache_dir>/profiles``;
     ``again``: measured once more, the fastest of both cached, ``profiler.measure_profile``)."""
     device = cfg.cluster.device
     model, micro_batch = cfg.model, cfg.train.micro_batch
@@ -127,7 +127,7 @@ def everyone(cfg: JobConfig) -> Membership:
 
 # -- checks before any worker starts -------------------------------------------------------------------------------
 def check_memory(plan: Plan, job: Job) -> None:
-    """Refuse a plan whose stage would not fit the configured device memory (``runtime.costs.stage_memory``)."""
+    """Refuse a plan whose stage would not fit the configured device memory (``runtime.core.costs.stage_memory``)."""
     t = job.train
     layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len)) for spec in job.specs]
     for p, s, stage in plan.stages():
@@ -246,7 +246,7 @@ def sim_problems(sim: SimConfig) -> list[str]:
 
 
 def check_device(cfg: JobConfig) -> None:
-    """A device with a profile: a GPU type of ``runtime.devices`` (analytic), or this machine's cpu or cuda
+    """A device with a profile: a GPU type of ``runtime.core.devices`` (analytic), or this machine's cpu or cuda
     (measured), for a model small enough to measure here."""
     device = cfg.cluster.device
     if device in DEVICES:
@@ -493,7 +493,7 @@ class Observers:
 def observe(cfg: JobConfig, tracker: Tracker | None, clock_origin: float, repeats: bool = True) -> Observers:
     """Subscribe the job's observers; ``repeats=False`` logs a run of equal per-step metrics by its first and last
     step only (a simulated plan's steps are identical)."""
-    from ftlab.runtime.progress import ProgressLine
+    from ftlab.runtime.reporting.progress import ProgressLine
 
     bus = ev.EventBus()
     collector = _Collector()
@@ -566,8 +566,8 @@ class _Collector:
 
 
 def worker_setup(cfg: JobConfig, checked: Preflight) -> dict[str, Any]:
-    """What every worker of the job is started with (``runtime.worker``), less the cluster's memory root."""
-    from ftlab.runtime.optim import OptimSettings
+    """What every worker of the job is started with (``runtime.processes.worker``), less the cluster's memory root."""
+    from ftlab.runtime.training.optim import OptimSettings
 
     t, c = cfg.train, cfg.cluster
     return {
@@ -587,9 +587,9 @@ def worker_setup(cfg: JobConfig, checked: Preflight) -> dict[str, Any]:
 def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
     checked = preflight(cfg)
     # Process code loads only now: the checks above ran without torch.
-    from ftlab.runtime.cluster import LocalCluster
-    from ftlab.runtime.coordinator import Coordinator
-    from ftlab.runtime.local_backend import LocalBackend
+    from ftlab.runtime.processes.cluster import LocalCluster
+    from ftlab.runtime.control.coordinator import Coordinator
+    from ftlab.runtime.processes.local_backend import LocalBackend
 
     t, c = cfg.train, cfg.cluster
     seen = observe(cfg, tracker, clock_origin=time.monotonic())
@@ -713,7 +713,7 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
 def _log_timeline(
     tracker: Tracker, steps: list[ev.StepCommitted], ledger: FaultLedger, started: float, plan: Plan, title: str
 ) -> None:
-    from ftlab.runtime.timeline import merge_steps, plot_timeline
+    from ftlab.runtime.reporting.timeline import merge_steps, plot_timeline
 
     path = plot_timeline(
         merge_steps([(s.at - s.iter_s - started, s.at - started, plan.global_batch / s.iter_s) for s in steps]),

@@ -27,8 +27,8 @@ from ftlab.experiments import sweep
 from ftlab.experiments.config import register
 from ftlab.experiments.stop_signals import Stopped, exit_status, stop_on_signals
 from ftlab.faults.schedules import FaultConfigError
-from ftlab.runtime.backend import WorkerCrashed
-from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.control.backend import WorkerCrashed
+from ftlab.runtime.core.contract import ConfigError
 
 if TYPE_CHECKING:
     from ftlab.experiments.job import JobResult
@@ -40,7 +40,7 @@ MODES = ("train", "plan", "simulate")
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message already says what to change (or what happened): shown without a traceback."""
-    from ftlab.runtime.coordinator import JobStopped
+    from ftlab.runtime.control.coordinator import JobStopped
 
     return ConfigError, FaultConfigError, JobStopped, WorkerCrashed, FileNotFoundError
 

@@ -4,7 +4,7 @@
     .venv/bin/python -m experiments.measure_sim_constants --print    # measure and print only
     .venv/bin/python -m experiments.measure_sim_constants --runs 5   # five whole runs, each constant's median
 
-What a model profile has no figure for is measured here, on the local runtime itself (``runtime.local_backend`` with
+What a model profile has no figure for is measured here, on the local runtime itself (``runtime.processes.local_backend`` with
 real agents and workers running gpt2-tiny on two nodes of one worker), each the best of a few repeats (the shortest
 time, the highest rate: other processes on a shared machine only ever slow a repeat down). ``host_cores`` is this
 machine's core count: the constants are an idle host's, and the simulator slows what a busy one would. The storage
@@ -40,7 +40,7 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   it). The median of five repeats. ``message_cpu_own_core_s``: a message measured the same way with each worker
   pinned to a core of its own, which it keeps while it waits (what a plan whose processes fit the cores is
   charged); five repeats more.
-- ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.layer_state``), timed in this process;
+- ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.training.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT snapshot's copy on the runtime itself: the one-micro-batch steps of one worker
   again, each followed by a snapshot of its whole state (a group of one member writes one shard record: weights and
   both moments into its node's /dev/shm, with its CRC-32), the snapshots' bytes over the CPU time of the copy
@@ -77,7 +77,7 @@ from pathlib import Path
 import psutil
 from omegaconf import OmegaConf
 
-from ftlab.runtime.config import SimConfig
+from ftlab.runtime.core.config import SimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "conf" / "sim" / "measured.yaml"
@@ -88,16 +88,16 @@ CPU_REPEATS = 5
 
 def measure(cache_dir: Path) -> dict[str, float]:
     from ftlab.experiments.job import compose_config, job_profile, preflight, worker_setup
-    from ftlab.runtime import events as ev
-    from ftlab.runtime import local_backend
-    from ftlab.runtime.backend import Failure
-    from ftlab.runtime.cluster import LocalCluster
-    from ftlab.runtime.contract import SaveCheckpoint, StorageSource
-    from ftlab.runtime.costs import CostModel
-    from ftlab.runtime.local_backend import LocalBackend
-    from ftlab.runtime.plan import grid_plan
-    from ftlab.runtime.profiler import host_share
-    from ftlab.runtime.scheduler import one_f_one_b
+    from ftlab.runtime.control import events as ev
+    from ftlab.runtime.processes import local_backend
+    from ftlab.runtime.control.backend import Failure
+    from ftlab.runtime.processes.cluster import LocalCluster
+    from ftlab.runtime.core.contract import SaveCheckpoint, StorageSource
+    from ftlab.runtime.core.costs import CostModel
+    from ftlab.runtime.processes.local_backend import LocalBackend
+    from ftlab.runtime.core.plan import grid_plan
+    from ftlab.runtime.processes.profiler import host_share
+    from ftlab.runtime.core.scheduler import one_f_one_b
 
     scratch = Path(tempfile.mkdtemp(prefix="ftlab-constants-"))
     overrides = [
@@ -329,7 +329,7 @@ def _cpu_per_step(  # noqa: ANN001 - a LocalBackend and a Plan
 ) -> tuple[list[float], int]:
     """``plan`` configured, then ``steps`` of its steps from ``step`` after one to warm up: each of ``procs``' mean
     CPU seconds a step (every thread of it), and the next step."""
-    from ftlab.runtime.scheduler import one_f_one_b
+    from ftlab.runtime.core.scheduler import one_f_one_b
 
     backend.configure(plan, one_f_one_b(plan), {}, None)
     _run_step(backend, plan, step)
@@ -362,7 +362,7 @@ def _pinned(procs: list[psutil.Process], one_core: bool) -> Iterator[None]:
 
 def _run_step(backend, plan, step: int) -> None:  # noqa: ANN001
     """One step of ``plan``, committed."""
-    from ftlab.runtime.backend import Failure
+    from ftlab.runtime.control.backend import Failure
 
     backend.begin_step(plan, step)
     assert not isinstance(backend.finish_step(plan, step), Failure)
@@ -371,10 +371,10 @@ def _run_step(backend, plan, step: int) -> None:  # noqa: ANN001
 
 def _codec_bytes_per_s(cfg) -> float:  # noqa: ANN001
     """Encoding and decoding every layer's state, as copies and checkpoints do."""
-    from ftlab.runtime.layer_state import decode, encode, layer_state
-    from ftlab.runtime.model import build_layer
-    from ftlab.runtime.model_spec import num_layers
-    from ftlab.runtime.optim import OptimSettings, layer_optimizer
+    from ftlab.runtime.training.layer_state import decode, encode, layer_state
+    from ftlab.runtime.training.model import build_layer
+    from ftlab.runtime.core.model_spec import num_layers
+    from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
 
     settings = OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95)
     total, seconds = 0, []
@@ -399,8 +399,8 @@ def _snapshot_rate(backend, plan, step: int, steps: int) -> tuple[float, int]:  
     """``steps`` steps of ``plan`` from ``step``, each followed by a REFT snapshot of the state it committed (the
     runtime's copy beside the next step), and one more step for the last copy to complete: the snapshots' bytes
     over their copy threads' CPU time (as the workers report it), and the next step."""
-    from ftlab.runtime.backend import Failure
-    from ftlab.runtime.contract import TakeSnapshot
+    from ftlab.runtime.control.backend import Failure
+    from ftlab.runtime.core.contract import TakeSnapshot
 
     writers = {w: tuple(range(a, b)) for w, (a, b) in plan.layer_ranges().items()}
     keep, done = -1, []
@@ -431,7 +431,7 @@ def render(values: dict[str, float], runs: int) -> str:
         f"#   .venv/bin/python -m experiments.measure_sim_constants --runs {runs}",
         f"# on {date.today().isoformat()}, load average {load:.1f} on {os.cpu_count()} cores (a shared machine: rerun",
         "# it on a quiet one for final figures); each constant the median of the runs. The simulator",
-        "# (conf/sim -> runtime.config.SimConfig) reads them.",
+        "# (conf/sim -> runtime.core.config.SimConfig) reads them.",
     ]
     order = ["detect_s", "failure_window_s", "control_s", "step_cpu_s", "layer_overhead_s", "message_cpu_s",
              "message_cpu_own_core_s", "allreduce_cpu_bytes_per_s", "abort_s", "configure_s", "configure_group_s",

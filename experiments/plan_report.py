@@ -10,16 +10,16 @@ For any model and cluster config the report shows the policy's first plan and a 
   PP x DP grid of ``train.stages``).
 
 Every policy's first plan, where the runtime can run it, is also timed by executing its programs on
-``runtime.program_check``'s abstract machine with ``runtime.costs.CostModel.durations``: compute, activation
+``runtime.core.program_check``'s abstract machine with ``runtime.core.costs.CostModel.durations``: compute, activation
 transfers, the gradient all-reduce and the optimizer step.
 
 Where the costs come from (``cluster.device``):
 
-- ``cpu`` (the default) or ``cuda``: the model is measured on this machine (``runtime.profiler.measure_profile``,
+- ``cpu`` (the default) or ``cuda``: the model is measured on this machine (``runtime.processes.profiler.measure_profile``,
   cached under ``<train.cache_dir>/profiles``: the very profile the Oobleck policy plans training with). Templates
   put one worker on each stage, as the runtime does. Measuring runs every layer forward and backward several times,
   so it is refused for models too large for this machine (``experiments.job.MEASURE_FLOPS_LIMIT``).
-- a GPU type of ``runtime.devices`` (``A40``, ``A100-80GB``, ...): the analytic profile from FLOPs and datasheet
+- a GPU type of ``runtime.core.devices`` (``A40``, ``A100-80GB``, ...): the analytic profile from FLOPs and datasheet
   figures, which takes milliseconds at any size, and templates may use tensor parallelism inside a node. A paper
   scale job (GPT-3 6.7B on 16 x 8 A100) plans in well under a second.
 
@@ -47,12 +47,12 @@ from ftlab.experiments.job import (
 )  # fmt: skip
 from ftlab.policies.oobleck.policy import Oobleck
 from ftlab.policies.oobleck.templates import PipelineTemplate
-from ftlab.runtime.contract import ConfigError, Decision, Job, Protection
-from ftlab.runtime.costs import ModelProfile
-from ftlab.runtime.devices import DEVICES, UTILISATION
-from ftlab.runtime.plan import Plan, PlanError
-from ftlab.runtime.program_check import simulate
-from ftlab.runtime.tracking import Tracker
+from ftlab.runtime.core.contract import ConfigError, Decision, Job, Protection
+from ftlab.runtime.core.costs import ModelProfile
+from ftlab.runtime.core.devices import DEVICES, UTILISATION
+from ftlab.runtime.core.plan import Plan, PlanError
+from ftlab.runtime.core.program_check import simulate
+from ftlab.runtime.reporting.tracking import Tracker
 
 GIB = 2**30
 

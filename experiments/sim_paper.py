@@ -434,8 +434,8 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-recycle", action="store_true")
     args = parser.parse_args()
-    from ftlab.runtime.config import TrackingConfig
-    from ftlab.runtime.tracking import Tracker
+    from ftlab.runtime.core.config import TrackingConfig
+    from ftlab.runtime.reporting.tracking import Tracker
 
     models, traces = list(TABLE2_MODELS), list(TABLE2_TRACES)
     sizes, hours, sources = [int(n) for n in args.sizes.split(",")], args.hours, ["llama3", "meta"]

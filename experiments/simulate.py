@@ -1,9 +1,9 @@
-"""``ftlab mode=simulate``: the job as composed, on a simulated cluster (``runtime.sim_backend``).
+"""``ftlab mode=simulate``: the job as composed, on a simulated cluster (``runtime.sim.backend``).
 
 The same checks as a real job (``job.check_job``), the same policy and protection objects, the same coordinator,
 the same fault schedule fired by the same injector (in simulated time), the same MLflow run with tag
 ``backend=sim``: only the machines are simulated. Costs come from the job's profile, the one a policy plans with:
-analytic for a GPU type of ``runtime.devices`` (each worker its own device, each node its own host), measured on
+analytic for a GPU type of ``runtime.core.devices`` (each worker its own device, each node its own host), measured on
 this machine for ``cluster.device=cpu`` (then every worker shares this host's ``sim.host_cores`` cores, as the
 local runtime's processes do). The constants the profile has no figure for (process start, detection, storage)
 are ``conf/sim/measured.yaml``, measured here by ``experiments/measure_sim_constants.py``.
@@ -22,11 +22,11 @@ from ftlab.experiments.job import (
     JobResult, check_device, check_job, conclude, everyone, observe, record_checks, tracked,
 )
 from ftlab.faults.injector import Injector
-from ftlab.runtime.contract import ConfigError
-from ftlab.runtime.coordinator import Coordinator, JobStopped
-from ftlab.runtime.devices import DEVICES
-from ftlab.runtime.sim_backend import HorizonReached, SimBackend
-from ftlab.runtime.tracking import Tracker
+from ftlab.runtime.core.contract import ConfigError
+from ftlab.runtime.control.coordinator import Coordinator, JobStopped
+from ftlab.runtime.core.devices import DEVICES
+from ftlab.runtime.sim.backend import HorizonReached, SimBackend
+from ftlab.runtime.reporting.tracking import Tracker
 
 
 @dataclass

@@ -41,10 +41,10 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import GIB
-from ftlab.runtime import shm
-from ftlab.runtime.agent import terminate_with_parent
-from ftlab.runtime.costs import layer_bytes, stage_memory
-from ftlab.runtime.model_spec import ModelConfig, layer_specs
+from ftlab.runtime.state import shm
+from ftlab.runtime.processes.agent import terminate_with_parent
+from ftlab.runtime.core.costs import layer_bytes, stage_memory
+from ftlab.runtime.core.model_spec import ModelConfig, layer_specs
 
 LOSS_RTOL = 1e-5
 PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "transfer")

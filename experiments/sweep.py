@@ -37,7 +37,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ftlab.runtime.held_signals import store_access
+from ftlab.runtime.reporting.held_signals import store_access
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -123,7 +123,7 @@ class SweepCallback(Callback):
         return {"_progress": None, "_sweep": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from ftlab.runtime.tracking import open_store
+        from ftlab.runtime.reporting.tracking import open_store
 
         global failed_jobs
         failed_jobs = 0
@@ -157,7 +157,7 @@ class SweepCallback(Callback):
         from mlflow.entities import RunStatus
         from mlflow.tracking import MlflowClient
 
-        from ftlab.runtime.tracking import PARENT_TAG
+        from ftlab.runtime.reporting.tracking import PARENT_TAG
 
         sweep = self._sweep
         client = MlflowClient(sweep.tracking_uri)
@@ -221,7 +221,7 @@ def record_comparison(sweep: SweepContext, total: int, failed: int) -> list[str]
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 
-    from ftlab.runtime.tracking import NOTE_TAG, PARENT_TAG, compare_url, ensure_experiment, view_url
+    from ftlab.runtime.reporting.tracking import NOTE_TAG, PARENT_TAG, compare_url, ensure_experiment, view_url
 
     client = MlflowClient(sweep.tracking_uri)
     experiment_id = ensure_experiment(client, sweep.experiment, sweep.tracking_uri)

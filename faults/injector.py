@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 
 from ftlab.faults.schedules import FaultEvent
-from ftlab.runtime import events as ev
-from ftlab.runtime.backend import FaultTarget
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.control.backend import FaultTarget
 
 
 Schedule = Callable[[float, Callable[[], None]], object]

@@ -95,7 +95,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftlab.faults.trace import TraceError, TraceRecord, read_trace
-from ftlab.runtime.contract import FailureRate
+from ftlab.runtime.core.contract import FailureRate
 
 FaultKind = Literal["node", "process", "hang", "join"]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)

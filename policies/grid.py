@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ftlab.runtime.contract import Decision, Job, Source
-from ftlab.runtime.plan import Plan, PlanError, grid_plan
-from ftlab.runtime.scheduler import one_f_one_b
+from ftlab.runtime.core.contract import Decision, Job, Source
+from ftlab.runtime.core.plan import Plan, PlanError, grid_plan
+from ftlab.runtime.core.scheduler import one_f_one_b
 
 
 def grid(workers: Sequence[int], job: Job, generation: int, step: int) -> Plan:

@@ -9,7 +9,7 @@ import pytest
 from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistryStore
 from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as TrackingStore
 
-from ftlab.runtime.data import tokenize_corpus
+from ftlab.runtime.training.data import tokenize_corpus
 from ftlab.experiments.job import JobResult, compose_config, run_job
 
 

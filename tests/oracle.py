@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ftlab.experiments.job import JobResult
-from ftlab.runtime import checkpoint
-from ftlab.runtime.layer_state import decode
+from ftlab.runtime.state import checkpoint
+from ftlab.runtime.training.layer_state import decode
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-5

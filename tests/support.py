@@ -11,8 +11,8 @@ import pytest
 from ftlab.experiments import job as job_module
 from ftlab.policies.grid import decision
 from ftlab.policies.none.policy import NoRecovery
-from ftlab.runtime.contract import Decision, Job, Protection
-from ftlab.runtime.plan import Pipeline, Plan, Stage
+from ftlab.runtime.core.contract import Decision, Job, Protection
+from ftlab.runtime.core.plan import Pipeline, Plan, Stage
 
 
 class HeterogeneousLayout(NoRecovery):
@@ -78,7 +78,7 @@ dead worker's micro-batches is the iteration's tail, and reconfiguring is predic
 def analytic_profiles() -> Iterator[None]:
     """Plans from the analytic A100 profile instead of one measured on this (loaded) machine: the same plans on
     every run, so a test knows which layout it kills."""
-    from ftlab.runtime.profiler import analytic_profile
+    from ftlab.runtime.processes.profiler import analytic_profile
 
     def analytic(cfg: Any) -> tuple[Any, dict]:  # noqa: ANN401 - a JobConfig and its ModelProfile
         return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import compose_config, first_decision, job_factory
-from ftlab.runtime.backend import Membership
-from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Stop
-from ftlab.runtime.plan import Plan
-from ftlab.runtime.program_check import check_programs
+from ftlab.runtime.control.backend import Membership
+from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Stop
+from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.program_check import check_programs
 from tests.support import BURSTY_FAULT_AT_STEP_2, REVIEW_MACHINERY, analytic_profiles
 
 
@@ -259,8 +259,8 @@ def test_its_predictions_are_what_the_simulator_charges(
     # where a prediction must come out exact: reroute, a reconfiguration with layer copies, a restart from storage.
     from ftlab.experiments import job as job_module
     from ftlab.experiments.simulate import simulate
-    from ftlab.runtime import events as ev
-    from ftlab.runtime.profiler import analytic_profile
+    from ftlab.runtime.control import events as ev
+    from ftlab.runtime.processes.profiler import analytic_profile
 
     monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
         analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
@@ -290,8 +290,8 @@ def test_its_iterations_carry_the_snapshot_copies_the_simulator_charges(
     # predicted iteration of the plan chosen is the one the simulator runs, copies and their launch included.
     from ftlab.experiments import job as job_module
     from ftlab.experiments.simulate import simulate
-    from ftlab.runtime import events as ev
-    from ftlab.runtime.profiler import analytic_profile
+    from ftlab.runtime.control import events as ev
+    from ftlab.runtime.processes.profiler import analytic_profile
 
     monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
         analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
@@ -315,7 +315,7 @@ def test_the_simulator_reviews_as_the_runtime_does_and_charges_what_the_review_p
     # The same coordinator asks the same review on simulated time: the switch at step 4, no step lost, and the
     # simulator charges exactly the predicted pause and iteration time (same cost model, same constants).
     from ftlab.experiments.simulate import simulate
-    from ftlab.runtime import events as ev
+    from ftlab.runtime.control import events as ev
 
     overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-8",
                  "train.stages=2", *TINY_ON_THIS_HOST, *BURSTY]  # fmt: skip

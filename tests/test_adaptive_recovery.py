@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from ftlab.experiments.job import JobResult, compose_config, run_job
-from ftlab.runtime import events as ev
+from ftlab.runtime.control import events as ev
 from tests.oracle import assert_on_fault_free_trajectory
 from tests.support import (
     BURSTY_FAULT_AT_STEP_2, REROUTE_MACHINERY, REVIEW_MACHINERY, analytic_profiles, explicit, node, process,

@@ -16,8 +16,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ftlab.faults.schedules import FaultConfigError
-from ftlab.runtime import cluster as cluster_module
-from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.processes import cluster as cluster_module
+from ftlab.runtime.core.contract import ConfigError
 
 
 def explicit(event: str) -> list[str]:

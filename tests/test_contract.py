@@ -20,32 +20,44 @@ from ftlab.experiments.config import component_schemas
 ROOT = Path(__file__).parents[1]
 HEAVY = ("torch", "transformers", "deepspeed", "hydra")
 CONTRACT = [
-    "ftlab.runtime.contract",
-    "ftlab.runtime.plan",
-    "ftlab.runtime.instructions",
-    "ftlab.runtime.scheduler",
-    "ftlab.runtime.program_check",
-    "ftlab.runtime.costs",
-    "ftlab.runtime.events",
-    "ftlab.runtime.backend",
-    "ftlab.runtime.coordinator",
-    "ftlab.runtime.model_spec",
-    "ftlab.runtime.checkpoint",
-    "ftlab.runtime.sim_timing",
-    "ftlab.runtime.sim_backend",
-    "ftlab.runtime.snapshot_layout",
-    "ftlab.runtime.shm",
+    "ftlab.runtime.core.contract",
+    "ftlab.runtime.core.plan",
+    "ftlab.runtime.core.instructions",
+    "ftlab.runtime.core.scheduler",
+    "ftlab.runtime.core.program_check",
+    "ftlab.runtime.core.costs",
+    "ftlab.runtime.control.events",
+    "ftlab.runtime.control.backend",
+    "ftlab.runtime.control.coordinator",
+    "ftlab.runtime.core.model_spec",
+    "ftlab.runtime.state.checkpoint",
+    "ftlab.runtime.sim.timing",
+    "ftlab.runtime.sim.backend",
+    "ftlab.runtime.core.snapshot_layout",
+    "ftlab.runtime.state.shm",
     # Not contract, but loaded before torch all the same: preflight checks launch settings with the first two, and
     # a node agent (on any host) comes up without torch.
-    "ftlab.runtime.launchers",
-    "ftlab.runtime.placement",
-    "ftlab.runtime.agent",
+    "ftlab.runtime.processes.launchers",
+    "ftlab.runtime.processes.placement",
+    "ftlab.runtime.processes.agent",
 ]
-PROCESS_CODE = {
-    "agent", "cluster", "comm", "executor", "local_backend", "model", "model_families", "layer_state", "worker",
-    "messages", "optim", "profiler", "tracking", "progress", "timeline", "data", "snapshot", "shm", "zero",
-    "launchers", "placement",
-}  # fmt: skip
+GROUPS_BELOW = {
+    "core": set(),
+    "control": {"core"},
+    "sim": {"core", "control"},
+    "training": {"core"},
+    "state": {"core", "training"},
+    "processes": {"core", "control", "state", "training"},
+    "reporting": {"core", "control"},
+}
+"""Each group of runtime/ and the groups it may import: the contract at the bottom, the simulator and the process
+backend side by side above the protocol, neither importing the other."""
+POLICY_MAY_IMPORT = {"core"}
+"""A policy sees the contract and what it speaks of, never the simulator, the processes or saved state's code."""
+
+
+def runtime_groups_of(imported: set[str]) -> set[str]:
+    return {m.split(".")[2] for m in imported if m.startswith("ftlab.runtime.") and m.count(".") >= 2}
 
 
 def policy_modules() -> list[str]:
@@ -74,9 +86,24 @@ def imports_of(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "policies").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
-def test_a_policy_imports_no_process_code(path: Path) -> None:
-    process = {f"ftlab.runtime.{name}" for name in PROCESS_CODE}
-    assert not imports_of(path) & process
+def test_a_policy_imports_only_the_contract(path: Path) -> None:
+    assert runtime_groups_of(imports_of(path)) <= POLICY_MAY_IMPORT
+
+
+def test_a_policy_importing_the_simulator_is_caught(tmp_path: Path) -> None:
+    """The rule above would catch a policy that predicts with the simulator's own modules."""
+    probe = tmp_path / "policy.py"
+    probe.write_text("from ftlab.runtime.sim.timing import IterationTimer\nfrom ftlab.runtime import sim\n")
+    assert runtime_groups_of(imports_of(probe)) == {"sim"}
+
+
+def test_runtime_groups_import_only_the_groups_below_them() -> None:
+    groups = {p.name for p in (ROOT / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert groups == set(GROUPS_BELOW), "a new group of runtime/ says which groups it may import (GROUPS_BELOW)"
+    for group, below in GROUPS_BELOW.items():
+        for path in sorted((ROOT / "runtime" / group).rglob("*.py")):
+            above = runtime_groups_of(imports_of(path)) - below - {group}
+            assert not above, f"{path.relative_to(ROOT)} imports runtime groups {sorted(above)} above it"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "runtime").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
@@ -103,7 +130,7 @@ def test_a_bad_job_is_refused_before_torch_is_imported(overrides: list[str], tmp
 import sys
 from omegaconf import OmegaConf
 from ftlab.experiments.job import compose_config, preflight
-from ftlab.runtime.contract import ConfigError
+from ftlab.runtime.core.contract import ConfigError
 cfg = OmegaConf.to_object(compose_config({["experiment=plain", f"train.cache_dir={tmp_path}", *overrides]!r}))
 try:
     preflight(cfg)

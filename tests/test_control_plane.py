@@ -14,8 +14,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from ftlab.runtime import messages as msg
-from ftlab.runtime.cluster import LocalCluster
+from ftlab.runtime.processes import messages as msg
+from ftlab.runtime.processes.cluster import LocalCluster
 
 SECRET = "ab" * 32
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftlab.runtime import data
-from ftlab.runtime.data import Batches, WordTokenizer, load_text, load_tokens, tokenize_corpus
+from ftlab.runtime.training import data
+from ftlab.runtime.training.data import Batches, WordTokenizer, load_text, load_tokens, tokenize_corpus
 
 # sha256 of the original WikiText-2 splits, as listed in runtime/datasets/README.md.
 WIKITEXT_SHA256 = {

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftlab.runtime import checkpoint
-from ftlab.runtime.layer_state import decode
+from ftlab.runtime.state import checkpoint
+from ftlab.runtime.training.layer_state import decode
 from ftlab.experiments.job import JobResult
 
 STEPS = 5

@@ -1,4 +1,4 @@
-"""Fixed malloc thresholds (``runtime.host_allocator``): an iteration's tensors come from the heap, not fresh maps."""
+"""Fixed malloc thresholds (``runtime.training.host_allocator``): an iteration's tensors come from the heap, not fresh maps."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ except (OSError, AttributeError):
 # 1 MiB (an activation's size) is held, against none held; before and after steady_allocations.
 PROBE = textwrap.dedent("""
     import ctypes
-    from ftlab.runtime.host_allocator import steady_allocations
+    from ftlab.runtime.training.host_allocator import steady_allocations
 
     class Info(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in

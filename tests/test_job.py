@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime.coordinator import JobStopped
-from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.control.coordinator import JobStopped
+from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
 
 METRICS = ["train/loss", "perf/iter_s", "perf/samples_per_s", "perf/tokens_per_s", "cluster/alive_nodes", "cluster/pipelines"]
 
@@ -82,7 +82,7 @@ def test_a_plan_that_drops_a_microbatch_is_refused() -> None:
 
 
 def test_the_timeline_shows_an_outage_as_zero_throughput() -> None:
-    from ftlab.runtime.timeline import throughput_curve
+    from ftlab.runtime.reporting.timeline import throughput_curve
 
     times, rates = throughput_curve([(0.0, 1.0, 10.0), (1.0, 2.0, 12.0), (5.0, 6.0, 11.0)])
     assert times == [0.0, 1.0, 1.0, 2.0, 2.0, 5.0, 5.0, 6.0]

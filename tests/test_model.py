@@ -2,9 +2,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ftlab.runtime.costs import CostModel, profile_from_specs
-from ftlab.runtime.model import StageModule, build_layer
-from ftlab.runtime.model_spec import LayerSpec, ModelConfig, available_models, layer_specs, load_model_config, num_layers
+from ftlab.runtime.core.costs import CostModel, profile_from_specs
+from ftlab.runtime.training.model import StageModule, build_layer
+from ftlab.runtime.core.model_spec import LayerSpec, ModelConfig, available_models, layer_specs, load_model_config, num_layers
 
 MODELS = [
     "bert-large",

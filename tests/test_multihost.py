@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ftlab.experiments import job as job_module
-from ftlab.runtime.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
+from ftlab.runtime.processes.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
 from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 8

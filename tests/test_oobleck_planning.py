@@ -25,8 +25,8 @@ from ftlab.policies.oobleck.templates import (
     uncovered_node_counts,
 )
 from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
-from ftlab.runtime.plan import PlanError
-from ftlab.runtime.costs import LayerProfile, ModelProfile
+from ftlab.runtime.core.plan import PlanError
+from ftlab.runtime.core.costs import LayerProfile, ModelProfile
 
 GB = 1 << 30
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.runtime import checkpoint
+from ftlab.runtime.state import checkpoint
 from ftlab.experiments.job import JobResult, compose_config, run_job
-from ftlab.runtime.coordinator import JobStopped
+from ftlab.runtime.control.coordinator import JobStopped
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 from tests.support import analytic_profiles, explicit
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftlab.runtime.model import StageModule, build_layer
-from ftlab.runtime.model_spec import ModelConfig, num_layers
-from ftlab.runtime.passes import StagePasses
+from ftlab.runtime.training.model import StageModule, build_layer
+from ftlab.runtime.core.model_spec import ModelConfig, num_layers
+from ftlab.runtime.training.passes import StagePasses
 
 FAMILIES = ["gpt2", "llama", "bert"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftlab.runtime.placement import choose_backend, device_index
+from ftlab.runtime.processes.placement import choose_backend, device_index
 
 
 @pytest.mark.parametrize(

@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 from ftlab.experiments.plan_report import plan_job, plan_report
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import components, compose_config, everyone, job_factory
-from ftlab.runtime import cluster as cluster_module
-from ftlab.runtime.config import TrackingConfig
-from ftlab.runtime.contract import ConfigError
-from ftlab.runtime.plan import Plan
-from ftlab.runtime.tracking import Tracker
+from ftlab.runtime.processes import cluster as cluster_module
+from ftlab.runtime.core.config import TrackingConfig
+from ftlab.runtime.core.contract import ConfigError
+from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.reporting.tracking import Tracker
 
 PAPER_SCALE = [
     "experiment=plain", "model=gpt3-6.7b", "policy=oobleck", "cluster.nodes=16", "cluster.workers_per_node=8",

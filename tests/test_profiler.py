@@ -11,11 +11,11 @@ import time
 import pytest
 
 from ftlab.experiments.check_device_profile import matching_spec
-from ftlab.runtime import profiler
-from ftlab.runtime.devices import DEVICES
-from ftlab.runtime.model_spec import layer_specs, load_model_config
-from ftlab.runtime.costs import LayerProfile
-from ftlab.runtime.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
+from ftlab.runtime.processes import profiler
+from ftlab.runtime.core.devices import DEVICES
+from ftlab.runtime.core.model_spec import layer_specs, load_model_config
+from ftlab.runtime.core.costs import LayerProfile
+from ftlab.runtime.processes.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
 
 TINY = load_model_config("gpt2-tiny")
 
@@ -144,9 +144,9 @@ def test_measuring_gpt2_tiny_gives_positive_times_and_true_sizes() -> None:
 
 
 def test_a_layers_checkpoint_bytes_are_what_the_runtime_writes_of_it() -> None:
-    from ftlab.runtime.layer_state import encode, layer_state
-    from ftlab.runtime.model import build_layer
-    from ftlab.runtime.optim import OptimSettings, layer_optimizer
+    from ftlab.runtime.training.layer_state import encode, layer_state
+    from ftlab.runtime.training.model import build_layer
+    from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
 
     profile = analytic_profile(TINY, "A100-40GB", 1, 16)
     for index, costed in enumerate(profile.layers):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.plan import grid_plan
-from ftlab.runtime.program_check import ProgramError, check_programs, simulate, timeline
-from ftlab.runtime.scheduler import one_f_one_b
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.plan import grid_plan
+from ftlab.runtime.core.program_check import ProgramError, check_programs, simulate, timeline
+from ftlab.runtime.core.scheduler import one_f_one_b
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 PLAN = grid_plan([0, 1], stages=2, num_layers=4, global_batch=4, micro_batch=1)  # workers 0 -> 1, 4 micro-batches

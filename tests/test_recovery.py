@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime import checkpoint
-from ftlab.runtime.layer_state import decode
+from ftlab.runtime.state import checkpoint
+from ftlab.runtime.training.layer_state import decode
 from ftlab.experiments.job import JobResult
-from ftlab.runtime.coordinator import JobStopped
+from ftlab.runtime.control.coordinator import JobStopped
 from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 8

@@ -17,9 +17,9 @@ from ftlab.policies.recycle import (
 )
 from ftlab.policies.recycle.normalization import cost, rebalance
 from ftlab.policies.recycle.problem import Problem, jackson_preemptive
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.plan import Plan, grid_plan
-from ftlab.runtime.program_check import check_programs
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.plan import Plan, grid_plan
+from ftlab.runtime.core.program_check import check_programs
 
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0, p2p=0.1)
 SKEWED = StageCosts(forward=1.0, backward_input=1.5, backward_weight=0.5, p2p=0.2)

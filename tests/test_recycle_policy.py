@@ -14,12 +14,12 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments.config import JobConfig, build
 from ftlab.experiments.job import compose_config, first_decision, job_factory
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.backend import Membership
-from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Policy, Protection, Stop
-from ftlab.runtime.plan import Plan
-from ftlab.runtime.program_check import check_programs
-from ftlab.runtime.scheduler import one_f_one_b
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.control.backend import Membership
+from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Policy, Protection, Stop
+from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.program_check import check_programs
+from ftlab.runtime.core.scheduler import one_f_one_b
 
 
 class Cluster:

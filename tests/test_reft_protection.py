@@ -11,10 +11,10 @@ from mlflow.tracking import MlflowClient
 from ftlab.policies.reft.config import ReftConfig
 from ftlab.policies.reft.interval import choose_interval
 from ftlab.policies.reft.protection import ReftProtection
-from ftlab.runtime import cluster as cluster_module
-from ftlab.runtime.contract import Change, ConfigError, FailureRate, MemorySource, SaveCheckpoint, StorageSource, TakeSnapshot
-from ftlab.runtime.plan import grid_plan
-from ftlab.runtime.snapshot_layout import records_to_write
+from ftlab.runtime.processes import cluster as cluster_module
+from ftlab.runtime.core.contract import Change, ConfigError, FailureRate, MemorySource, SaveCheckpoint, StorageSource, TakeSnapshot
+from ftlab.runtime.core.plan import grid_plan
+from ftlab.runtime.core.snapshot_layout import records_to_write
 
 
 def protection(**settings: object) -> ReftProtection:

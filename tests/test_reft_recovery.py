@@ -23,10 +23,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import JobResult
-from ftlab.runtime import shm
-from ftlab.runtime.contract import MemorySource
-from ftlab.runtime.coordinator import JobStopped
-from ftlab.runtime.local_backend import LocalBackend
+from ftlab.runtime.state import shm
+from ftlab.runtime.core.contract import MemorySource
+from ftlab.runtime.control.coordinator import JobStopped
+from ftlab.runtime.processes.local_backend import LocalBackend
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 from tests.support import explicit, snapshot_history
 
@@ -108,7 +108,7 @@ def test_each_mode_rebuilds_a_lost_member_of_its_group(
     # One stage, three replicas: node 1's shard is kept on node 0 (ARC), decoded from the parities of nodes 0 and 2
     # (AEC), or (AOR, under ZeRO-1) node 0's copy of it holds the optimizer chunk node 0 recomputed every step from
     # node 1's gradient chunk. The kill lands in the backward pass: with ZeRO-1 a kill during the commit's
-    # all-gather would tear the step being committed on the survivors (see runtime.zero).
+    # all-gather would tear the step being committed on the survivors (see runtime.processes.zero).
     zero = ["train.zero=1"] if mode == "aor" else []
     result = run(*REFT, "cluster.nodes=3", "train.stages=1", f"protection.mode={mode}", *zero,
                  *explicit("{kind: node, node: 1, at_step: 4, phase: backward}"))  # fmt: skip
@@ -179,7 +179,7 @@ def test_oobleck_falls_back_to_a_restart_from_memory(
     """Two 2-node pipelines (f = 1): a worker process dies, so Oobleck counts its node lost and cannot recover in
     place with three whole nodes; it restarts on all four nodes, whose memory survived, from the snapshot."""
     from ftlab.experiments import job as job_module
-    from ftlab.runtime.profiler import analytic_profile
+    from ftlab.runtime.processes.profiler import analytic_profile
 
     monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
         analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
@@ -238,7 +238,7 @@ def test_an_interrupted_or_killed_coordinator_leaves_no_memory(job_overrides: li
             os.kill(coordinator.pid, signal.SIGKILL)
 
 
-HOLD = ("import sys, time; from pathlib import Path; from ftlab.runtime import shm; "
+HOLD = ("import sys, time; from pathlib import Path; from ftlab.runtime.state import shm; "
         "shm.claim(Path(sys.argv[1])); print(flush=True); time.sleep(600)")
 """A process that holds a node's memory, as an agent does, until it is killed."""
 

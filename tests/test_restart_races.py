@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftlab.runtime.cluster import LocalCluster, _running
-from ftlab.runtime.events import EventBus
-from ftlab.runtime.local_backend import LocalBackend
+from ftlab.runtime.processes.cluster import LocalCluster, _running
+from ftlab.runtime.control.events import EventBus
+from ftlab.runtime.processes.local_backend import LocalBackend
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def worker_processes(incarnation: int) -> list[int]:
             command = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"ftlab.runtime.worker" in command and command[command.index(b"--incarnation") + 1] == str(incarnation).encode():
+        if b"ftlab.runtime.processes.worker" in command and command[command.index(b"--incarnation") + 1] == str(incarnation).encode():
             found.append(int(entry.name))
     return found
 

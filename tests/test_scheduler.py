@@ -2,18 +2,18 @@
 
 DeepSpeed's ``TrainSchedule`` is the reference: for many pipeline shapes its instruction stream is translated to
 ours (buffer slots to micro-batch ids, previous/next stage to peer workers) and must equal what
-``runtime.scheduler`` generates without importing DeepSpeed.
+``runtime.core.scheduler`` generates without importing DeepSpeed.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.contract import LayerTransfer
-from ftlab.runtime.plan import Pipeline, Stage
-from ftlab.runtime.program_check import check_programs
-from ftlab.runtime.scheduler import one_f_one_b, stage_program, transfer_programs
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.contract import LayerTransfer
+from ftlab.runtime.core.plan import Pipeline, Stage
+from ftlab.runtime.core.program_check import check_programs
+from ftlab.runtime.core.scheduler import one_f_one_b, stage_program, transfer_programs
 
 ds = pytest.importorskip("deepspeed.runtime.pipe.schedule")
 
@@ -86,7 +86,7 @@ def test_layer_transfers_send_first_and_never_deadlock() -> None:
 
 
 def test_one_f_one_b_programs_pass_the_checker_on_a_grid() -> None:
-    from ftlab.runtime.plan import grid_plan
+    from ftlab.runtime.core.plan import grid_plan
 
     plan = grid_plan(list(range(6)), stages=3, num_layers=8, global_batch=16, micro_batch=2)
     check_programs(plan, one_f_one_b(plan))

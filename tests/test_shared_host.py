@@ -1,12 +1,12 @@
-"""Programs on workers sharing a host's cores (``runtime.shared_host``): processor sharing, worked by hand."""
+"""Programs on workers sharing a host's cores (``runtime.sim.shared_host``): processor sharing, worked by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.shared_host import HostCores, Reduction, run_shared, shared_ends, shared_span
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.program_check import ProgramError, timeline
+from ftlab.runtime.sim.shared_host import HostCores, Reduction, run_shared, shared_ends, shared_span
 
 END = [ins.ReduceGrads(), ins.OptimizerStep()]
 

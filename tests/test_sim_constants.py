@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments import measure_sim_constants
 from ftlab.experiments.measure_sim_constants import DRIFT_SPOILS, measure, measure_unspoiled, median_of_runs, render
-from ftlab.runtime.config import SimConfig
+from ftlab.runtime.core.config import SimConfig
 
 
 @pytest.mark.slow

@@ -27,20 +27,20 @@ from ftlab.experiments.job import JobResult, components, compose_config, everyon
 from ftlab.experiments.simulate import simulate, simulate_job
 from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig, build_schedule
 from ftlab.policies.none.policy import NoRecovery
-from ftlab.runtime import events as ev
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.config import SimConfig
-from ftlab.runtime.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
-from ftlab.runtime.coordinator import first_holders
-from ftlab.runtime.costs import CostModel, ModelProfile
-from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
-from ftlab.runtime.profiler import analytic_profile
-from ftlab.runtime.program_check import ProgramError, timeline
-from ftlab.runtime.scheduler import one_f_one_b
-from ftlab.runtime.shared_host import HostCores
-from ftlab.runtime.sim_backend import SimBackend
-from ftlab.runtime.sim_timing import IterationTimer, configuration_s
-from ftlab.runtime.snapshot_layout import groups_of
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.config import SimConfig
+from ftlab.runtime.core.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
+from ftlab.runtime.control.coordinator import first_holders
+from ftlab.runtime.core.costs import CostModel, ModelProfile
+from ftlab.runtime.core.plan import Pipeline, Plan, Stage, grid_plan
+from ftlab.runtime.processes.profiler import analytic_profile
+from ftlab.runtime.core.program_check import ProgramError, timeline
+from ftlab.runtime.core.scheduler import one_f_one_b
+from ftlab.runtime.sim.shared_host import HostCores
+from ftlab.runtime.sim.backend import SimBackend
+from ftlab.runtime.sim.timing import IterationTimer, configuration_s
+from ftlab.runtime.core.snapshot_layout import groups_of
 from tests.support import snapshot_history
 
 STEPS = 10
@@ -499,8 +499,8 @@ def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> No
 def test_activation_checkpointing_trades_activation_memory_for_a_forward() -> None:
     from dataclasses import replace
 
-    from ftlab.runtime.costs import stage_footprint
-    from ftlab.runtime.model_spec import load_model_config
+    from ftlab.runtime.core.costs import stage_footprint
+    from ftlab.runtime.core.model_spec import load_model_config
 
     profile = analytic_profile(load_model_config("llama2-6.7b"), "A100-80GB", 1, 4096)
     plain, checkpointed = CostModel(profile), CostModel(replace(profile, activation_checkpointing=True))

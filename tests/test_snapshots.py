@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ftlab.runtime import shm
-from ftlab.runtime.contract import MemoryRecord, MemorySource
-from ftlab.runtime.model import build_layer
-from ftlab.runtime.model_spec import ModelConfig
-from ftlab.runtime.optim import layer_optimizer
-from ftlab.runtime.plan import Pipeline, Plan, Stage, grid_plan
-from ftlab.runtime.snapshot import (
+from ftlab.runtime.state import shm
+from ftlab.runtime.core.contract import MemoryRecord, MemorySource
+from ftlab.runtime.training.model import build_layer
+from ftlab.runtime.core.model_spec import ModelConfig
+from ftlab.runtime.training.optim import layer_optimizer
+from ftlab.runtime.core.plan import Pipeline, Plan, Stage, grid_plan
+from ftlab.runtime.state.snapshot import (
     ShardFiles, assemble, decode_shard, geometry, load_into, member_state, read_record, write_records,
 )  # fmt: skip
-from ftlab.runtime.snapshot_layout import (
+from ftlab.runtime.core.snapshot_layout import (
     Group, Unrecoverable, groups_of, load_plan, lost_shards, records_to_write,
 )  # fmt: skip
-from ftlab.runtime.optim import OptimSettings
+from ftlab.runtime.training.optim import OptimSettings
 
 MODEL = ModelConfig(num_blocks=2, hidden=32, heads=2, vocab_size=128, seq_len=16)
 OPTIM = OptimSettings(lr=1e-2, min_lr=1e-3, warmup_steps=1, total_steps=10, weight_decay=0.01, beta1=0.9, beta2=0.95)

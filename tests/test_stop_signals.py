@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.soak import MARK, leftovers
-from ftlab.runtime import shm
+from ftlab.runtime.state import shm
 
 FTLAB = str(Path(sys.executable).with_name("ftlab"))
 
@@ -108,8 +108,8 @@ def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_
 INTERRUPTED_WRITES = """
 import os, random, signal, sys, threading
 from ftlab.experiments.stop_signals import Stopped, stop_on_signals
-from ftlab.runtime.config import TrackingConfig
-from ftlab.runtime.tracking import Tracker
+from ftlab.runtime.core.config import TrackingConfig
+from ftlab.runtime.reporting.tracking import Tracker
 
 uri, sig, attempts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a test run in the background ignores it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ftlab.experiments.job import summarise
-from ftlab.runtime import events as ev
-from ftlab.runtime.fault_ledger import FaultLedger
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.reporting.fault_ledger import FaultLedger
 
 
 def committed(step: int, at: float, generation: int, iter_s: float = 0.5) -> ev.StepCommitted:

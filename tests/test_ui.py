@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime.tracking import compare_url, view_url
+from ftlab.runtime.reporting.tracking import compare_url, view_url
 from tests.test_sweep import ftlab, sweep_runs
 
 pytestmark = pytest.mark.ui

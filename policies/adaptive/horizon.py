@@ -27,7 +27,7 @@ import math
 
 from scipy.special import gamma, gammaincc
 
-from ftlab.runtime.contract import FailureRate
+from ftlab.runtime.core.contract import FailureRate
 
 _ASYMPTOTIC_X = 100.0
 """Beyond this x, Q(a, x) * exp(x) underflows times overflows in floats: its asymptotic series is used instead."""

@@ -9,13 +9,13 @@ costed on the one cost model:
 
     cost = pause + iteration time x (steps lost and recomputed + steps expected until the next membership change)
 
-- the iteration time is the simulator's (``runtime.sim_timing.IterationTimer``: the candidate's programs on
+- the iteration time is the simulator's (``runtime.sim.timing.IterationTimer``: the candidate's programs on
   ``CostModel.durations``, i.e. ``program_check.simulate``'s abstract machine, with the shared host's cores and the
   runtime's own cost per layer of an instruction when the profile was measured here), plus the commit's round trip
   and the slowest optimizer step, as a simulated step costs, and what the protection's snapshot copies add to the
   step they overlap (``Protection.copies_beside_training``: on a shared host they take cores from it), spread over
   the steps between snapshots;
-- the pause is what the simulator charges for carrying the answer out (``runtime.sim_backend``, whose formulas are
+- the pause is what the simulator charges for carrying the answer out (``runtime.sim.backend``, whose formulas are
   followed with the same measured constants, ``Job.machinery`` = ``conf/sim``): detection, the failure window and
   the abort (failures only), configuring the plan, then on a restart the processes' start (on a shared host
   slowed as many processes computing at once are), and for every worker that lacks layers of its stage the layer
@@ -78,14 +78,14 @@ from ftlab.policies.oobleck.config import OobleckConfig
 from ftlab.policies.oobleck.policy import Oobleck
 from ftlab.policies.recycle.config import ReCycleConfig
 from ftlab.policies.recycle.policy import ReCycle
-from ftlab.runtime.config import SimConfig
-from ftlab.runtime.contract import (
+from ftlab.runtime.core.config import SimConfig
+from ftlab.runtime.core.contract import (
     Change, ConfigError, Decision, Job, Keep, LayerTransfer, MemorySource, Outcome, Policy, Protection, Source,
     StorageSource, Stop,
 )  # fmt: skip
-from ftlab.runtime.plan import PlanError
-from ftlab.runtime.shared_host import contention_on, host_of
-from ftlab.runtime.sim_timing import IterationTimer, configuration_s
+from ftlab.runtime.core.plan import PlanError
+from ftlab.runtime.sim.shared_host import contention_on, host_of
+from ftlab.runtime.sim.timing import IterationTimer, configuration_s
 
 IN_PLACE = ("reroute", "reconfigure")
 """The candidates a review may switch to: they keep every survivor's state and lose no step."""

@@ -10,8 +10,8 @@ run's step for step. A node that joins waits for the next restart (Varuna adds c
 from __future__ import annotations
 
 from ftlab.policies.grid import decision, largest_grid, restart_grid
-from ftlab.runtime.contract import Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Stop
-from ftlab.runtime.plan import PlanError
+from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Stop
+from ftlab.runtime.core.plan import PlanError
 
 
 class CheckpointRestart(Policy):

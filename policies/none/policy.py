@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ftlab.policies.grid import decision, grid
-from ftlab.runtime.contract import Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, Stop
-from ftlab.runtime.plan import Plan
+from ftlab.runtime.core.contract import Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, Stop
+from ftlab.runtime.core.plan import Plan
 
 
 class NoRecovery(Policy):

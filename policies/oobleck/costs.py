@@ -11,7 +11,7 @@ Time of a stage for one micro-batch, forward plus backward (the F + B of the pap
   at the profile's p2p bandwidth (a stage boundary inside a node is charged like one across nodes: we take the
   slower link so a template never counts on a placement it does not control).
 
-Memory per GPU: ``runtime.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``.
+Memory per GPU: ``runtime.core.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``.
 Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches. With activation checkpointing (the
 profile says so) a stage keeps only its input per micro-batch in flight, holds one micro-batch's full activations
 while it recomputes them (counted with the state: it does not grow with the micro-batches in flight), and its
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftlab.runtime.costs import ModelProfile, stage_memory
+from ftlab.runtime.core.costs import ModelProfile, stage_memory
 
 TP_ALLREDUCES_PER_LAYER = 4
 

@@ -20,7 +20,7 @@ from functools import cached_property
 
 from ftlab.policies.oobleck.costs import StageCosts, stage_costs
 from ftlab.policies.oobleck.mapping import StageMapper
-from ftlab.runtime.costs import ModelProfile
+from ftlab.runtime.core.costs import ModelProfile
 
 PLANNING_MICROBATCHES_PER_STAGE = 4  # the paper's Nb = 4 S (bubbles negligible beyond it, GPipe)
 

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from ftlab.policies.oobleck.instantiate import PipelineInstance
 from ftlab.policies.oobleck.reconfigure import LayerCopy
 from ftlab.policies.oobleck.templates import PipelineTemplate
-from ftlab.runtime.contract import LayerTransfer
-from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.core.contract import LayerTransfer
+from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
 
 
 _Stages = tuple[PipelineTemplate, tuple[tuple[int, ...], ...]]

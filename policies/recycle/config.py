@@ -21,7 +21,7 @@ class ReCycleConfig:
     (they receive their new stage's layers from a peer) so the rerouted work spreads over stages."""
     staggered_optimizer: bool = False
     """Each worker steps its optimizer as soon as its own gradients are reduced, before the commit, and undoes the
-    step if the iteration is aborted (``runtime.instructions.OptimizerStep.early``)."""
+    step if the iteration is aborted (``runtime.core.instructions.OptimizerStep.early``)."""
     memory_limit: int = 0
     """Micro-batches whose activations a worker may hold at once in a rerouted schedule; 0: what the device memory
     allows (``cluster.device_memory_gb``), at most twice the number of stages."""

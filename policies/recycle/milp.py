@@ -37,7 +37,7 @@ from pyomo.contrib.appsi.solvers.highs import Highs
 from ftlab.policies.recycle import heuristic
 from ftlab.policies.recycle.heuristic import Schedule
 from ftlab.policies.recycle.problem import Op, Phase, Problem
-from ftlab.runtime.plan import grid_plan
+from ftlab.runtime.core.plan import grid_plan
 
 _EXACT = 1e-9
 """Relative tolerance under which a makespan meets a bound (sums taken in different orders)."""

@@ -27,8 +27,8 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from ftlab.runtime.contract import LayerTransfer
-from ftlab.runtime.plan import Pipeline, Plan, Stage
+from ftlab.runtime.core.contract import LayerTransfer
+from ftlab.runtime.core.plan import Pipeline, Plan, Stage
 
 
 class NormalizationError(ValueError):

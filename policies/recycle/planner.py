@@ -6,7 +6,7 @@ and relabel interchangeable micro-batches so the schedule respects the symmetry 
 its makespan meets ``Problem.lower_bound`` it is optimal and planning stops, otherwise the MILP improves it when the
 MILP has at most ``max_binaries`` ordering binaries (``milp.improve``: healthy-pipeline bounds, a restricted model,
 then the whole one, warm-started); turn the order into programs; check them and predict the makespan by executing
-them on the abstract machine of ``runtime.program_check``.
+them on the abstract machine of ``runtime.core.program_check``.
 
 Why 1,500 binaries by default: on these machines (2 cores, HiGHS single-threaded) instances up to about that size
 mostly solved to optimality in a few seconds. PP 8 x DP 4 with 16 micro-batches (900 to 1,900 binaries once
@@ -31,10 +31,10 @@ from typing import Literal
 from ftlab.policies.recycle import heuristic, milp
 from ftlab.policies.recycle.normalization import normalize_failures, rebalance
 from ftlab.policies.recycle.problem import Problem, StageCosts, grid_shape
-from ftlab.runtime.contract import LayerTransfer
-from ftlab.runtime.instructions import Program
-from ftlab.runtime.plan import Plan
-from ftlab.runtime.program_check import check_programs, simulate
+from ftlab.runtime.core.contract import LayerTransfer
+from ftlab.runtime.core.instructions import Program
+from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.program_check import check_programs, simulate
 
 Method = Literal["auto", "milp", "heuristic"]
 

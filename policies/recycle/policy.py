@@ -43,8 +43,8 @@ from ftlab.policies.recycle.config import SOLVERS
 from ftlab.policies.recycle.normalization import NormalizationError
 from ftlab.policies.recycle.planner import ReCyclePlan, plan_recycle
 from ftlab.policies.recycle.problem import ReCycleError, StageCosts, grid_shape
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.contract import (
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.contract import (
     Change,
     ConfigError,
     Decision,
@@ -57,9 +57,9 @@ from ftlab.runtime.contract import (
     Source,
     Stop,
 )
-from ftlab.runtime.plan import Pipeline, Plan, PlanError, Stage
-from ftlab.runtime.program_check import simulate
-from ftlab.runtime.scheduler import one_f_one_b
+from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.core.program_check import simulate
+from ftlab.runtime.core.scheduler import one_f_one_b
 
 PatternKey = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], frozenset[int]]
 

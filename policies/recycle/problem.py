@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
 
-from ftlab.runtime import instructions as ins
-from ftlab.runtime.plan import Pipeline, Plan, Stage
-from ftlab.runtime.costs import CostModel, Durations
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.plan import Pipeline, Plan, Stage
+from ftlab.runtime.core.costs import CostModel, Durations
 
 
 class ReCycleError(ValueError):
@@ -70,7 +70,7 @@ class StageCosts:
 
     @staticmethod
     def of_grid(costs: CostModel, grid: Plan) -> tuple[StageCosts, ...]:
-        """Each stage's durations in seconds, from the one cost model (``runtime.costs``)."""
+        """Each stage's durations in seconds, from the one cost model (``runtime.core.costs``)."""
         return tuple(
             StageCosts(
                 forward=costs.forward_s(start, stop),
@@ -396,7 +396,7 @@ class Problem:
         return programs
 
     def durations(self) -> Durations:
-        """Instruction durations for ``runtime.program_check.simulate``, consistent with the operation model."""
+        """Instruction durations for ``runtime.core.program_check.simulate``, consistent with the operation model."""
         stage_of = {w: s for route in self.routes.values() for s, w in enumerate(route)}
 
         def duration(worker: int, instr: ins.Instruction) -> float:

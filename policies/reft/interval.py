@@ -9,7 +9,7 @@ cost of a snapshot and the work a failure throws away: tau = sqrt(2 C / lambda) 
   copy-and-checksum rate) less the iteration it overlaps, plus the time to start it;
 - lambda is the cluster's failure rate from the fault schedule (``faults.schedules.failure_rate``; a rate in steps
   is turned into one in seconds at the predicted iteration time);
-- the iteration time comes from the cost model (``runtime.costs``, the 1F1B programs of the first plan simulated).
+- the iteration time comes from the cost model (``runtime.core.costs``, the 1F1B programs of the first plan simulated).
 
 The reliability model (Eq. 5, ``reliability.reft_survival``) then says how likely the in-memory snapshots stay
 recoverable between two flushes to storage (one lost node per sharding group survived); that probability is
@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from ftlab.policies.reft.reliability import reft_survival
-from ftlab.runtime.contract import FailureRate
+from ftlab.runtime.core.contract import FailureRate
 
 SNAPSHOT_BYTES_PER_S = 1e9
 """Copying into pre-touched /dev/shm and CRC-32 of the copy, one thread, measured here: about 2.5 and 2.2 GB/s on a

@@ -2,7 +2,7 @@
 flush to storage at a lower frequency (the paper's Sections 4.1 to 4.3).
 
 Every ``interval`` committed steps the protection asks for a ``TakeSnapshot`` of the running plan: each holder of a
-run of layers copies its shard of their state, and its protection (``runtime.snapshot_layout``), into its node's
+run of layers copies its shard of their state, and its protection (``runtime.core.snapshot_layout``), into its node's
 memory while training goes on. The writers' reports come back record by record (``saved``), so the protection knows
 for every snapshot which records exist and where. Every ``flush_every`` steps it also asks for an ordinary
 checkpoint to storage.
@@ -25,14 +25,14 @@ What the paper leaves open, and the choice made:
 from __future__ import annotations
 
 from ftlab.policies.reft.interval import choose_interval
-from ftlab.runtime.contract import (
+from ftlab.runtime.core.contract import (
     Action, Change, ConfigError, Job, MemoryRecord, MemorySource, Protection, SaveCheckpoint, Source, StorageSource,
     TakeSnapshot,
 )  # fmt: skip
-from ftlab.runtime.plan import Plan
-from ftlab.runtime.program_check import simulate
-from ftlab.runtime.scheduler import one_f_one_b
-from ftlab.runtime.snapshot_layout import MODES, groups_of, lost_shards, record_bytes, records_to_write
+from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.program_check import simulate
+from ftlab.runtime.core.scheduler import one_f_one_b
+from ftlab.runtime.core.snapshot_layout import MODES, groups_of, lost_shards, record_bytes, records_to_write
 
 GIB = 2**30
 SLOTS = 2

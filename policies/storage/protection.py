@@ -1,17 +1,17 @@
 """Periodic checkpoints to storage, in the way of Varuna and TorchElastic.
 
 Every ``every`` committed steps each layer is written once (by its first holder) under the run's checkpoint
-directory, and the checkpoint counts only once its manifest is written (``runtime.checkpoint``), so a kill in the
+directory, and the checkpoint counts only once its manifest is written (``runtime.state.checkpoint``), so a kill in the
 middle leaves the previous one. The protection remembers which checkpoints completed; the newest is what a restart
 restores from. A job resumed with ``train.resume_from`` starts with that checkpoint as its newest.
 """
 
 from __future__ import annotations
 
-from ftlab.runtime.contract import (
+from ftlab.runtime.core.contract import (
     Action, Change, ConfigError, Job, MemoryRecord, Protection, SaveCheckpoint, Source, StorageSource,
 )  # fmt: skip
-from ftlab.runtime.plan import Plan
+from ftlab.runtime.core.plan import Plan
 
 
 class StorageProtection(Protection):

@@ -1,0 +1,199 @@
+"""The settings the runtime itself owns: the cluster, the training run, tracking. Plain dataclasses, no Hydra.
+
+Each component owns its dataclass (the model's is ``runtime.core.model_spec.ModelConfig``, the fault schedule's
+``faults.schedules.FaultsConfig``, each policy's and protection's in its own package); ``experiments.config``
+assembles them into the job's schema for Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local-4"
+    nodes: int = 4
+    workers_per_node: int = 1
+    backend: str = "auto"
+    """auto: NCCL when CUDA is present, gloo otherwise."""
+    device: str = "cpu"
+    """cpu (or cuda): costs measured on this machine; a GPU type of runtime.core.devices (A40, A100-80GB, ...): an
+    analytic profile, for planning at paper scale (mode=plan)."""
+    device_memory_gb: float = 2.0
+    """Memory of one simulated device; a plan whose stage needs more is refused before any worker starts."""
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0
+    """A worker silent for this long is declared hung, killed and treated as failed."""
+    comm_timeout_s: float = 120.0
+    threads_per_worker: int = 1
+    """0: this job's share of the machine's CPUs, split among its workers (in a parallel sweep the CPUs are first
+    split among the jobs that run at once: ``experiments/main.py``)."""
+    parallel_jobs: int = 1
+    """Jobs sharing this machine at once; set by a parallel sweep (the joblib launcher's n_jobs)."""
+    start_timeout_s: float = 300.0
+    coordinator_addr: str = "127.0.0.1"
+    """Where the control server and the rendezvous store listen: loopback (the default) is reachable from this
+    machine only; give this machine's address on the network the hosts share to run agents elsewhere."""
+    coordinator_port: int = 0
+    """The control server's port (0: any free one; fix it where a firewall must let it through)."""
+    store_port: int = 0
+    """The rendezvous store's port (0: any free one)."""
+    launcher: str = "local"
+    """local: agents are children of the coordinator; ssh: ``ssh <host> ftlab-agent`` on each of ``hosts``;
+    slurm: one SLURM job per node through submitit (README, "Running on a cluster")."""
+    hosts: list[str] = field(default_factory=list)
+    """ssh: one host per node (``[user@]host``; its address is what workers connect to). local: optional, the
+    loopback address each node's workers use (e.g. 127.0.0.2, to test as another host would be)."""
+    agent_command: str = "ftlab-agent"
+    """ssh: the agent's command on the hosts (e.g. ``/opt/venv/bin/ftlab-agent``)."""
+    slurm_partition: str | None = None
+    slurm_timeout_min: int = 60
+    slurm_folder: str = ".ftlab/slurm"
+    """submitit's folder (logs, pickled calls, the job's secret in a 0600 file): on a filesystem the nodes share."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 30
+    global_batch: int = 16
+    micro_batch: int = 2
+    stages: int = 2
+    """Pipeline stages of the default plan (a PP x DP grid over every worker)."""
+    activation_checkpointing: bool = False
+    """Each stage keeps only its input per micro-batch and recomputes its forward in the backward pass: far less
+    activation memory for one more forward per micro-batch (``runtime.core.costs``). Losses are the same."""
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    seed: int = 0
+    zero: int = 0
+    """1: ZeRO-1, each layer's optimizer state split across the layer's replicas (gradients reduce-scattered, each
+    replica steps its chunk, parameters all-gathered); 0: every replica holds its layers' whole optimizer state."""
+    resume_from: str | None = None
+    """A committed checkpoint directory (``.../step-NNNNNN``) or a directory of them (the newest is taken)."""
+    data: str | None = None
+    """A local text file (plain or .gz); None: the bundled WikiText-2."""
+    cache_dir: str = ".ftlab/cache"
+    checkpoint_dir: str = ".ftlab/checkpoints"
+    """Each run writes its checkpoints (its protection's, and the survivors' when a job stops) under
+    <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's."""
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "ftlab"
+    run_name: str | None = None
+    """None: policy-protection-faults-seed."""
+    parent_run_id: str | None = None
+    """The sweep's run, when the job is one of a sweep (set by ``ftlab -m``): the job's run is its child."""
+    sweep_id: str | None = None
+
+
+@dataclass
+class SimConfig:
+    """The simulator's settings (``mode=simulate``, ``runtime.sim.backend``) and the costs it cannot read off a
+    model profile: constants of the machinery around training, measured on this machine by
+    ``experiments/measure_sim_constants.py`` and stored in ``conf/sim/measured.yaml``."""
+
+    horizon_s: float | None = None
+    """Simulated seconds of training after which the job ends (with train.steps as a cap); None: train.steps."""
+    check_programs: bool = True
+    """Hold every distinct component of every plan's programs to the program checker."""
+    detect_s: float = 0.0
+    """A kill to the coordinator noticing it (a closed connection)."""
+    failure_window_s: float = 0.0
+    """After the first sign of a failure, how long the coordinator waits for the rest of it."""
+    control_s: float = 0.0
+    """Per step, the coordinator's round trip around the workers' computation (Ready, Commit, next RunStep), where
+    no worker computes."""
+    step_cpu_s: float = 0.0
+    """Per step, each worker's own work besides its instructions and optimizer step (taking the step, zeroing its
+    gradients, reporting), measured on this machine's runtime: on a shared host the workers do it at once, beside
+    their optimizer steps, and share the cores for it. A GPU type's workers have host cores of their own, and it
+    costs them nothing of the step's time on their devices."""
+    layer_overhead_s: float = 0.0
+    """The runtime's own cost per layer of a forward or backward instruction, on top of the profiled layer times
+    (autograd's bookkeeping, buffers, dispatch): measured on this machine's runtime; a GPU type's profile is the
+    whole cost. Per layer, not per instruction: on one worker here an instruction's excess over its profiled layers
+    was 1.3 ms for gpt2-tiny with 2 blocks (4 layers), 2.5-3.3 ms with 6 (8 layers) and 4.5 ms with 12 (14 layers)."""
+    message_cpu_s: float = 0.0
+    """The CPU a message between two stages (an activation or a gradient) costs its sender and receiver together
+    on a shared host, beyond the link's delay, measured on this machine's runtime with both workers on one core.
+    Little of it is the transfer: timed per instruction in the workers, a send or a receive took 0.1-0.2 ms of the
+    worker's CPU and gloo's own copying of 64 KB is 0.16 ms; the stages' forward and backward passes next to the
+    boundary took 1.3 ms a micro-batch more than the one worker's (a micro-batch run through two stages one at a
+    time, on two cores: about 1 ms a message in all). On one core, the switch between the two processes at every
+    message is in it too. Being the passes' cost, it is charged per message up to one worker's half per pass of its
+    own: a stage between two others pays half per message (``runtime.sim.shared_host``). A GPU type's workers have host
+    cores of their own."""
+    message_cpu_own_core_s: float | None = None
+    """``message_cpu_s`` where a plan's processes (its workers and their snapshot copies) fit the host's cores:
+    measured the same way with each worker on a core of its own, which it keeps while it waits: 0.21-0.79 ms over
+    five runs here, against 1.71-2.64 ms on one core in the same runs. Timed per instruction, the two workers of a
+    two-stage pipeline on two cores took 0.1 ms of CPU a message, and their passes ran on a core all the time they
+    took: on one core, each message switches the core to the other process and the pass after it finds its working
+    set gone. None: ``message_cpu_s``."""
+    allreduce_cpu_bytes_per_s: float | None = None
+    """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
+    second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's
+    rate is wall time between two processes with a core each, its waits included; charged as CPU beside the
+    computation it counted four replicas' all-reduce of 13 MB at 25 ms a member, which cost each 8.7 ms of CPU
+    here. None: the link's rate."""
+    abort_s: float = 0.0
+    """Aborting the iteration in flight on every survivor."""
+    configure_s: float = 0.0
+    """Configuring a plan on a worker that holds its layers, before layers move: its programs, the generation's
+    process group, its stage and executor. On a shared host every worker of the plan does it at once, and they
+    share the cores (``sim_timing.configuration_s``)."""
+    configure_group_s: float = 0.0
+    """What each gradient reduce group a worker is in adds to its configuration: the group's own process group and
+    its gradient bucket. Configured on this machine's local runtime after a step, as a recovery configures: two
+    workers took 5.1-8.2 ms as two stages, 10-12 ms as two replicas (one group each), 20-31 ms as four replicas and
+    12.6-23 ms as a 2 x 2 grid, four workers sharing two cores."""
+    process_start_s: float = 0.0
+    """Starting one worker process until it registers (torch and the runtime imported), on an idle host."""
+    node_start_s: float = 0.0
+    """A joining node's agent starting, before its workers start."""
+    build_bytes_per_s: float = 1.0
+    """Building a layer's weights and optimizer state (a fresh worker's model load), bytes of state per second."""
+    codec_bytes_per_s: float = 1.0
+    """Serialising and deserialising a layer's state for a copy or a checkpoint, bytes per second."""
+    storage_write_bytes_per_s: float = 1.0
+    """Checkpoint writes, all writers together."""
+    storage_read_bytes_per_s: float = 1.0
+    """Checkpoint reads, all readers together."""
+    snapshot_bytes_per_s: float = 1e9
+    """A REFT snapshot's copy into the node's memory (with its checksum), and a record's read back, per worker, bytes
+    per second of the copy thread's CPU: what a real run records as ``ft/snapshot_bytes`` over
+    ``ft/snapshot_cpu_s`` (``experiments/measure_sim_constants.py``)."""
+    snapshot_launch_s: float = 1e-3
+    """A snapshot's cost on the training thread before its copy runs beside training: starting the copy thread
+    and describing the state to it (``policies/reft/interval.py``'s ``LAUNCH_S``, an estimate, not a measurement)."""
+    host_cores: float = 0.0
+    """Cores of the host that every worker of a measured (cpu) profile shares, as the local runtime runs them all
+    on this machine: compute slows down when more workers compute at once than there are cores, and worker
+    processes that start together take longer. A GPU type gives each worker its own device and each node its own
+    host, and ignores it."""
+    host_cores_by_load: list[float] = field(default_factory=list)
+    """Where measured beside a job (``runtime.processes.profiler.cores_by_load``), the cores' worth ``k`` processes computing
+    at once get on that host together, entry k - 1 (past the last, each process more gets what each of the last
+    entry's got while ``host_cores`` has a core for it: ``shared_host.HostCores.worth``): past the cores, switching
+    between processes and their working sets in the shared caches cost more than ``host_cores`` says. Empty:
+    min(k, host_cores).
+
+    Measured beside a job, each entry counts the processes against their own rates alone (entry 0 is 1): how fast
+    each worker computes against its charge is ``host_layer_speed``'s, not the host's."""
+    host_layer_speed: list[float] = field(default_factory=list)
+    """Where measured beside a job (``experiments/bench_simulator.py``'s ``measured_host``), one entry a layer: how
+    fast a process of this host, computing its stage alone, computes the layer against what the simulation charges
+    it (the profile's time and ``layer_overhead_s``). On a shared host a worker's forward and backward instructions
+    run at its layers' speed, each layer weighted by its charge; communication, copies and the optimizer are
+    measured constants of their own and run at the host's rate alone. The profile times each layer alone: the stages
+    of a 2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.05-1.40 (the embedding's) and
+    0.87-1.07 (the output head's) of their charges over one bench, the first 1.17-1.35 times as fast as the second
+    each time. Empty: every layer at 1."""

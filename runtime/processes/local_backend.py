@@ -1,0 +1,376 @@
+"""The local backend: the coordinator's protocol carried out by real processes (``runtime.processes.cluster``).
+
+Every message and closed connection from agents and workers arrives on the cluster's one event queue, which this
+backend reads from the coordinator's thread: membership changes and step results are handled in the order they
+happened, with no locks in the protocol. While it waits for one kind of message (Ready, Configured, ...), any sign of
+a death (a closed connection, an agent's report of a worker's exit, a heartbeat missed for
+``heartbeat_timeout_s``) ends the wait with a ``Failure``; a short window then lets the rest of the failure arrive
+(a node's agent and workers report apart, and simultaneous kills should be one recovery).
+
+Snapshots (``TakeSnapshot``) are asynchronous: ``save`` hands each writer its records and returns; each writer's
+``Snapshotted`` report arrives later, among the other messages, and is passed on by ``completed_saves``. A restore
+from memory is verified first: every live agent takes an inventory of its node's records of the step (checksums
+included), and a record that is missing or corrupted is left out of the source. Live workers outside the new plan
+join its generation as helpers, so that the records only their node holds can still be sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from ftlab.runtime.state import checkpoint
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.processes import messages as msg
+from ftlab.runtime.control.backend import (
+    Backend, ConfigureReport, Failure, FaultTarget, Membership, PendingSnapshot, SaveProgress, SaveReport, StepReport,
+    WorkerCrashed,
+)  # fmt: skip
+from ftlab.runtime.processes.cluster import ClusterEvent, LocalCluster, NodeLost
+from ftlab.runtime.core.contract import Action, MemorySource, SaveCheckpoint, Source, TakeSnapshot
+from ftlab.runtime.core.snapshot_layout import lost_shards, records_to_write
+from ftlab.runtime.core.instructions import Program
+from ftlab.runtime.core.plan import Plan
+
+M = TypeVar("M")
+
+# After the first sign of a failure, wait this long for the rest of it (a node's agent and workers report apart).
+_FAILURE_WINDOW_S = 0.3
+_POLL_S = 0.2
+_RESTART_TIMEOUT_S = 300.0
+
+
+class LocalBackend(Backend, FaultTarget):
+    def __init__(self, cluster: LocalCluster, bus: ev.EventBus, setup: dict[str, Any], heartbeat_timeout_s: float) -> None:
+        self.cluster = cluster
+        self.bus = bus
+        self.setup = setup
+        """Model, training and data settings every worker needs; sent with each Configure."""
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._pending_joins: set[int] = set()
+        self._snapshots: dict[int, PendingSnapshot] = {}
+        """Snapshots in flight, by step."""
+        self._progress: list[SaveProgress] = []
+        self._helpers: dict[int, tuple[int, ...]] = {}
+        """The helpers of each generation configured with some."""
+        self._configured: Plan | None = None
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    def membership(self) -> Membership:
+        alive = set(self.cluster.alive_workers())
+        nodes = self.cluster.alive_nodes()
+        workers = {n: tuple(w for w in self.cluster.workers_of(n) if w in alive) for n in nodes}
+        return Membership(
+            workers_of_node={n: ws for n, ws in workers.items() if ws},
+            slots_of_node={n: tuple(self.cluster.workers_of(n)) for n in nodes},
+        )
+
+    # -- the protocol ------------------------------------------------------------------------------------------
+    def configure(
+        self, plan: Plan, programs: Mapping[int, Program], transfers: Mapping[int, Program], restore: Source | None
+    ) -> ConfigureReport | Failure:
+        helpers: tuple[int, ...] = ()
+        if isinstance(restore, MemorySource):
+            helpers = tuple(w for w in self.cluster.alive_workers() if w not in plan.workers)
+            self._helpers[plan.generation] = helpers
+        for worker in (*plan.workers, *helpers):
+            configure = msg.Configure(
+                plan.to_dict(), programs.get(worker, []), self.cluster.store_port, self.setup, restore,
+                tuple(transfers.get(worker, ())), helpers,
+            )  # fmt: skip
+            self.cluster.send(worker, configure)
+        done = self._collect({*plan.workers, *helpers}, msg.Configured, lambda m: m.generation == plan.generation)
+        if isinstance(done, Failure):
+            return done
+        self._pending_joins -= {self.cluster.node_of(w) for w in plan.workers}
+        self._configured = plan
+        sources = {m.restored_from for m in done.values()} - {""}
+        return ConfigureReport(
+            received_bytes=sum(m.received_bytes for m in done.values()),
+            restored_bytes=sum(m.restored_bytes for m in done.values()),
+            restore_s=max(m.restore_s for m in done.values()),
+            restored_from="parity" if "parity" in sources else next(iter(sorted(sources)), ""),
+        )
+
+    def verify(self, source: Source) -> Source | str | Failure:
+        if not isinstance(source, MemorySource):
+            return source
+        nodes = set(self.cluster.alive_nodes())
+        for node in nodes:
+            self.cluster.send_agent(node, msg.TakeInventory(source.step))
+        found = self._collect(nodes, msg.Inventory, lambda m: m.step == source.step, role="agent")
+        if isinstance(found, Failure):
+            return found
+        intact = []
+        for record in source.records:
+            report = found.get(record.node)
+            if report is None:
+                continue
+            if record.name in report.corrupt:
+                self._publish(ev.RecordCorrupted, node=record.node, record=record.name, step=source.step)
+            elif report.intact.get(record.name) == record.crc:
+                intact.append(record)
+        lost = lost_shards(source.plan, intact)
+        if lost:
+            return f"the records left in memory cannot rebuild {'; '.join(lost)}"
+        return dataclasses.replace(source, records=tuple(intact))
+
+    def begin_step(self, plan: Plan, step: int) -> None:
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.RunStep(step))
+
+    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
+        ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
+        if isinstance(ready, Failure):
+            return ready
+        snapshot = [r.snapshot_s for r in ready.values() if r.snapshot_s is not None]
+        return StepReport(
+            loss=sum(r.loss for r in ready.values()),
+            compute_s=max(r.compute_s for r in ready.values()),
+            snapshot_s=max(snapshot) if snapshot else None,
+        )
+
+    def commit(self, plan: Plan, step: int) -> None:
+        for worker in plan.workers:
+            self.cluster.send(worker, msg.Commit(step))
+
+    def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
+        survivors = {*plan.workers, *self._helpers.get(plan.generation, ())} & set(self.cluster.alive_workers())
+        for worker in survivors:
+            self.cluster.abort(worker, msg.Abort(plan.generation))
+        # Acknowledgements that came before a failure interrupted the wait are kept: a survivor answers once.
+        acknowledged: dict[int, msg.AbortDone] = {}
+        while True:
+            done = self._collect(survivors, msg.AbortDone, lambda m: m.generation == plan.generation, got=acknowledged)
+            if not isinstance(done, Failure):
+                break
+            failure.merge(done)  # a failure during the abort: fold it in, wait for the rest
+            survivors &= set(self.cluster.alive_workers())
+            acknowledged = {w: m for w, m in acknowledged.items() if w in survivors}
+        # The invariant every policy relies on: no two replicas of a layer at different steps. (Workers restarted
+        # a moment ago hold no layer yet.)
+        behind = {w: m.step for w, m in done.items() if m.layers and m.step != committed}
+        assert not behind, f"workers {behind} are not at the committed step {committed}"
+        return {w: m.layers for w, m in done.items()}
+
+    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+        if isinstance(action, TakeSnapshot):
+            return self._snapshot(step, action)
+        assert isinstance(action, SaveCheckpoint), f"the local backend cannot carry out {action!r}"
+        if self.setup["zero"] and self._configured is not None:
+            # ZeRO-1: every member gathers its groups' optimizer chunks, so every worker of the plan takes part.
+            dead = set(self._configured.workers) - set(self.cluster.alive_workers())
+            if dead:
+                return Failure(workers={w: self.clock() for w in dead})
+            writers = {w: writers.get(w, ()) for w in self._configured.workers}
+        for worker, layers in writers.items():
+            self.cluster.send(worker, msg.SaveCheckpoint(step, action.directory, layers))
+        saved = self._collect(set(writers), msg.Saved, lambda m: m.step == step)
+        if isinstance(saved, Failure):
+            return saved
+        directory = checkpoint.write_manifest(action.directory, step, num_layers, {})
+        if action.keep:
+            checkpoint.prune(action.directory, action.keep)
+        return SaveReport(sum(s.nbytes for s in saved.values()), str(directory))
+
+    def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
+        records = records_to_write(action.plan, action.mode, action.workers_per_node)
+        for worker, mine in records.items():
+            self.cluster.send(worker, msg.TakeSnapshot(step, action.keep, tuple(mine)))
+        self._snapshots[step] = PendingSnapshot(action, set(records))
+        return SaveReport(0, "memory", pending=True)
+
+    def completed_saves(self) -> list[SaveProgress]:
+        done, self._progress = self._progress, []
+        return done
+
+    def _snapshotted(self, worker: int, report: msg.Snapshotted) -> None:
+        snapshot = self._snapshots.get(report.step)
+        if snapshot is None or worker not in snapshot.waiting:
+            return
+        snapshot.waiting.discard(worker)
+        snapshot.nbytes += sum(r.nbytes for r in report.records)
+        snapshot.copy_s = max(snapshot.copy_s, report.copy_s)
+        snapshot.cpu_s += report.cpu_s
+        complete = not snapshot.waiting
+        if complete:
+            del self._snapshots[report.step]
+        self._progress.append(SaveProgress(report.step, snapshot.action, (worker,), report.records, complete,
+                                           snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s))  # fmt: skip
+
+    def restart_workers(self) -> Failure | None:
+        """End every worker process and start fresh ones on every live node.
+
+        Workers of a node still joining are waited for first, so none is left starting while its slot is refilled.
+        """
+        booting = {w for n in self._pending_joins if n in self.cluster.alive_nodes() for w in self.cluster.workers_of(n)}
+        lost = self._wait_for(booting)
+        if lost:
+            return lost
+        for worker in self.cluster.alive_workers():
+            self.cluster.kill_worker(worker)
+            self.cluster.mark_dead("worker", worker)
+        self._snapshots.clear()  # copies in flight die with their workers: those snapshots stay incomplete
+        for member in list(self.cluster.workers.values()):
+            self.cluster.wait_gone(member)
+        failure = self._drain_events()
+        expected: set[int] = set()
+        for node in self.cluster.alive_nodes():
+            expected |= self.cluster.respawn(node)
+        self._pending_joins.clear()  # every live node is now restarting: the next plan includes them all
+        lost = self._wait_for(expected)
+        if lost:
+            failure.merge(lost)
+        return failure or None
+
+    def joined(self) -> list[int]:
+        alive = set(self.cluster.alive_workers())
+        ready = {n for n in self._pending_joins if set(self.cluster.workers_of(n)) <= alive}
+        self._pending_joins -= ready
+        return sorted(ready)
+
+    # -- faults (the injector's side) ---------------------------------------------------------------------------
+    def workers_of(self, node: int) -> list[int]:
+        return self.cluster.workers_of(node)
+
+    def alive_nodes(self) -> list[int]:
+        return self.cluster.alive_nodes()
+
+    def alive_workers(self) -> list[int]:
+        return self.cluster.alive_workers()
+
+    def kill_node(self, node: int) -> None:
+        self.cluster.kill_node(node)
+
+    def kill_worker(self, worker: int) -> None:
+        self.cluster.kill_worker(worker)
+
+    def hang_worker(self, worker: int) -> None:
+        self.cluster.kill_worker(worker, signal.SIGSTOP)
+
+    def start_node(self, node: int, wait: bool) -> None:
+        self.cluster.start_node(node)
+        if wait:
+            self.cluster.wait_for_workers(set(self.cluster.workers_of(node)), timeout_s=_RESTART_TIMEOUT_S)
+
+    def arm(self, worker: int, step: int, phase: str) -> None:
+        self.cluster.send(worker, msg.ArmFault(step, phase))
+
+    # -- waiting for messages ----------------------------------------------------------------------------------
+    def _collect(
+        self, expected: set[int], kind: type[M], accept: Callable[[M], bool], role: str = "worker",
+        got: dict[int, M] | None = None,
+    ) -> dict[int, M] | Failure:
+        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait.
+        ``got``: the messages already received, which this wait adds to (and which outlive an interrupted one)."""
+        got = {} if got is None else got
+        while not expected <= got.keys():
+            failure = Failure()
+            event = self._next_event(failure)
+            if failure:
+                failure.merge(self._gather())
+                return failure
+            if event is None:
+                continue
+            message = event.message
+            if event.role == role and isinstance(message, kind) and accept(message):
+                got[event.ident] = message
+            elif isinstance(message, msg.Failed):
+                self._publish(ev.CommError, worker=event.ident, error=message.error)
+        return got
+
+    def _next_event(self, failure: Failure) -> ClusterEvent | None:
+        """The next event, or None after a quiet poll; records failures it sees into ``failure``."""
+        try:
+            event = self.cluster.events.get(timeout=_POLL_S)
+        except queue.Empty:  # a quiet moment: check for hung workers
+            for worker in self.cluster.silent_workers(self.heartbeat_timeout_s):
+                self._publish(ev.HangDetected, worker=worker, timeout_s=self.heartbeat_timeout_s)
+                self.cluster.kill_worker(worker)  # fence it: a hung worker must never come back
+            return None
+        self._classify(event, failure)
+        return event
+
+    def _classify(self, event: ClusterEvent, failure: Failure) -> None:
+        message = event.message
+        if isinstance(message, msg.Crashed):
+            raise WorkerCrashed(f"{event.role} {event.ident} crashed:\n{message.error}")
+        if isinstance(message, msg.AtPhase):
+            self._publish(ev.WorkerAtPhase, worker=event.ident, step=message.step, phase=message.phase)
+            return
+        if isinstance(message, msg.Snapshotted):
+            self._snapshotted(event.ident, message)
+            return
+        if isinstance(message, msg.Hello):
+            if message.role == "agent":
+                self._pending_joins.add(message.node)
+            return
+        if isinstance(message, msg.WorkerExited):
+            self._lose_worker(message.worker, message.pid, event.at, failure)
+        elif event.role == "worker" and message is None:
+            self._lose_worker(event.ident, event.pid, event.at, failure)
+        elif event.role == "agent" and message is None and self.cluster.agents[event.ident].alive:
+            node = event.ident
+            self.cluster.mark_dead("agent", node)
+            self.cluster.lose_memory(node)
+            failure.nodes[node] = event.at
+            for worker in self.cluster.workers_of(node):
+                self.cluster.kill_worker(worker)  # a lost node loses all of its workers
+                member = self.cluster.workers.get(worker)
+                if member is not None:
+                    self._lose_worker(worker, member.pid, event.at, failure)
+                else:  # one a restart was starting: lost with its node all the same
+                    failure.workers.setdefault(worker, event.at)
+
+    def _lose_worker(self, worker: int, pid: int, at: float, failure: Failure) -> None:
+        """Record a worker's death once, the first time any sign of it arrives; the signs of an earlier process
+        of the same worker id (one a restart ended) are not its death."""
+        member = self.cluster.workers.get(worker)
+        if member is not None and member.alive and member.pid == pid:
+            self.cluster.mark_dead("worker", worker)
+            failure.workers[worker] = at
+
+    def _gather(self) -> Failure:
+        """Let the rest of a failure arrive (the other half of a node, simultaneous kills)."""
+        failure = Failure()
+        deadline = time.monotonic() + _FAILURE_WINDOW_S
+        while time.monotonic() < deadline:
+            try:
+                event = self.cluster.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._classify(event, failure)
+        return failure
+
+    def _wait_for(self, workers: set[int]) -> Failure | None:
+        """Wait for workers to register; any node that dies meanwhile is a failure to recover from at once."""
+        try:
+            self.cluster.wait_for_workers(workers, _RESTART_TIMEOUT_S, watch=self.cluster.alive_nodes())
+        except NodeLost as lost:
+            noticed = time.monotonic()
+            time.sleep(_FAILURE_WINDOW_S)  # nodes lost together (a burst of a spot trace) are one failure
+            failure = Failure()
+            for node in {lost.node, *self.cluster.exited_agents()}:
+                self.cluster.mark_dead("agent", node)
+                self.cluster.lose_memory(node)
+                self._publish(ev.NodeLostWhileStarting, node=node)
+                failure.nodes[node] = noticed
+                failure.workers.update({w: noticed for w in self.cluster.workers_of(node)})
+            return failure
+        return None
+
+    def _drain_events(self) -> Failure:
+        """Drop the closed-connection and exit events of workers this backend killed itself; keep real failures."""
+        failure = Failure()
+        while not self.cluster.events.empty():
+            self._classify(self.cluster.events.get_nowait(), failure)
+        return failure
+
+    def _publish(self, kind: type[ev.Event], **fields: object) -> None:
+        self.bus.publish(kind(at=self.clock(), **fields))

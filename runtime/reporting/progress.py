@@ -1,0 +1,72 @@
+"""The live progress line: step, loss, samples/s, alive nodes, and the latest fault-tolerance event.
+
+On a terminal it is a rich progress bar redrawn in place; elsewhere (CI logs, pipes) one plain line every few
+steps, so logs stay readable. It follows the job's event stream.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ftlab.runtime.control import events as ev
+
+
+class ProgressLine:
+    def __init__(self, total_steps: int, enabled: bool = True, plain_every: int = 10) -> None:
+        self.total = total_steps
+        self.enabled = enabled
+        self.console = Console(file=sys.stderr)
+        self.live = enabled and self.console.is_terminal
+        self.plain_every = plain_every
+        self.note = ""
+        self._progress: Progress | None = None
+        if self.live:
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, status="starting workers")
+            self._progress.start()
+
+    def __call__(self, event: ev.Event) -> None:
+        match event:
+            case ev.StepCommitted():
+                self.update(event.step, event.loss, event.samples / event.iter_s, event.alive_nodes)
+            case ev.FailureDetected():
+                self.announce(f"failure: nodes {list(event.nodes)} workers {list(event.workers)} at step {event.step}")
+            case ev.HangDetected():
+                self.announce(f"worker {event.worker} hung: fenced")
+            case ev.NodesJoined():
+                self.announce(f"nodes {list(event.nodes)} joined")
+            case ev.Decided(outcome=outcome) if outcome != "keep":
+                self.announce(f"{outcome}: {event.reason}")
+            case ev.Reviewed(outcome=outcome) if outcome != "keep":
+                self.announce(f"review, {outcome}: {event.reason}")
+            case ev.Recovered(recover_s=seconds, lost_steps=lost) if seconds is not None:
+                self.announce(f"recovered in {seconds:.2f} s, {lost} committed steps lost")
+
+    def update(self, step: int, loss: float, samples_per_s: float, alive_nodes: int) -> None:
+        status = f"loss {loss:.4f} | {samples_per_s:6.1f} samples/s | {alive_nodes} nodes alive"
+        if self.note:
+            status += f" | {self.note}"
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step + 1, status=status)
+        elif self.enabled and ((step + 1) % self.plain_every == 0 or step + 1 == self.total):
+            self.console.print(f"step {step + 1}/{self.total} | {status}", highlight=False)
+
+    def announce(self, text: str) -> None:
+        """A fault-tolerance event: shown on its own line and kept on the progress line until the next one."""
+        self.note = text
+        if self.enabled:
+            self.console.print(f"[yellow]{text}[/yellow]" if self.live else text, highlight=False)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,347 @@
+"""MLflow tracking, written by the coordinator's process alone.
+
+A run is opened before any worker starts and closed on every path out of the job: FINISHED when training
+completes, FAILED with the reason (as a tag and a ``failure.txt`` artifact) otherwise. ``RunRecorder`` turns the
+job's event stream into the run's record: per-step and per-fault metrics, and the plans and ``events.jsonl`` (both
+written locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
+
+A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
+
+The experiment is made to open on its runs: MLflow 3 shows a new experiment's GenAI "Overview" of traces unless its
+``mlflow.experimentKind`` tag says it is a model-training one, and its runs table shows no metric column until
+chosen. So ``ensure_experiment`` marks the experiment, and stores a shared view (``mlflow.sharedViewState.ftlab``,
+the form the UI's own "Share" button writes) that opens the runs table with the key figures as columns, sorted by
+goodput: ``view_url`` is its address.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from ftlab.runtime.control import events as ev
+from ftlab.runtime.core.config import TrackingConfig
+from ftlab.runtime.core.contract import ConfigError
+from ftlab.runtime.reporting.held_signals import store_access
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def artifact_location(uri: str) -> str | None:
+    """Beside the database for a SQLite store (MLflow's default is ./mlruns of whatever directory a job ran in)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "mlartifacts").as_uri()
+
+
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # mlflow/demo/generators/traces.py
+PARENT_TAG = "mlflow.parentRunId"
+NOTE_TAG = "mlflow.note.content"
+"""The run's description in the UI (markdown)."""
+VIEW_KEY = "ftlab"
+KEY_FIGURES = (
+    "summary/goodput_ratio",
+    "summary/recovery_s_total",
+    "summary/lost_steps_total",
+    "summary/failures",
+    "summary/samples_per_s",
+    "summary/final_loss",
+)
+
+
+def _view_state() -> str:
+    """The runs table with the key figures and the description as columns, best goodput first, child runs shown
+    under their sweep (the UI's uiState and search facets, as its Share button stores them)."""
+    columns = [f"metrics.`{name}`" for name in KEY_FIGURES] + ["attributes.`Description`"]
+    return json.dumps({
+        "selectedColumns": columns,
+        "columnOrder": columns,
+        "orderByKey": f"metrics.`{KEY_FIGURES[0]}`",
+        "orderByAsc": False,
+        "runsExpanded": {},
+    })  # fmt: skip
+
+
+@store_access
+def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
+    """The experiment's id, created (store and all) if it does not exist, and marked to open on its runs.
+
+    Call it in the launching process before jobs start: several processes creating a new SQLite store at once
+    collide ("table ... already exists")."""
+    experiment = client.get_experiment_by_name(name)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(name, artifact_location=artifact_location(uri))
+    )
+    tags = experiment.tags if experiment else {}
+    if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+        client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+    if tags.get(f"mlflow.sharedViewState.{VIEW_KEY}") != _view_state():
+        client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", _view_state())
+    return experiment_id
+
+
+def view_url(server: str, experiment_id: str) -> str:
+    """The runs table of the experiment with the key figures as columns, on an MLflow server at ``server``."""
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+
+
+def compare_url(server: str, experiment_id: str, run_ids: list[str]) -> str:
+    """MLflow's side-by-side comparison of the given runs (every param and metric, one column per run)."""
+    runs = json.dumps(run_ids, separators=(",", ":"))
+    return f"{server.rstrip('/')}/#/compare-runs?runs={runs}&experiments=[\"{experiment_id}\"]"
+
+
+# Metrics are written at most this often. A write is a store transaction; one per step would cost a fast job a
+# large share of the coordinator's time.
+_METRIC_FLUSH_S = 1.0
+_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+
+
+def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
+    """A client of the store at ``tracking.uri`` and the experiment's id (``ensure_experiment``). A store MLflow
+    cannot open (an unknown scheme, a server that does not answer) is a ``ConfigError`` saying what to give
+    instead: nothing can be recorded without it, so nothing may start."""
+    advice = "give sqlite:///PATH.db (a store in a local file, the default) or the http(s):// address of a running " \
+        "MLflow server"  # fmt: skip
+    unanswered = _server_silent(uri)
+    if unanswered:
+        raise ConfigError(f"tracking.uri={uri}: no server answers there ({unanswered}); start it, or {advice}")
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        return client, ensure_experiment(client, experiment, uri)
+    except MlflowException as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"tracking.uri={uri}: MLflow cannot open this store ({why}); {advice}") from None
+
+
+def _server_silent(uri: str, timeout_s: float = 5.0) -> str | None:
+    """Why a tracking server's address does not answer, or None (it does, or the store is not a server). MLflow's
+    own client retries a silent server with back-off for minutes before it gives up."""
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return None
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered (a proxy's or an authenticating server's refusal is MLflow's to report)
+    except (urllib.error.URLError, OSError) as exc:
+        return str(getattr(exc, "reason", exc))
+    return None
+
+
+class Tracker:
+    def __init__(self, cfg: TrackingConfig) -> None:
+        self.client, self.experiment_id = open_store(cfg.uri, cfg.experiment)
+        self.cfg = cfg
+        self.run_id: str | None = None
+        self.local = Path(tempfile.mkdtemp(prefix="ftlab-run-"))
+        self.events_path = self.local / "events.jsonl"
+        self._metrics: list[Metric] = []
+        self._flushed_at = time.monotonic()
+
+    @store_access
+    def start(
+        self, config: dict[str, Any], tags: dict[str, str], config_yaml: str, name: str | None = None, note: str = ""
+    ) -> str:
+        """Open the run: ``tracking.run_name`` or ``name``, a child of ``tracking.parent_run_id`` when the job is one
+        of a sweep, with ``note`` as its description."""
+        tags = dict(tags)
+        if self.cfg.parent_run_id:
+            tags[PARENT_TAG] = self.cfg.parent_run_id
+        if self.cfg.sweep_id:
+            tags["sweep_id"] = self.cfg.sweep_id
+        if note:
+            tags[NOTE_TAG] = note
+        run = self.client.create_run(self.experiment_id, run_name=self.cfg.run_name or name, tags=tags)
+        self.run_id = run.info.run_id
+        params = {k: str(v)[:6000] for k, v in flatten(config).items()}
+        items = list(params.items())
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
+        self.log_text("config.yaml", config_yaml)
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffered, and written from the caller's thread when the last write is a second old.
+
+        The coordinator reports a step while the workers compute the next one, so a write lands where it delays no
+        iteration. MLflow's asynchronous logging would write from its own thread at any moment, for instance just
+        when the workers report and the coordinator should answer them.
+        """
+        assert self.run_id is not None
+        now = int(time.time() * 1000)
+        self._metrics += [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        if time.monotonic() - self._flushed_at >= _METRIC_FLUSH_S:
+            self.flush()
+
+    @store_access
+    def flush(self) -> None:
+        assert self.run_id is not None
+        for i in range(0, len(self._metrics), _METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=self._metrics[i : i + _METRICS_PER_BATCH])
+        self._metrics.clear()
+        self._flushed_at = time.monotonic()
+
+    @store_access
+    def describe(self, note: str) -> None:
+        """Replace the run's description (markdown, shown on the run's page and in the runs table)."""
+        assert self.run_id is not None
+        self.client.set_tag(self.run_id, NOTE_TAG, note)
+
+    @store_access
+    def set_tag(self, key: str, value: str) -> None:
+        assert self.run_id is not None
+        self.client.set_tag(self.run_id, key, value)
+
+    @store_access
+    def log_text(self, path: str, text: str) -> None:
+        assert self.run_id is not None
+        self.client.log_text(self.run_id, text, path)
+
+    @store_access
+    def log_file(self, local: Path, folder: str | None = None) -> None:
+        assert self.run_id is not None
+        self.client.log_artifact(self.run_id, str(local), folder)
+
+    def write_artifact(self, path: str, text: str) -> None:
+        """Write an artifact locally now and upload it when the run closes (with ``events.jsonl``): a simulated
+        day writes hundreds of plans, and an upload each is a store transaction and a file copy."""
+        local = self.local / "artifacts" / path
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(text)
+
+    def write_event(self, record: dict[str, Any]) -> None:
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    @store_access
+    def finish(self, failure: str | None = None) -> None:
+        if self.run_id is None:
+            return
+        self.flush()
+        if self.events_path.exists():
+            self.log_file(self.events_path)
+        if (self.local / "artifacts").exists():
+            self.client.log_artifacts(self.run_id, str(self.local / "artifacts"))
+        if failure is not None:
+            self.client.set_tag(self.run_id, "failure_reason", failure[:5000])
+            self.log_text("failure.txt", failure)
+        status = RunStatus.FAILED if failure is not None else RunStatus.FINISHED
+        self.client.set_terminated(self.run_id, RunStatus.to_string(status))
+        self.run_id = None
+
+
+class RunRecorder:
+    """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``.
+
+    A step without a loss (a simulated one) logs no ``train/loss``. With ``repeats=False`` a run of steps whose
+    metrics are all equal is logged as its first and last step, which draws the same chart: the simulator's steps
+    of one plan are identical, and a day of them would otherwise be tens of thousands of equal points.
+    """
+
+    def __init__(self, tracker: Tracker, seq_len: int, clock_origin: float, repeats: bool = True) -> None:
+        self.tracker = tracker
+        self.seq_len = seq_len
+        self.origin = clock_origin
+        """The backend-clock time written as t = 0 in events.jsonl."""
+        self.repeats = repeats
+        self._last: dict[str, float] | None = None
+        self._held: tuple[dict[str, float], int] | None = None
+        """The newest step, not logged because it equals the last logged one."""
+        self._predicted: dict[str, float] = {}
+        """The newest decision's predictions, logged beside the measured recovery they predict."""
+
+    def _log_step(self, metrics: dict[str, float], step: int) -> None:
+        if not self.repeats and self._last is not None and _same(metrics, self._last):
+            self._held = (metrics, step)
+            return
+        self.close()
+        self.tracker.log_metrics(metrics, step)
+        self._last = metrics
+
+    def close(self) -> None:
+        """Log the step a run of equal ones ended with."""
+        if self._held is not None:
+            self.tracker.log_metrics(*self._held)
+            self._held = None
+
+    def __call__(self, event: ev.Event) -> None:
+        match event:
+            case ev.StepCommitted():
+                samples = event.samples / event.iter_s
+                metrics = {
+                    "train/loss": event.loss,
+                    "perf/iter_s": event.iter_s,
+                    "perf/samples_per_s": samples,
+                    "perf/tokens_per_s": samples * self.seq_len,
+                    "cluster/alive_nodes": event.alive_nodes,
+                    "cluster/pipelines": event.pipelines,
+                }
+                if event.snapshot_s is not None:
+                    metrics["ft/snapshot_s"] = event.snapshot_s
+                if math.isnan(event.loss):
+                    del metrics["train/loss"]
+                self._log_step(metrics, event.step)
+            case ev.SnapshotTaken():
+                # At the index of the last step the snapshot holds, as train/loss of that step.
+                self.tracker.log_metrics({"ft/snapshot_copy_s": event.copy_s, "ft/snapshot_cpu_s": event.cpu_s,
+                                          "ft/snapshot_bytes": event.nbytes}, event.step - 1)  # fmt: skip
+            case ev.StateRestored():
+                self.tracker.log_metrics({"ft/restore_s": event.seconds, "ft/restore_bytes": event.nbytes},
+                                         event.generation)  # fmt: skip
+                self.tracker.set_tag("restore_source", event.source)
+            case ev.Decided():
+                # The measured ft/recover_s runs from the signal to the first step committed after the recovery.
+                self._predicted = {}
+                if event.predicted_iter_s is not None:
+                    self._predicted["ft/predicted_iter_s"] = event.predicted_iter_s
+                    if event.predicted_pause_s is not None:
+                        self._predicted["ft/predicted_recover_s"] = event.predicted_pause_s + event.predicted_iter_s
+            case ev.Reviewed(outcome=outcome) if outcome != "keep":
+                # A switch without a failure: its predictions at the step it was decided (every review, kept or
+                # not, is in events.jsonl with what it weighed).
+                predicted = {"review/predicted_pause_s": event.predicted_pause_s,
+                             "review/predicted_iter_s": event.predicted_iter_s}  # fmt: skip
+                self.tracker.log_metrics({k: v for k, v in predicted.items() if v is not None} | {"review/switch": 1.0},
+                                         event.step)  # fmt: skip
+            case ev.PlanConfigured():
+                self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
+            case ev.Recovered():
+                self.close()
+                metrics = {
+                    "ft/detect_s": event.detect_s,
+                    "ft/recover_s": event.recover_s,
+                    "ft/lost_steps": event.lost_steps,
+                    "ft/transfer_bytes": event.transfer_bytes,
+                    **self._predicted,
+                }
+                self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, event.fault)
+        if event.logged:
+            self.tracker.write_event(
+                {"t": round(event.at - self.origin, 6), "wall": time.time(), "kind": event.kind, **event.fields()}
+            )
+
+
+def _same(a: dict[str, float], b: dict[str, float]) -> bool:
+    """Equal metrics, to the rounding of times taken on a clock far from zero (a simulated day)."""
+    return a.keys() == b.keys() and all(math.isclose(a[k], b[k], rel_tol=1e-9) for k in a)

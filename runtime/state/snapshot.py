@@ -1,0 +1,283 @@
+"""REFT's snapshots on the worker: copying its shards into its node's memory off the critical path, and loading
+a snapshot back (REFT-load). ``runtime.core.snapshot_layout`` says what each record holds; ``runtime.state.shm`` how it sits in
+a file.
+
+**HAS, the choice.** The copy runs on a thread of the worker (its host thread), started as soon as the committed step's state is
+final (right after the optimizer step) and overlapping the whole next iteration: the forward and backward passes
+and the gradient all-reduce only read the parameters and optimizer state, so the copy sees step s untouched. The
+worker waits for it, if it is still running, before it reports the next iteration Ready, i.e. before the
+coordinator can commit step s + 1 and let any optimizer write the state (and so that the coordinator knows the
+snapshot complete when it commits, and the next snapshot never overwrites it). Double buffering would cost a second
+copy of the state on the device and a copy on the critical path to fill it; copying at commit would put the whole
+copy there. The GIL is no obstacle: torch's copies and XORs and zlib's CRC release it. On this CPU runtime there is
+no separate copy engine, so "bubbles first" is the operating system's: the copy thread runs whenever the training
+thread blocks on communication (the pipeline's bubbles) and otherwise beside it; ``ft/snapshot_s`` measures what is
+left on the critical path (starting the copy and waiting for it before Ready).
+
+**The state as flat vectors.** A group's parameters are laid end to end in layer order and module order; Adam's
+two moments follow the same layout; the optimizer's step count is one number (every parameter of a group has taken
+the same number of steps). Shard i is chunk i of each of the three with the step after them (``snapshot_layout``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ftlab.runtime.state import shm
+from ftlab.runtime.core.contract import MemoryRecord
+from ftlab.runtime.training.model import layer_numels
+from ftlab.runtime.core.model_spec import ModelConfig
+from ftlab.runtime.core.snapshot_layout import Geometry, Group, parity_sources
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+F32 = 4
+
+
+# -- the flat layout of a group's state ----------------------------------------------------------------------------
+def group_numels(model: ModelConfig, layers: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(n for index in layers for n in layer_numels(model, index))
+
+
+def geometry(model: ModelConfig, group: Group) -> Geometry:
+    return Geometry(sum(group_numels(model, group.layers)), group.members, group.q)
+
+
+class Flat:
+    """Some tensors laid end to end in one flat index space (gaps read as zeros)."""
+
+    def __init__(self, segments: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.starts = [start for start, _ in segments]
+        self.tensors = [t.detach().reshape(-1) for _, t in segments]
+
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset from ``lo``, 1-D view) of the parts of [lo, hi) the tensors cover."""
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        while i < len(self.tensors) and self.starts[i] < hi:
+            start, t = self.starts[i], self.tensors[i]
+            a, b = max(lo, start), min(hi, start + t.numel())
+            if a < b:
+                yield a - lo, t[a - start : b - start]
+            i += 1
+
+
+@dataclass
+class GroupState:
+    """What a member holds of its group's state: the parameters, the moments of the chunks it has, the step."""
+
+    geometry: Geometry
+    params: Flat
+    moments: dict[str, Flat]
+    step: float
+
+    def shard_pieces(self, index: int, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset from ``lo``, values) covering elements [lo, hi) of shard ``index`` (padding is left out)."""
+        c = self.geometry.chunk
+        sources = [self.params, self.moments[MOMENTS[0]], self.moments[MOMENTS[1]]]
+        for region, flat in enumerate(sources):
+            a, b = max(lo, region * c), min(hi, (region + 1) * c)
+            if a < b:
+                base = index * c - region * c
+                for offset, values in flat.pieces(a + base, b + base):
+                    yield offset + a - lo, values
+        if lo <= 3 * c < hi:
+            yield 3 * c - lo, torch.tensor([self.step], dtype=torch.float32)
+
+
+def member_state(
+    model: ModelConfig, group: Group, layers: dict[int, torch.nn.Module], optimizers: dict[int, torch.optim.Optimizer]
+) -> GroupState:
+    """The state of ``group`` as a member holding all its layers with their optimizers sees it."""
+    params, moments = [], {name: [] for name in MOMENTS}
+    steps = set()
+    offset = 0
+    for index in group.layers:
+        optimizer = optimizers[index]
+        for p in layers[index].parameters():
+            state = optimizer.state[p]
+            params.append((offset, p))
+            for name in MOMENTS:
+                moments[name].append((offset, state[name]))
+            steps.add(float(state["step"]))
+            offset += p.numel()
+    assert len(steps) == 1, f"the parameters of {group.describe()} are at different optimizer steps {steps}"
+    return GroupState(geometry(model, group), Flat(params), {k: Flat(v) for k, v in moments.items()}, steps.pop())
+
+
+# -- writing records -----------------------------------------------------------------------------------------------
+def fill_record(state: GroupState, record: MemoryRecord, out: torch.Tensor) -> None:
+    """Write ``record``'s elements into ``out`` (float32, its length): a shard or copy as it is, or a parity as the
+    XOR of its sources' sub-chunks."""
+    g = state.geometry
+    if record.kind in ("shard", "copy"):
+        out.zero_()  # padding, and whatever a previous snapshot left in the slot
+        for offset, values in state.shard_pieces(record.index, 0, g.shard):
+            out[offset : offset + values.numel()].copy_(values)
+        return
+    bits = out.view(torch.int32)
+    bits.zero_()
+    length = g.sub_chunk
+    for shard, sub in parity_sources(g.members, record.index):
+        for offset, values in state.shard_pieces(shard, sub * length, (sub + 1) * length):
+            bits[offset : offset + values.numel()].bitwise_xor_(values.view(torch.int32))
+
+
+class ShardFiles:
+    """The records this worker writes, each a file in its node's memory, mapped once and kept."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._maps: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def mapping(self, name: str, capacity: int) -> torch.Tensor:
+        found = self._maps.get(name)
+        if found is None or found[1] != capacity:
+            path = self.directory / name
+            os.close(shm.open_file(path, capacity))
+            tensor = torch.from_file(str(path), shared=True, size=shm.file_bytes(capacity), dtype=torch.uint8)
+            found = self._maps[name] = (tensor, capacity)
+        return found[0]
+
+
+@dataclass(frozen=True)
+class SnapshotReport:
+    step: int
+    records: tuple[MemoryRecord, ...]
+    """With their checksums and sizes."""
+    copy_s: float
+    cpu_s: float
+    """The CPU time of the copy's thread: what the copy cost the cores beside training, whatever it waited for.
+    (A worker of several threads, ``cluster.threads_per_worker``, may share a large tensor's copy among them: their
+    part is not counted.)"""
+
+
+def write_records(
+    files: ShardFiles, states: dict[tuple[int, ...], GroupState], records: Sequence[MemoryRecord], step: int,
+    keep: int, on_record: Callable[[], None] = lambda: None,
+) -> list[MemoryRecord]:  # fmt: skip
+    """Write each record of ``step`` into the slot of its file that does not hold ``keep``; returns them with their
+    checksums. ``on_record`` runs after each record's bytes and before its commit (a test hook: a kill there tears
+    the slot)."""
+    written = []
+    for record in records:
+        state = states[record.layers]
+        nbytes = state.geometry.record(record.kind) * F32
+        mapping = files.mapping(record.name, nbytes)
+        raw = mapping.numpy()
+        slot = shm.choose_slot(shm.headers(memoryview(raw)), keep)
+        raw[slot * shm.HEADER_BYTES : (slot + 1) * shm.HEADER_BYTES] = 0  # the slot is no longer committed
+        offset = shm.slot_offset(slot, nbytes)
+        fill_record(state, record, mapping[offset : offset + nbytes].view(torch.float32))
+        crc = zlib.crc32(raw[offset : offset + nbytes])
+        on_record()
+        header = np.frombuffer(shm.encode_header(step, nbytes, crc), dtype=np.uint8)
+        raw[slot * shm.HEADER_BYTES : slot * shm.HEADER_BYTES + header.size] = header
+        written.append(replace(record, crc=crc, nbytes=nbytes))
+    return written
+
+
+class Snapshotter:
+    """One snapshot at a time, copied on the worker's host thread; ``finish`` waits for it (the only point on the
+    critical path). The host thread runs one job at a time, in order: AOR's recomputation of a step (``runtime.processes.zero``)
+    before the snapshot of that step."""
+
+    def __init__(self, directory: Path, on_phase: Callable[[int, str], None], host: ThreadPoolExecutor) -> None:
+        self.files = ShardFiles(directory)
+        self.on_phase = on_phase
+        self.host = host
+        self._copy: Future[SnapshotReport] | None = None
+
+    def start(self, states: dict[tuple[int, ...], GroupState], records: Sequence[MemoryRecord], step: int, keep: int) -> None:
+        assert self._copy is None, "a snapshot is already being copied"
+
+        def copy() -> SnapshotReport:
+            started, cpu = time.perf_counter(), time.thread_time()
+            written = write_records(self.files, states, records, step, keep, lambda: self.on_phase(step, "snapshot"))
+            return SnapshotReport(step, tuple(written), time.perf_counter() - started, time.thread_time() - cpu)
+
+        self._copy = self.host.submit(copy)
+
+    @property
+    def running(self) -> bool:
+        return self._copy is not None
+
+    def finish(self) -> SnapshotReport | None:
+        """Wait for the snapshot in flight, if any; its report (an error in the copy is raised here)."""
+        if self._copy is None:
+            return None
+        copy, self._copy = self._copy, None
+        return copy.result()
+
+
+# -- REFT-load -----------------------------------------------------------------------------------------------------
+def read_record(directory: Path, record: MemoryRecord, step: int, nbytes: int) -> torch.Tensor:
+    """A record of ``step`` from this node's memory (float32, read in place: no copy), checked against its slot's
+    checksum and the one reported when it was written; ChecksumError if it does not match (it is never loaded)."""
+    path = directory / record.name
+    if not path.exists():
+        raise shm.ChecksumError(f"{record.name} is not in this node's memory")
+    mapping = torch.from_file(str(path), shared=False, size=shm.file_bytes(nbytes), dtype=torch.uint8)
+    return torch.frombuffer(shm.read_verified(memoryview(mapping.numpy()), nbytes, step, record.crc or None),
+                            dtype=torch.float32)  # fmt: skip
+
+
+def decode_shard(geometry: Geometry, missing: int, shards: dict[int, torch.Tensor], parities: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Shard ``missing`` from the other shards and the other members' parities (each sub-chunk j of it is
+    p_k XOR the other shards' sub-chunks in p_k, k = others(missing)[j])."""
+    m, length = geometry.members, geometry.sub_chunk
+    out = torch.empty(geometry.shard, dtype=torch.float32)
+    bits = out.view(torch.int32)
+    for k, parity in parities.items():
+        sources = parity_sources(m, k)
+        j = next(sub for shard, sub in sources if shard == missing)
+        piece = bits[j * length : (j + 1) * length]
+        piece.copy_(parity.view(torch.int32))
+        for shard, sub in sources:
+            if shard != missing:
+                piece.bitwise_xor_(shards[shard].view(torch.int32)[sub * length : (sub + 1) * length])
+    return out
+
+
+def assemble(geometry: Geometry, shards: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+    """The group's flat parameters and moments (unpadded) and its step, from all its shards."""
+    c, n = geometry.chunk, geometry.numel
+    ordered = [shards[i] for i in range(geometry.members)]
+    params = torch.cat([s[:c] for s in ordered])[:n]
+    moments = {name: torch.cat([s[(r + 1) * c : (r + 2) * c] for s in ordered])[:n] for r, name in enumerate(MOMENTS)}
+    steps = {float(s[3 * c]) for s in ordered}
+    assert len(steps) == 1, f"shards of one snapshot at different steps {steps}"
+    return params, moments, steps.pop()
+
+
+def load_into(
+    model: ModelConfig, group: Group, flat: tuple[torch.Tensor, dict[str, torch.Tensor], float],
+    layers: dict[int, torch.nn.Module], optimizers: dict[int, torch.optim.Optimizer],
+) -> int:  # fmt: skip
+    """Set the parameters and optimizer state of the group's layers this worker holds; returns the bytes set."""
+    params, moments, step = flat
+    offset = nbytes = 0
+    with torch.no_grad():
+        for index in group.layers:
+            module = layers.get(index)
+            if module is None:  # a layer of the old group this worker does not hold now
+                offset += sum(layer_numels(model, index))
+                continue
+            for p in module.parameters():
+                n = p.numel()
+                p.copy_(params[offset : offset + n].view_as(p))
+                optimizers[index].state[p] = {
+                    "step": torch.tensor(step, dtype=torch.float32, device=p.device),
+                    **{name: moments[name][offset : offset + n].view_as(p).to(p.device, copy=True) for name in MOMENTS},
+                }
+                offset += n
+                nbytes += 3 * n * F32
+    return nbytes
