@@ -229,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--recycle-time-limit", type=float, default=RECYCLE_TIME_LIMIT_S, metavar="SECONDS",
         help=f"time limit of each ReCycle MILP solve (default {RECYCLE_TIME_LIMIT_S:g})",
     )  # fmt: skip
+    parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/results.md")
     args = parser.parse_args(argv)
     cells = bench_templates()
     print_templates(cells)
@@ -244,6 +245,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "recycle": recycle,
     }
     print(json.dumps(summary))
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        results_doc.write_section("bench_planner", "Planner timings against the published ones", {
+            "Oobleck's pipeline templates (seconds; the paper's Table 3 beside them)": cells,
+            "Oobleck's instantiation and batch distribution, GPT-3 6.7B on one-A40 nodes, f = 2 (seconds)":
+                [{"nodes": nodes, **r} for nodes, r in rows.items()],
+            f"ReCycle's schedule after failures, PP {recycle['pp']} x DP {recycle['dp']}, {recycle['model']} on "
+            f"{recycle['device']} (fault-free iteration {recycle['fault_free_s']:.4g} s)": recycle["cases"],
+        }, argv)  # fmt: skip
 
 
 if __name__ == "__main__":

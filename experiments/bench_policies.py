@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run every policy this many times, in rotated order; report each one's median run")
     parser.add_argument("--cores-as-measured", action="store_true",
                         help="predict for conf/sim/measured.yaml's idle host, not the share of it measured now")  # fmt: skip
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/results.md")
     args = parser.parse_args(argv)
     if args.smoke:
         args.nodes, args.steps = 6, 12
@@ -224,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     ratio = goodput["adaptive"] / max(singles) if "adaptive" in goodput and singles else None
     print(f"adaptive vs best single policy: {'-' if ratio is None else f'{ratio:.3f}'}")
     print(json.dumps({"goodput": goodput, "adaptive_vs_best_single": ratio, "policies": report}, default=str))
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        results_doc.write_section("bench_policies", "Every policy and adaptive under one mixed fault schedule", {
+            f"local-{args.nodes}, {args.steps} steps, protection={args.protection}; each policy's run of median "
+            f"goodput over {args.rounds} round(s) (samples/s; pause and lost steps summed over the faults; "
+            f"prediction errors: median over recoveries)": report,
+            "": {"adaptive_vs_best_single": ratio},
+        }, argv)  # fmt: skip
     return 0
 
 

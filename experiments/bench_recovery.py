@@ -698,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table2-seed", type=int, default=0)
     parser.add_argument("--bench-tracking-uri", default=f"sqlite:///{BENCH_DIR}/mlflow.db")
     parser.add_argument("--keep", action="store_true", help="keep the jobs' temporary MLflow stores and checkpoints")
+    parser.add_argument("--write-docs", action="store_true", help="write the parts' tables into docs/results.md")
     args = parser.parse_args(argv)
 
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -717,6 +718,22 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     print(f"total {time.monotonic() - started:.0f} s")
     print(json.dumps(report, default=str))
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        parts = {
+            "bench_recovery": ("In-place recovery against checkpoint-restart",
+                               {p: f for p, f in report.items()
+                                if isinstance(f, dict) and p not in ("table2", "failed_workers")}),
+            "bench_recovery_table2": ("The shape of Oobleck's Table 2 on the local runtime",
+                                      report["table2"] and [report["table2"]["fault_free"], *report["table2"]["cells"]]
+                                      if "table2" in report else None),
+            "bench_recovery_failed_workers": ("Throughput with failed workers: ReCycle against Oobleck",
+                                              report.get("failed_workers", {}).get("cells")),
+        }  # fmt: skip
+        for name, (title, rows) in parts.items():
+            if rows:
+                results_doc.write_section(name, title, {"": rows}, argv, module="bench_recovery")
     return 0
 
 

@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=20, help="measured iterations per round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each running both sides (ABBA order)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile .prof files of every worker here")
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/results.md")
     args = parser.parse_args(argv)
     if args.world % args.stages:
         parser.error(f"--world {args.world} is not a multiple of --stages {args.stages}")
@@ -281,6 +282,16 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
     }
     print(json.dumps(summary), flush=True)
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        results_doc.write_section("bench_runtime", "The runtime against DeepSpeed's PipelineEngine", {
+            f"{args.model}, {layout}, global batch {gb} in micro-batches of {args.micro_batch}, {args.rounds} rounds "
+            f"of {args.steps} measured iterations a side": [
+                {"": label, "ftlab": a.strip(), "DeepSpeed": b.strip(), "ratio": c.strip()} for label, a, b, c in rows
+            ],
+        }, argv, note=f"Round by round (wall): {', '.join(f'{x:.3f}' for x in round_ratios)}; losses differ by at "
+                      f"most {max(step_diffs):.2e} over all steps.")  # fmt: skip
     return summary
 
 

@@ -368,6 +368,7 @@ def main() -> None:
     validation = list(jobs(KILL_AT))
     parser.add_argument("--jobs", nargs="+", choices=[*validation, *DIAGNOSIS], default=validation,
                         help="the jobs to run: validation jobs, or the diagnosis jobs (module docstring)")
+    parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/results.md")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
@@ -392,6 +393,20 @@ def main() -> None:
     }
     print(json.dumps(summary))
     sys.stdout.flush()
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        if validated:
+            results_doc.write_section("bench_simulator", "The simulator against the real runtime", {
+                f"Median of {args.rounds} real round(s) against the median of their simulations, {steps} steps a job "
+                f"(iteration of the first plan and of the last, recovery, goodput ratio)": {
+                    job: {f"{m} {k}": j[k][m] for m in j["real"] for k in ("real", "sim", "error")}
+                    for job, j in validated.items()},
+                "": {k: v for k, v in summary.items() if k.startswith("max_error")},
+            })  # fmt: skip
+        results_doc.write_section("bench_simulator_scale", "Simulating 12 hours of 1,000 GPUs", {
+            "12 h of llama2-6.7b on 125 nodes of 8 A100s under Oobleck, the P3 trace x4 (wall seconds)": speed,
+        })  # fmt: skip
 
 
 if __name__ == "__main__":

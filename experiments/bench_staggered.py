@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="ABBA: each round runs both sides once")
     parser.add_argument("--cache-dir", default=str(Path(__file__).resolve().parents[1] / ".ftlab" / "cache"))
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/results.md")
     args = parser.parse_args(argv)
 
     runs: dict[str, list[dict]] = {name: [] for name in SIDES}
@@ -89,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     report["losses_identical"] = same
     print(f"staggered / default (wall): {ratio:.3f}; losses identical step for step: {same}")
     print(json.dumps(report))
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        results_doc.write_section("bench_staggered", "The staggered optimizer against commit-then-step", {
+            f"{args.model}, {args.stages} stages x {args.world // args.stages} replicas, fault-free, {args.rounds} "
+            f"rounds of {args.steps} measured iterations a side": {name: report[name] for name in SIDES},
+            "": {"ratio_staggered_over_default": ratio, "losses_identical": same},
+        }, argv)  # fmt: skip
     return 0
 
 

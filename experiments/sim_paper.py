@@ -433,6 +433,7 @@ def main() -> None:
     parser.add_argument("--no-table2", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-recycle", action="store_true")
+    parser.add_argument("--write-docs", action="store_true", help="write the studies' tables into docs/results.md")
     args = parser.parse_args()
     from ftlab.runtime.core.config import TrackingConfig
     from ftlab.runtime.reporting.tracking import Tracker
@@ -473,6 +474,15 @@ def main() -> None:
         raise
     (OUT / "paper.json").write_text(json.dumps(found, default=str))
     print(json.dumps({k: len(v) for k, v in found.items()}))
+    if args.write_docs:
+        from ftlab.experiments import results_doc
+
+        studies = (("table2", "Oobleck's Table 2 on the simulator", render_table2),
+                   ("recycle", "ReCycle's comparison on the simulator", render_recycle),
+                   ("sweep", "Goodput against cluster size at published failure rates", render_sweep))
+        for study, title, render in studies:
+            if study in found:
+                results_doc.write_section(f"sim_paper_{study}", title, render(found[study]), module="sim_paper")
 
 
 if __name__ == "__main__":
