@@ -7,11 +7,15 @@
   not wait for that (it used to add 1-1.6 s to every restart after a node was lost here).
 - Nodes lost at the same instant while workers start are one failure (a spot trace removes nodes in bursts); the
   next plan must not count on any of them (it used to wait 120 s for a lost node's worker, then fail).
+
+Each race happens at a known point, whatever the machine's speed: the restarted workers are held
+(``runtime.processes.hold``) once they have imported torch and before they register, and the test acts while they wait.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -21,19 +25,50 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ftlab.runtime.processes.cluster import LocalCluster, _running
 from ftlab.runtime.control.events import EventBus
+from ftlab.runtime.processes.cluster import LocalCluster, _running
+from ftlab.runtime.processes.hold import HOLD_DIR_ENV, worker_point
 from ftlab.runtime.processes.local_backend import LocalBackend
+
+HANG_S = 300
+"""How long a test waits for a process to reach a point before it calls that a hang (as ``cluster.start`` does)."""
 
 
 @pytest.fixture
-def backend() -> Iterator[LocalBackend]:
+def holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's hold directory (``runtime.processes.hold``), in the environment the cluster's agents inherit."""
+    monkeypatch.setenv(HOLD_DIR_ENV, str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def backend(holds: Path) -> Iterator[LocalBackend]:
     cluster = LocalCluster(nodes=4, workers_per_node=1, heartbeat_s=0.5, threads_per_worker=1)
-    cluster.start(timeout_s=300)
+    cluster.start(timeout_s=HANG_S)
     try:
         yield LocalBackend(cluster, EventBus(), setup={}, heartbeat_timeout_s=30)
     finally:
+        for gate in holds.glob("*.hold"):
+            gate.unlink()  # a worker still held goes on, to be shut down with the others
         cluster.shutdown()
+
+
+def hold_at(holds: Path, point: str) -> None:
+    (holds / f"{point}.hold").touch()
+
+
+def release(holds: Path, point: str) -> None:
+    (holds / f"{point}.hold").unlink()
+
+
+def reached(holds: Path, point: str) -> int:
+    """Wait until a process stands at a held ``point``; its pid."""
+    mark = holds / f"{point}.reached"
+    deadline = time.monotonic() + HANG_S
+    while not mark.exists():
+        assert time.monotonic() < deadline, f"no process reached {point}"
+        time.sleep(0.01)
+    return int(mark.read_text())
 
 
 def worker_processes(incarnation: int) -> list[int]:
@@ -49,29 +84,52 @@ def worker_processes(incarnation: int) -> list[int]:
     return found
 
 
-def test_a_restart_interrupted_while_workers_start_leaves_no_process_to_register_late(backend: LocalBackend) -> None:
+def test_a_restart_interrupted_while_workers_start_leaves_no_process_to_register_late(
+    backend: LocalBackend, holds: Path
+) -> None:
     cluster = backend.cluster
     first_pid = cluster.workers[0].pid
+    interrupted_start = worker_point(0, incarnation=1)
+    hold_at(holds, interrupted_start)
     for worker in cluster.alive_workers():
         cluster.kill_worker(worker)
         cluster.mark_dead("worker", worker)
-    cluster.respawn(0)  # incarnation 1 starts importing torch ...
-    time.sleep(0.5)
-    cluster.respawn(0)  # ... and a second restart replaces it before it registers
-    cluster.wait_for_workers({0}, timeout_s=300)
-    time.sleep(3)  # room for a late registration, which must not come
+    cluster.respawn(0)  # incarnation 1 starts ...
+    interrupted = reached(holds, interrupted_start)  # ... has imported torch, and is about to register ...
+    cluster.respawn(0)  # ... when a second restart replaces it
+    cluster.wait_for_workers({0}, timeout_s=HANG_S)
     assert cluster.incarnation[0] == 2
-    assert worker_processes(incarnation=1) == [], "the interrupted start's process still runs"
-    assert cluster.worker_pids[0] == [first_pid, cluster.workers[0].pid], "a process of the interrupted start registered"
+    # Held before its Hello, the interrupted process has sent nothing: ended, it can never register.
+    assert not _running(interrupted), "the interrupted start's process still runs"
+    assert worker_processes(incarnation=1) == []
+    registered = cluster.worker_pids[0]
+    assert registered == [first_pid, cluster.workers[0].pid], "a process of the interrupted start registered"
 
 
-def test_nodes_lost_together_while_workers_restart_are_one_failure(backend: LocalBackend) -> None:
+def test_nodes_lost_together_while_workers_restart_are_one_failure(backend: LocalBackend, holds: Path) -> None:
     cluster = backend.cluster
     agents = [cluster.agents[n].pid for n in (1, 2)]
-    timer = threading.Timer(1.0, lambda: [os.kill(pid, 9) for pid in agents])  # while the new workers import torch
-    timer.start()
+    starts = {node: worker_point(node, incarnation=1) for node in cluster.node_ids}  # one worker a node
+    for point in starts.values():
+        hold_at(holds, point)
+    lost: list[BaseException] = []
+
+    def lose_nodes_while_workers_start() -> None:
+        try:
+            for node in (1, 2):
+                reached(holds, starts[node])  # the restarted workers have imported torch and not registered
+            for pid in agents:
+                os.kill(pid, signal.SIGKILL)
+            for node in (0, 3):
+                release(holds, starts[node])
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            lost.append(exc)
+
+    killer = threading.Thread(target=lose_nodes_while_workers_start)
+    killer.start()
     failure = backend.restart_workers()
-    timer.join()
+    killer.join()
+    assert not lost, lost
     assert failure is not None and sorted(failure.nodes) == [1, 2]
     assert sorted(backend.membership().slots_of_node) == [0, 3], "a plan made now counts on neither lost node"
 
@@ -80,8 +138,8 @@ def test_a_killed_process_its_parent_has_not_reaped_has_ended() -> None:
     child = subprocess.Popen(["sleep", "60"])
     assert _running(child.pid)
     child.kill()  # never waited for below until checked: a zombie, as a lost node's worker is until init reaps it
-    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
-        time.sleep(0.01)
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # returns once it has ended, and leaves it unreaped
+    assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
     assert not _running(child.pid)
     os.kill(child.pid, 0)  # still in the process table
     child.wait()

@@ -36,6 +36,7 @@ from ftlab.runtime.processes.comm import Aborted, CommError, GenerationComm
 from ftlab.runtime.core.contract import MemorySource, Source, StorageSource
 from ftlab.runtime.training.data import Batches
 from ftlab.runtime.processes.executor import Executor
+from ftlab.runtime.processes.hold import hold, worker_point
 from ftlab.runtime.training.host_allocator import steady_allocations
 from ftlab.runtime.core.instructions import Instruction
 from ftlab.runtime.training.layer_state import decode, encode, layer_state
@@ -491,6 +492,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steady_allocations()  # every iteration at one speed, the one the profile measured
+    hold(worker_point(args.worker, args.incarnation))  # where a test holds a starting worker (``hold``)
     # The secret comes from the environment the agent gave this process (never its command line); it is not kept.
     secret = os.environ.pop(msg.SECRET_ENV)
     channel = Channel(msg.connect(args.coordinator_addr, args.coordinator_port, secret))
