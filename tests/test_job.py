@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ftlab.experiments.job import WARMUP_STEPS
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
 
@@ -97,7 +98,15 @@ def events_of(client: MlflowClient, run_id: str, tmp_path: Path) -> list[dict]:
 def test_a_fault_free_run_reads_goodput_one_and_a_fault_past_the_job_is_a_warning(run, tmp_path: Path, caplog) -> None:  # noqa: ANN001
     result = run("train.steps=12", "faults=fixed", "faults.interval_steps=12", "faults.max_failures=1")
     assert result.summary["summary/failures"] == 0
-    assert result.summary["summary/goodput_ratio"] == pytest.approx(1.0, abs=0.05)
+    steps = result.steps
+    assert [s.step for s in steps] == list(range(12)) and len({s.generation for s in steps}) == 1
+    # Fault-free, the ratio falls short of 1 by the coordinator's gaps between iterations alone (how long those are
+    # is the machine's business): the iterations after the warm-up over the time from its end to the last commit.
+    warm = WARMUP_STEPS
+    goodput = result.summary["summary/goodput_ratio"]
+    assert goodput == pytest.approx(sum(s.iter_s for s in steps[warm:]) / (steps[-1].at - steps[warm - 1].at))
+    assert 0 < goodput <= 1 + 1e-9
+    assert result.summary["summary/lost_steps_total"] == 0 and result.summary["summary/recovery_s_total"] == 0
     assert result.summary["summary/faults_unfired"] == 1
     assert "fault not fired: the node fault at step 12" in caplog.text
     client, record = only_run(tmp_path)
