@@ -113,7 +113,7 @@ def _cell(value: Any) -> str:  # noqa: ANN401
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
     if isinstance(value, (list, tuple)):
         return " / ".join(_cell(v) for v in value)
     return str(value).splitlines()[0].replace("|", "\\|") if str(value) else ""
