@@ -15,11 +15,11 @@ schedule (explicit, step-clocked, the same kills for every policy):
   iteration already aborted),
 - a join: a new node (``local-N``'s node N) joins.
 
-Each single policy (``checkpoint_restart``, ``oobleck``, ``recycle``) runs with its best protection and
-``policy=adaptive`` with the same: ``protection=reft`` (in-memory snapshots every step, flushed to storage every
-``--flush-every`` steps; a restart from memory loses no committed step where a snapshot survives, and costs less
-than a restart from storage), overridable with ``--protection``. A job a policy cannot finish is reported with its
-reason, not hidden.
+Every policy found that recovers runs (``Roles``): each single one (``checkpoint_restart``, ``oobleck``, ``recycle``)
+with its best protection, and each that chooses among the others' answers (``policy=adaptive``) with the same:
+``protection=reft`` (in-memory snapshots every step, flushed to storage every ``--flush-every`` steps; a restart from
+memory loses no committed step where a snapshot survives, and costs less than a restart from storage), overridable with
+``--protection``. A job a policy cannot finish is reported with its reason, not hidden.
 
 Printed per policy: goodput (useful samples per second, ``summary/samples_per_s``: every step committed once, over
 the training time after warm-up, so detection, pauses, lost steps and slower plans all count), its ratio to the same
@@ -30,8 +30,8 @@ against the median ``iter_s`` of the plan it chose; a switch at a review counts 
 With ``--rounds N`` every policy runs N times, each round in an order rotated by one, and the figures are each
 policy's run of median goodput (every round's goodput beside them): one run of a policy and the next differ by
 5-10% on this shared machine, as much as the policies' own differences on this schedule. The last line is one JSON
-object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over
-the best single policy's), with the other figures beside them.
+object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over the best single policy's;
+``vs_best_single`` has it for every policy that chooses), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
 constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
@@ -54,10 +54,26 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ftlab.policies import catalog
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
-SINGLE = ("checkpoint_restart", "oobleck", "recycle")
-POLICIES = (*SINGLE, "adaptive")
+
+
+def singles() -> tuple[str, ...]:
+    """The single policies: every policy found that recovers on its own, by name."""
+    return catalog.policies_with(lambda roles: roles.recovers and not roles.chooses)
+
+
+def choosers() -> tuple[str, ...]:
+    """The policies that recover by choosing among the others' answers (adaptive), each measured against the best
+    single policy."""
+    return catalog.policies_with(lambda roles: roles.recovers and roles.chooses)
+
+
+def compared() -> list[str]:
+    """Every policy the bench runs, the single ones first."""
+    return [*singles(), *choosers()]
 
 
 def job(nodes: int, steps: int) -> list[str]:
@@ -191,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", default="reduce", help="the phase of its step each kill fires in")
     parser.add_argument("--protection", default="reft", help="every policy's protection (reft or storage)")
     parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
-    parser.add_argument("--policies", nargs="*", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="*", default=compared())
     parser.add_argument("--keep", action="store_true", help="keep the jobs' MLflow stores and checkpoints")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every policy this many times, in rotated order; report each one's median run")
@@ -221,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     print(table(report))
     goodput = {p: r["goodput"] for p, r in report.items() if "goodput" in r}
-    singles = [goodput[p] for p in SINGLE if p in goodput]
-    ratio = goodput["adaptive"] / max(singles) if "adaptive" in goodput and singles else None
-    print(f"adaptive vs best single policy: {'-' if ratio is None else f'{ratio:.3f}'}")
-    print(json.dumps({"goodput": goodput, "adaptive_vs_best_single": ratio, "policies": report}, default=str))
+    best = max((goodput[p] for p in singles() if p in goodput), default=None)
+    vs_best = {p: goodput[p] / best if p in goodput and best else None for p in choosers()}
+    for policy, ratio in vs_best.items():
+        print(f"{policy} vs best single policy: {'-' if ratio is None else f'{ratio:.3f}'}")
+    print(json.dumps({"goodput": goodput, "adaptive_vs_best_single": vs_best.get("adaptive"), "vs_best_single": vs_best,
+                      "policies": report}, default=str))  # fmt: skip
     if args.write_docs:
         from ftlab.experiments import results_doc
 
@@ -232,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             f"local-{args.nodes}, {args.steps} steps, protection={args.protection}; each policy's run of median "
             f"goodput over {args.rounds} round(s) (samples/s; pause and lost steps summed over the faults; "
             f"prediction errors: median over recoveries)": report,
-            "": {"adaptive_vs_best_single": ratio},
+            "": {f"{policy}_vs_best_single": ratio for policy, ratio in vs_best.items()},
         }, argv)  # fmt: skip
     return 0
 

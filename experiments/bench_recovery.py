@@ -18,6 +18,10 @@ Printed per policy: detection and recovery times (median, max), committed steps 
 throughput (below); then checks that Oobleck and ReCycle lost no committed step and that the per-step losses (the
 last record of each step) equal the fault-free run's within rel 1e-5 (checkpoint-restart's too), and each in-place
 policy's recovery speed-up over checkpoint-restart (target >= 10).
+The policies are found by their roles (``Roles``), in every part: the restart baseline is every policy that recovers
+by restarting from saved state alone (``restarts()``, run with ``protection=storage protection.every=5``), the
+in-place ones every policy that recovers in place (``in_place()``); ``SETTINGS`` holds what a policy runs with beyond
+its defaults. A new policy package joins the bench with no edit here.
 
 Fault-scaled throughput (ReCycle's measure): for every plan that ran after a failure, its samples/s (global batch
 over its median commit-to-commit interval, so the recovery itself is left out) over the fault-free samples/s scaled
@@ -74,6 +78,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftlab.policies import catalog
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / ".ftlab" / "bench"
 CACHE_DIR = REPO / ".ftlab" / "cache"
@@ -90,14 +96,31 @@ JOB = [
 JOB_WORKERS, JOB_BATCH = 6, 16
 SWEEP_JOB = [*JOB[:2], "cluster=local-8", *JOB[3:]]
 SWEEP_WORKERS, SWEEP_BATCH = 8, 16
-POLICIES = {
-    "none": ["policy=none"],
-    "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=5"],
-    "oobleck": ["policy=oobleck", "policy.fault_threshold=1"],
-    "recycle": ["policy=recycle"],
-}
-IN_PLACE = ("oobleck", "recycle")
-"""Policies that recover without a restart: they must lose no committed step."""
+RESTART_PROTECTION = ["protection=storage", "protection.every=5"]
+"""What the restart baseline restarts from."""
+SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
+"""Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
+
+
+def restarts() -> tuple[str, ...]:
+    """The baseline: every policy found that recovers by restarting from saved state alone (checkpoint-restart)."""
+    return catalog.policies_with(lambda roles: roles.restarts_only)
+
+
+def in_place() -> tuple[str, ...]:
+    """Every policy found that recovers without a restart (Oobleck, ReCycle): they must lose no committed step."""
+    return catalog.policies_with(lambda roles: roles.in_place and not roles.chooses)
+
+
+def compared() -> tuple[str, ...]:
+    """Every policy the bench runs under faults, the baseline first."""
+    return (*restarts(), *in_place())
+
+
+def overrides_of(policy: str) -> list[str]:
+    """``policy=NAME`` with what it runs with here: the baseline checkpoints to storage, ``SETTINGS`` the rest."""
+    saved = RESTART_PROTECTION if policy in restarts() else []
+    return [f"policy={policy}", *saved, *SETTINGS.get(policy, [])]
 
 
 @dataclass
@@ -132,7 +155,7 @@ def run_one(policy: str, label: str, overrides: list[str], scratch: Path, job: l
     print(f"  [{label}] {policy}: {' '.join(overrides)}", flush=True)
     started = time.monotonic()
     try:
-        result = run_job(compose_config([*common, *job, *POLICIES[policy], *overrides]))
+        result = run_job(compose_config([*common, *job, *overrides_of(policy), *overrides]))
     except Exception as exc:  # noqa: BLE001 - JobStopped, ClusterError, a runtime bug: all are findings to report
         wall = time.monotonic() - started
         reason = f"{type(exc).__name__}: {exc}"
@@ -303,7 +326,7 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
     print(f"Part 1: recovery comparison, {args.steps} steps, node kills (node, step) {kills}, phase {args.kill_phase}",
           flush=True)  # fmt: skip
     runs = {"none": run_one("none", "part1", [*steps, "faults=none"], scratch)}
-    for policy in ("checkpoint_restart", *IN_PLACE):
+    for policy in compared():
         runs[policy] = run_one(policy, "part1", [*steps, *faults], scratch)
     report = {name: figures(outcome) for name, outcome in runs.items()}
     free_rate = fault_free_rate(runs["none"].result) if runs["none"].ok else None
@@ -315,8 +338,10 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
         report[name]["fault_scaled_windows"] = windows
         # Each window is scaled by its own surviving workers, so windows after one and after two failures compare.
         report[name]["fault_scaled_throughput"] = _median([w["fault_scaled_throughput"] for w in windows])
-    if runs["recycle"].ok:
-        report["recycle"]["predictions"] = predictions(runs["recycle"], free_rate and JOB_BATCH / free_rate)
+    for name in in_place():  # a policy that predicts its plans' iteration times (ReCycle) is measured against them
+        predicted = predictions(runs[name], free_rate and JOB_BATCH / free_rate)
+        if predicted:
+            report[name]["predictions"] = predicted
 
     print()
     print(f"{'policy':<20}{'faults':>7}{'detect med':>12}{'detect max':>12}{'recover med':>13}{'recover max':>13}"
@@ -331,15 +356,15 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
             f"{r['goodput_ratio']:>9.3f}{r['samples_per_s']:>11.2f}{r['transfer_bytes'] / 1e6:>11.2f}"
             f"{_fmt(r.get('fault_scaled_throughput')):>14}"
         )
-    for row in report.get("recycle", {}).get("predictions", []):
-        print(f"recycle plan {row['generation']} (failed {row['failed']}, {row['method']}): predicted "
+    for name, row in ((n, row) for n in in_place() for row in report[n].get("predictions", [])):
+        print(f"{name} plan {row['generation']} (failed {row['failed']}, {row['method']}): predicted "
               f"{row['predicted_iter_s']:.3f} s, measured {row['measured_iter_s']:.3f} s ({row['error']:+.0%}); "
               f"slowdown over fault-free predicted {_fmt(row.get('predicted_slowdown'))}x, measured "
               f"{_fmt(row.get('measured_slowdown'))}x")  # fmt: skip
 
     # Checks: the oracle of correctness is the fault-free loss curve.
     reference = losses_by_step(runs["none"].result) if runs["none"].ok else None
-    for name in ("checkpoint_restart", *IN_PLACE):
+    for name in compared():
         outcome, r = runs[name], report[name]
         if not outcome.ok or reference is None:
             continue
@@ -355,7 +380,7 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
             f"check {name}: every step committed: {complete}; per-step loss vs fault-free: max rel diff "
             f"{worst:.2e} -> {'OK' if r['losses_match_fault_free'] else 'MISMATCH'} (rtol {LOSS_RTOL:g})"
         )
-    for name in IN_PLACE:
+    for name in in_place():
         r = report[name]
         if "error" in r:
             continue
@@ -363,14 +388,15 @@ def recovery_comparison(args: argparse.Namespace, scratch: Path) -> dict[str, An
         r["lost_no_committed_step"] = r["lost_steps"] == 0 and not unmeasured
         print(f"check {name}: lost no committed step: {r['lost_no_committed_step']} "
               f"(lost {r['lost_steps']}, {len(unmeasured)} faults unmeasured)")  # fmt: skip
-    cr = report["checkpoint_restart"]
-    for name in IN_PLACE:
+    baseline = next(iter(restarts()), None)
+    cr = report[baseline] if baseline else {}
+    for name in in_place():
         speedup = None
         if report[name].get("recover_s_median") and cr.get("recover_s_median"):
             speedup = cr["recover_s_median"] / report[name]["recover_s_median"]
-            print(f"recovery speedup (checkpoint_restart median / {name} median): {speedup:.1f}x (target >= 10)")
+            print(f"recovery speedup ({baseline} median / {name} median): {speedup:.1f}x (target >= 10)")
         report[name]["recovery_speedup"] = speedup
-    report["recovery_speedup"] = report["oobleck"].get("recovery_speedup")
+    report["recovery_speedup"] = report.get("oobleck", {}).get("recovery_speedup")
     return report
 
 
@@ -395,7 +421,7 @@ def failed_workers_sweep(args: argparse.Namespace, scratch: Path) -> dict[str, A
     cells = []
     for k in counts:
         faults = explicit_kills([(n, args.sweep_kill_step) for n in victims[:k]], args.kill_phase)
-        for policy in IN_PLACE:
+        for policy in in_place():
             outcome = run_one(policy, f"sweep {k} failed", [*steps, *faults], scratch, SWEEP_JOB)
             cell: dict[str, Any] = {"policy": policy, "failed_workers": k}
             if not outcome.ok:
@@ -408,8 +434,9 @@ def failed_workers_sweep(args: argparse.Namespace, scratch: Path) -> dict[str, A
                     recover_s=_median([f["recover_s"] for f in outcome.faults if f["recover_s"] is not None]),
                     lost_steps=sum(f["lost_steps"] or 0 for f in outcome.faults),
                 )  # fmt: skip
-                if policy == "recycle":
-                    cell["predictions"] = predictions(outcome, free_rate and SWEEP_BATCH / free_rate)
+                predicted = predictions(outcome, free_rate and SWEEP_BATCH / free_rate)
+                if predicted:
+                    cell["predictions"] = predicted
             cells.append(cell)
     out = {"fault_free_samples_per_s": free_rate, "steps": args.sweep_steps, "kill_step": args.sweep_kill_step,
            "cells": cells}  # fmt: skip
@@ -447,7 +474,7 @@ def _save_and_log_sweep(out: dict[str, Any], table: str, args: argparse.Namespac
     stamp = time.strftime("%Y%m%d-%H%M%S")
     plot_path = BENCH_DIR / f"failed-workers-{stamp}.png"
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for policy in IN_PLACE:
+    for policy in dict.fromkeys(c["policy"] for c in out["cells"]):
         cells = [c for c in out["cells"] if c["policy"] == policy and c.get("samples_per_s")]
         xs = [c["failed_workers"] for c in cells]
         left.plot(xs, [c["samples_per_s"] for c in cells], "o-", label=policy)
@@ -550,7 +577,7 @@ def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> di
             # The shipped configs give their rate in steps; this part of the benchmark wants seconds.
             faults = [f"faults={schedule}", f"{key}_steps=null", f"{key}_s={k}",
                       f"faults.max_failures={args.table2_max_failures}", f"faults.seed={args.table2_seed}"]  # fmt: skip
-        for policy in ("checkpoint_restart", *IN_PLACE):
+        for policy in compared():
             outcome = run_one(policy, f"table2 every {k:g} {unit}", [*steps, *faults], scratch)
             cells.append(_cell(outcome, k))
 
@@ -590,7 +617,7 @@ def format_table2(out: dict[str, Any]) -> str:
         return lambda c: "-" if c.get(key) is None else format(c[key], spec)
 
     width = max(18, *(len(column(k)) + 2 for k in every))
-    policies = ("checkpoint_restart", *IN_PLACE)
+    policies = tuple(dict.fromkeys(c["policy"] for c in out["cells"]))
     names = {"none": "fault-free", **{p: p for p in policies}}
     lines = [f"{'samples/s (faults landed)':<36}" + "".join(f"{column(k):>{width}}" for k in every)]
     lines += [row(names[p], p, _cell_text) for p in names]
@@ -646,7 +673,7 @@ def _save_and_log(out: dict[str, Any], table: str, args: argparse.Namespace, par
 
     every, unit = out["every"], out["unit"]
     series = {"fault-free": [out["fault_free"]] * len(every)}
-    for policy in ("checkpoint_restart", *IN_PLACE):
+    for policy in dict.fromkeys(c["policy"] for c in out["cells"]):
         series[policy] = [next(c for c in out["cells"] if c["policy"] == policy and c["every"] == k) for k in every]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(series)

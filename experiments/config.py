@@ -5,28 +5,24 @@ composition with Hydra's own message. The ``policy`` and ``protection`` groups h
 own: each option's YAML file names its schema (``defaults: [/schema/policy@_here_: oobleck]``), so a setting the
 chosen option does not have (``policy=checkpoint_restart policy.fault_threshold=3``) fails at composition too.
 
-The schemas are found, not listed: every package under ``policies/`` may have a ``config.py`` whose ``SCHEMAS`` maps
-a group (policy, protection) to its settings dataclass, stored under the name that dataclass gives itself. Adding a
-policy is adding its package and its YAML file.
+The schemas are found, not listed (``ftlab.policies.catalog``): every package under ``policies/`` may have a
+``config.py`` whose ``SCHEMAS`` maps a group (policy, protection) to its settings dataclass, stored under the name that
+dataclass gives itself. Adding a policy is adding its package and its YAML file.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import MISSING
 
-from ftlab import policies
 from ftlab.faults.schedules import FaultsConfig
+from ftlab.policies.catalog import component_schemas
 from ftlab.runtime.core.config import ClusterConfig, SimConfig, TrackingConfig, TrainConfig
 from ftlab.runtime.core.model_spec import ModelConfig
-
-COMPONENT_GROUPS = ("policy", "protection")
 
 
 @dataclass
@@ -46,24 +42,6 @@ class JobConfig:
     """train: run the job; plan: print and log the plan only, starting no worker; simulate: run it on a simulated
     cluster."""
     progress: bool = True
-
-
-def component_schemas() -> dict[str, dict[str, type]]:
-    """group -> option name -> settings dataclass, from every ``policies/<package>/config.py``."""
-    found: dict[str, dict[str, type]] = {group: {} for group in COMPONENT_GROUPS}
-    for package in pkgutil.iter_modules(policies.__path__):
-        if not package.ispkg:
-            continue
-        try:
-            module = importlib.import_module(f"{policies.__name__}.{package.name}.config")
-        except ModuleNotFoundError as missing:
-            if missing.name != f"{policies.__name__}.{package.name}.config":
-                raise
-            continue  # a package of shared planning code, not a component
-        for group, schema in module.SCHEMAS.items():
-            name = next(f.default for f in fields(schema) if f.name == "name")
-            found[group][name] = schema
-    return found
 
 
 def register() -> None:

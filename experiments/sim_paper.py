@@ -6,20 +6,22 @@
 Every cell is one simulated job (``experiments.simulate``: the real coordinator, policies and programs on a
 simulated cluster); the study's tables, plots and a JSON of every cell are logged to one MLflow run.
 
-**Table 2 of Oobleck (SOSP'23)**: average throughput (samples/s over the whole run) of GPT-3 medium, 2.7B and 6.7B
-on the paper's cluster (``cluster=a40-30x1``: 30 A40 nodes of one GPU, 40 GB usable, 200 Gb/s) with the paper's
-batches (Table 1: 8192 in micro-batches of 16 for medium, 1024 in micro-batches of 2 for the others), activation
-checkpointing on (Oobleck and Varuna use it), under the bundled synthetic traces ``6h``, ``1h`` and ``10m`` (a node
-fails every 6 hours, hour, 10 minutes, never replaced), until 15 of the 30 nodes remain, as in the paper (Section
-7.2): a fault-free run, checkpoint-restart with a checkpoint every 10 iterations (the paper's Varuna setting) and
-Oobleck (f = 1). The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
-6.7B, whose half of the model does not fit an A40's 40 GB), Oobleck plans its own. The paper's storage (MinIO on
-six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads, all writers or readers together
+**Table 2 of Oobleck (SOSP'23)**: average throughput (samples/s over the whole run) of GPT-3 medium, 2.7B and 6.7B on
+the paper's cluster (``cluster=a40-30x1``: 30 A40 nodes of one GPU, 40 GB usable, 200 Gb/s) with the paper's batches
+(Table 1: 8192 in micro-batches of 16 for medium, 1024 in micro-batches of 2 for the others), activation checkpointing
+on (Oobleck and Varuna use it), under the bundled synthetic traces ``6h``, ``1h`` and ``10m`` (a node fails every 6
+hours, hour, 10 minutes, never replaced), until 15 of the 30 nodes remain, as in the paper (Section 7.2): a fault-free
+run, checkpoint-restart with a checkpoint every 10 iterations (the paper's Varuna setting) and Oobleck (f = 1); by role
+(``table2_policies``), every policy that recovers by restarting from saved state alone and every one that offers the
+``reconfigure`` recovery. The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
+6.7B, whose half of the model does not fit an A40's 40 GB), Oobleck plans its own. The paper's storage (MinIO on six
+NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads, all writers or readers together
 (``STORAGE``): a stated assumption, not a measurement.
 
 **MTBF sweep**: goodput (useful samples per second over the fault-free rate) of ``llama2-6.7b`` against cluster
 size (``--sizes``, nodes of 8 A100-80GB), over ``--hours`` of training, with node failures at published large-cluster
-rates, each failed node replaced an hour later (spares), for every policy with every protection it works with:
+rates, each failed node replaced an hour later (spares), for every policy with every protection it works with (every
+policy found, with each protection its ``check`` accepts; ``combinations``):
 - Llama 3 (Dubey et al. 2024, Section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one per
   1.82e8 GPU-seconds; a cluster of G GPUs fails every 1.82e8 / G seconds;
 - Meta's research clusters (Kokolis et al. 2024): projected job MTTF of 7.9 h at 1,024 GPUs and 1.8 h at 16,384;
@@ -27,10 +29,11 @@ rates, each failed node replaced an hour later (spares), for every policy with e
 The protections: ``storage`` (a checkpoint every 50 steps at ``STORAGE``) and ``reft`` (a snapshot in host memory
 after every step, mode arc, copied at ``SNAPSHOTS``, with a flush to storage every 50 steps).
 
-**ReCycle's comparison (SOSP'24, Section 6: "training throughput with increasing failures")**: throughput after
-0, 1, 2, 4, 8 GPUs fail at once, relative to the fault-free run, for ReCycle (``policy=recycle``) and Oobleck
-(``policy=oobleck``, f = 1). The paper's testbed is 4 Azure NC96ads_A100_v4 (8 A100-80GB each, NVLink inside,
-640 Gb/s between nodes), GPT-3 medium / 3.35B / 6.7B at (PP, DP) = (2, 16), (4, 8), (8, 4), no tensor parallelism.
+**ReCycle's comparison (SOSP'24, Section 6: "training throughput with increasing failures")**: throughput after 0, 1, 2,
+4, 8 GPUs fail at once, relative to the fault-free run, for ReCycle (``policy=recycle``) and Oobleck
+(``policy=oobleck``, f = 1): every policy that recovers in place (``recycle_policies``). The paper's testbed is 4 Azure
+NC96ads_A100_v4 (8 A100-80GB each, NVLink inside, 640 Gb/s between nodes), GPT-3 medium / 3.35B / 6.7B at
+(PP, DP) = (2, 16), (4, 8), (8, 4), no tensor parallelism.
 Ours: ``cluster=a100-16x8 cluster.nodes=4`` (the analytic A100-80GB profile, one 200 Gb/s port per GPU), the same
 models with ``gpt3-2.7b`` standing in for 3.35B (we have no 3.35B config), ``train.stages`` = the paper's PP and
 activation checkpointing on. Choices where the paper (its slides, /work/shared/papers) is vague:
@@ -65,6 +68,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ftlab.policies import catalog
+from ftlab.runtime.core.contract import ConfigError
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / ".ftlab" / "sim"
 STORAGE = ["sim.storage_write_bytes_per_s=5e9", "sim.storage_read_bytes_per_s=1e10"]
@@ -85,29 +91,50 @@ PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Varuna, Oobleck) per model an
     "gpt3-2.7b": {"6h": (7.27, 7.29), "1h": (6.41, 7.23), "10m": (0.36, 6.89)},
     "gpt3-6.7b": {"6h": (4.02, 4.33), "1h": (2.91, 4.22), "10m": (0.12, 3.55)},
 }
-POLICIES = {
-    "fault-free": ["policy=none", "faults=none"],
-    "checkpoint_restart": ["policy=checkpoint_restart", "protection=storage", "protection.every=10"],
-    "oobleck": ["policy=oobleck", "policy.fault_threshold=1"],
+SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
+"""Settings a policy runs with in Table 2 beyond its defaults (which policies run is what their roles say)."""
+PROTECTION_SETTINGS = {
+    "storage": ["protection.every=50"],
+    "reft": ["protection.interval=1", "protection.flush_every=50", *HOST_MEMORY],
 }
-COMBINATIONS = {  # policy x protection, every pair that can run
-    "none+none": ["policy=none", "protection=none"],
-    "checkpoint_restart+storage": ["policy=checkpoint_restart", "protection=storage", "protection.every=50"],
-    "oobleck+none": ["policy=oobleck", "protection=none"],
-    "oobleck+storage": ["policy=oobleck", "protection=storage", "protection.every=50"],
-    "checkpoint_restart+reft": ["policy=checkpoint_restart", "protection=reft", "protection.interval=1",
-                                "protection.flush_every=50", *HOST_MEMORY],
-    "oobleck+reft": ["policy=oobleck", "protection=reft", "protection.interval=1", "protection.flush_every=50",
-                     *HOST_MEMORY],
-    "recycle+none": ["policy=recycle", "protection=none"],
-    "recycle+storage": ["policy=recycle", "protection=storage", "protection.every=50"],
-    "recycle+reft": ["policy=recycle", "protection=reft", "protection.interval=1", "protection.flush_every=50",
-                     *HOST_MEMORY],
-    "adaptive+none": ["policy=adaptive", "protection=none"],
-    "adaptive+storage": ["policy=adaptive", "protection=storage", "protection.every=50"],
-    "adaptive+reft": ["policy=adaptive", "protection=reft", "protection.interval=1", "protection.flush_every=50",
-                      *HOST_MEMORY],
-}
+"""The MTBF sweep's protections: a checkpoint every 50 steps; a snapshot after every step, flushed every 50."""
+
+
+def table2_policies() -> dict[str, list[str]]:
+    """Table 2's rows, by the roles the paper compares: the fault-free run, every policy that recovers by restarting
+    from saved state alone (Varuna's checkpoint-restart, a checkpoint every 10 iterations) and every one that offers
+    the ``reconfigure`` recovery (Oobleck's)."""
+    restarting = catalog.policies_with(lambda roles: roles.restarts_only)
+    reconfiguring = catalog.policies_with(lambda roles: roles.candidate == "reconfigure")
+    return {
+        "fault-free": ["policy=none", "faults=none"],
+        **{p: [f"policy={p}", "protection=storage", "protection.every=10"] for p in restarting},
+        **{p: [f"policy={p}", *SETTINGS.get(p, [])] for p in reconfiguring},
+    }
+
+
+def combinations() -> dict[str, list[str]]:
+    """The MTBF sweep's policy x protection pairs, by name: every policy found with every protection it works with."""
+    return {
+        f"{policy}+{protection}": [f"policy={policy}", f"protection={protection}",
+                                   *PROTECTION_SETTINGS.get(protection, [])]
+        for policy in catalog.roles()
+        for protection in catalog.component_schemas()["protection"]
+        if works_with(policy, protection)
+    }  # fmt: skip
+
+
+def works_with(policy: str, protection: str) -> bool:
+    """The policy's ``check`` accepts the protection, and a policy that does not recover is paired only with one that
+    keeps nothing (it would save state nobody restores)."""
+    kept = catalog.build_default("protection", protection)
+    if not catalog.roles()[policy].recovers and kept.keeps_state:
+        return False
+    try:
+        catalog.build_default("policy", policy).check(kept)
+    except ConfigError:
+        return False
+    return True
 LLAMA3_GPU_S = 54 * 24 * 3600 * 16384 / 419
 META_MTTF = ((1024, 7.9 * 3600), (16384, 1.8 * 3600))
 
@@ -155,7 +182,7 @@ def table2(models: list[str], traces: list[str]) -> list[dict[str, Any]]:
     for model in models:
         for trace in traces:
             horizon = last_failure_s(trace)
-            for policy, settings in POLICIES.items():
+            for policy, settings in table2_policies().items():
                 faults = [] if policy == "fault-free" else ["faults=trace", f"faults.trace={trace}",
                                                             "faults.trace_s_per_step=null", "faults.time_compression=1"]  # fmt: skip
                 overrides = [*TABLE2_MODELS[model], "cluster=a40-30x1", "train.activation_checkpointing=true",
@@ -175,7 +202,7 @@ def render_table2(rows: list[dict[str, Any]]) -> str:
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     lines.append("| policy | " + " | ".join(f"{m} {t}" for m in models for t in traces) + " |")
     lines.append("|---" * (1 + len(models) * len(traces)) + "|")
-    for policy in POLICIES:
+    for policy in dict.fromkeys(r["policy"] for r in rows):
         cells = []
         for m in models:
             for t in traces:
@@ -200,7 +227,7 @@ def sweep(sizes: list[int], hours: float, sources: list[str]) -> list[dict[str, 
             faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={mtbf:.6g}", "faults.max_failures=null",
                       f"faults.horizon_s={hours * 3600:g}",
                       "faults.replace_after_s=3600", "faults.seed=0"]  # fmt: skip
-            for combination, settings in COMBINATIONS.items():
+            for combination, settings in combinations().items():
                 overrides = [
                     "model=llama2-6.7b", "cluster=a100-125x8", f"cluster.nodes={nodes}",
                     "train.activation_checkpointing=true", f"train.global_batch={gpus}", "train.micro_batch=1",
@@ -224,7 +251,7 @@ def render_sweep(rows: list[dict[str, Any]]) -> str:
             for g in sizes))  # fmt: skip
         lines.append("| policy+protection | " + " | ".join(f"{g} GPUs" for g in sizes) + " |")
         lines.append("|---" * (1 + len(sizes)) + "|")
-        for combination in COMBINATIONS:
+        for combination in dict.fromkeys(r["combination"] for r in rows):
             cells = []
             for g in sizes:
                 r = next(r for r in rows if (r["source"], r["gpus"], r["combination"]) == (source, g, combination))
@@ -243,7 +270,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     sources = list(dict.fromkeys(r["source"] for r in rows))
     fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 3.6), squeeze=False)
     for ax, source in zip(axes[0], sources):
-        for combination in COMBINATIONS:
+        for combination in dict.fromkeys(r["combination"] for r in rows):
             points = sorted((r["gpus"], r["goodput"]) for r in rows if (r["source"], r["combination"]) == (source, combination))
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=combination)
         ax.set_xscale("log", base=2)
@@ -263,7 +290,6 @@ RECYCLE_MODELS = {  # the paper's (PP, DP) on 32 GPUs; gpt3-2.7b stands in for i
 }
 RECYCLE_LAYOUTS = {"4x8": (4, 8), "32x1": (32, 1)}
 RECYCLE_FAILED = (0, 1, 2, 4, 8)
-RECYCLE_POLICIES = ("recycle", "oobleck")
 RECYCLE_FAIL_STEP = 3
 RECYCLE_STEPS = 8
 PAPER_RECYCLE = {  # ReCycle's Table 1, samples/s: fault-free DeepSpeed, and (Oobleck, ReCycle) per failure frequency
@@ -271,6 +297,11 @@ PAPER_RECYCLE = {  # ReCycle's Table 1, samples/s: fault-free DeepSpeed, and (Oo
     "gpt3-2.7b": (14.87, {"6h": (14.55, 14.59), "2h": (13.44, 14.17), "30m": (9.78, 12.63)}),
     "gpt3-6.7b": (5.33, {"6h": (4.98, 5.17), "2h": (4.65, 4.85), "30m": (2.78, 3.53)}),
 }
+
+
+def recycle_policies() -> tuple[str, ...]:
+    """ReCycle's comparison, by role: every policy found that recovers in place (ReCycle, Oobleck), by name."""
+    return catalog.policies_with(lambda roles: roles.in_place and not roles.chooses)
 
 
 def failed_gpus(layout: str, count: int, seed: int = 0) -> list[str]:
@@ -314,7 +345,7 @@ def recycle_study(models: list[str], layouts: list[str], counts: list[int]) -> l
                     "train.micro_batch=2", f"train.steps={RECYCLE_STEPS}", "protection=none"]  # fmt: skip
             reference, _ = simulated_run([*base, "policy=none", "faults=none"])
             fault_free = reference["steady_samples_per_s"]
-            for policy in RECYCLE_POLICIES:
+            for policy in recycle_policies():
                 for count in counts:
                     faults = ["faults=explicit", f"faults.events=[{','.join(failed_gpus(layout, count))}]"]
                     cell, _ = simulated_run([*base, f"policy={policy}", *(faults if count else ["faults=none"])])
@@ -337,7 +368,7 @@ def render_recycle(rows: list[dict[str, Any]]) -> str:
     lines.append("|---" * (3 + len(counts)) + "|")
     for model in dict.fromkeys(r["model"] for r in rows):
         for layout in dict.fromkeys(r["layout"] for r in rows):
-            for policy in (*RECYCLE_POLICIES, "fault-scaled"):
+            for policy in (*dict.fromkeys(r["policy"] for r in rows), "fault-scaled"):
                 cells = []
                 for k in counts:
                     at = [r for r in rows if (r["model"], r["layout"], r["failed"]) == (model, layout, k)]
@@ -370,7 +401,7 @@ def plot_recycle(rows: list[dict[str, Any]], path: Path) -> Path:
             counts = sorted({r["failed"] for r in mine})
             ax.plot(counts, [next(r["fault_scaled"] for r in mine if r["failed"] == k) for k in counts], "k--",
                     label="fault-scaled")  # fmt: skip
-            for policy in RECYCLE_POLICIES:
+            for policy in dict.fromkeys(r["policy"] for r in mine):
                 points = [(r["failed"], r["relative"]) for r in mine if r["policy"] == policy and r["relative"] is not None]
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
                 lost = [r["failed"] for r in mine if r["policy"] == policy and r["relative"] is None]
@@ -393,10 +424,13 @@ def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for i, policy in enumerate(POLICIES):
+        policies = list(dict.fromkeys(r["policy"] for r in rows))
+        width = 0.81 / len(policies)  # three bars of 0.27 per trace
+        for i, policy in enumerate(policies):
             values = [next(r["samples_per_s"] for r in rows if (r["model"], r["trace"], r["policy"]) == (model, t, policy))
                       for t in traces]  # fmt: skip
-            ax.bar([j + 0.27 * (i - 1) for j in range(len(traces))], values, width=0.27, label=policy)
+            offset = width * (i - (len(policies) - 1) / 2)
+            ax.bar([j + offset for j in range(len(traces))], values, width=width, label=policy)
         ax.set_xticks(range(len(traces)), traces)
         ax.set_title(model)
         ax.set_ylabel("samples/s")

@@ -5,10 +5,11 @@
     .venv/bin/python -m ftlab.experiments.soak --seed 7 --first 100 --scenarios 100   # the campaign's next 100
 
 A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
-workers per node, up to 8 workers), a policy (adaptive included) with a protection, and a fault schedule: explicit
-events of every kind (node, process, hang, join) at random steps and phases, simultaneous ones included, or a
-generated schedule (fixed, exponential with a mean time between failures shorter than a restart, Weibull) or a
-replayed spot trace, so faults land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i) alone.
+workers per node, up to 8 workers), a policy (every policy found that recovers, ``DRAW_WEIGHTS``) with a protection, and
+a fault schedule: explicit events of every kind (node, process, hang, join) at random steps and phases, simultaneous
+ones included, or a generated schedule (fixed, exponential with a mean time between failures shorter than a restart,
+Weibull) or a replayed spot trace, so faults land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i)
+alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
 job with ``faults=none``, run once per distinct job). Checks:
@@ -18,9 +19,11 @@ job with ``faults=none``, run once per distinct job). Checks:
   survivors kept running, at most the checkpoint interval when workers restarted;
 - no process of the job and no shared-memory segment of it is left behind (nor of its twin).
 
-The generator keeps every scenario recoverable by its policy (enough nodes survive for the pipelines it needs), so
-a stop is a finding too. A failing scenario prints the one command that reproduces it. The last line is one JSON
-object: scenarios run, passed, failed, and the failures with their commands.
+The generator keeps every scenario recoverable by its policy, from what the policy says of itself (``Roles``): one
+that restarts from saved state gets a protection that keeps it and may lose all nodes but one; one that survives
+``policy.fault_threshold`` node failures in place (Oobleck) keeps enough nodes for its f + 1 pipelines; any other
+meets joins only. So a stop is a finding too. A failing scenario prints the one command that reproduces it. The last
+line is one JSON object: scenarios run, passed, failed, and the failures with their commands.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import GIB
+from ftlab.policies import catalog
 from ftlab.runtime.state import shm
 from ftlab.runtime.processes.agent import terminate_with_parent
 from ftlab.runtime.core.costs import layer_bytes, stage_memory
@@ -55,6 +59,12 @@ ten on two cores, six workers importing torch and transformers once missed 300 s
 of the runtime's, and would end a campaign's run of passes for nothing it looks for."""
 MARK = "FTLAB_SOAK_SCENARIO"
 """Set in a scenario's environment, which its agents and workers inherit: how leftovers are found."""
+DRAW_WEIGHTS = {"checkpoint_restart": 1, "recycle": 1, "adaptive": 1, "oobleck": 2}
+"""How often a policy is drawn, relative to the others. Every policy found that recovers (``Roles.recovers``) is
+drawn; one not named here weighs ``DEFAULT_WEIGHT``. Oobleck weighs two: its scenarios also vary its pipelines' span
+(one or two nodes) and f. The order is the draw's, after it the other policies by name: the policies named here keep
+the scenarios every seed drew before policies were found rather than listed."""
+DEFAULT_WEIGHT = 1
 
 
 @dataclass
@@ -103,6 +113,13 @@ def two_node_memory_gb(cfg: ModelConfig, micro_batch: int) -> float:
     return round(max(need * 0.6, max(b["param_bytes"] * 4 for b in sizes) * 1.5) / GIB, 4)
 
 
+def policy_draw() -> list[str]:
+    """The policies a scenario draws from, each as often as it weighs (``DRAW_WEIGHTS``)."""
+    recovering = catalog.policies_with(lambda roles: roles.recovers)
+    ordered = [p for p in DRAW_WEIGHTS if p in recovering] + [p for p in recovering if p not in DRAW_WEIGHTS]
+    return [p for p in ordered for _ in range(DRAW_WEIGHTS.get(p, DEFAULT_WEIGHT))]
+
+
 def draw(seed: int, index: int) -> Scenario:
     rng = random.Random(f"{seed}/{index}")
     cfg, model = draw_model(rng)
@@ -115,25 +132,28 @@ def draw(seed: int, index: int) -> Scenario:
         f"train.steps={steps}", "train.global_batch=16", f"train.micro_batch={micro_batch}",
         f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3", f"cluster.start_timeout_s={START_TIMEOUT_S}",
     ]  # fmt: skip
-    policy = rng.choice(["checkpoint_restart", "recycle", "adaptive", "oobleck", "oobleck"])
+    policy = rng.choice(policy_draw())
+    restarts = catalog.roles()[policy].restarts
+    settings = catalog.settings_of("policy", policy)
     every = None
-    if policy in ("checkpoint_restart", "recycle", "adaptive"):
+    if restarts or "fault_threshold" not in settings:
         stages = rng.randint(1, min(3, layers, nodes * wpn))
         every = rng.choice([2, 3, 4])
         job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every, nodes * wpn >= 2 * stages)]
-        if policy == "adaptive":  # reviews every few steps too, so that it may also switch plans without a failure
+        if "review_every" in settings:  # adaptive reviews every few steps too, so it may switch plans without a failure
             job.append(f"policy.review_every={rng.choice([0, 2, 3, 5])}")
         # The grid shrinks to the workers left (fewer stages if need be); ReCycle reroutes until a stage loses every
         # replica, then restarts like checkpoint-restart from its protection's state; adaptive has that restart
-        # among its choices too.
-        spare_nodes = nodes - 1
+        # among its choices too. A policy that says neither how it restarts nor how many failures it survives meets
+        # joins only.
+        spare_nodes = nodes - 1 if restarts else 0
     else:
         split = rng.random() < 0.5
         n0 = 2 if split else 1
         f = rng.choice([1, 2]) if nodes >= 3 * n0 else 1
         if nodes < (f + 1) * n0:
             split, n0, f = False, 1, 1
-        job += ["policy=oobleck", f"policy.fault_threshold={f}"]
+        job += [f"policy={policy}", f"policy.fault_threshold={f}"]
         if rng.random() < 1 / 3:
             job.append("protection=none")
         else:

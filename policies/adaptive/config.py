@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CANDIDATES = ("reroute", "reconfigure", "restart")
-"""The recoveries adaptive chooses among, in the order that breaks ties: reroute (ReCycle), reconfigure (Oobleck),
-restart (checkpoint-restart from whatever the protection holds: memory with protection=reft, storage with storage)."""
+TIE_ORDER = ("reroute", "reconfigure", "restart")
+"""The order in which adaptive's candidates break ties, by the name each offers itself under (``Roles.candidate``):
+reroute (ReCycle), reconfigure (Oobleck), restart (checkpoint-restart from whatever the protection holds: memory with
+protection=reft, storage with storage). It only orders them: the candidates are the policies that offer themselves
+(``ftlab.policies.catalog``), and one not named here comes after these, by its policy's name."""
 
 
 @dataclass
 class AdaptiveConfig:
+    """Each candidate runs with its own policy's default settings, but for those it shares by name with these, which
+    it takes from here (``fault_threshold`` is Oobleck's, ``solver`` ReCycle's)."""
+
     _target_: str = "ftlab.policies.adaptive.policy.Adaptive"
     name: str = "adaptive"
     candidates: list[str] = field(default_factory=list)
-    """Which of reroute, reconfigure, restart to choose among; empty: every one that applies to the job (restart
-    needs a protection that keeps state; reroute and reconfigure move layers, which ZeRO-1 forbids)."""
+    """Which candidates to choose among (reroute, reconfigure, restart, and any other policy that offers itself as
+    one); empty: every one that applies to the job (restart needs a protection that keeps state; reroute and
+    reconfigure move layers, which ZeRO-1 forbids)."""
     mtbf_steps: float = 100.0
     """Steps expected until the next membership change when the fault schedule gives no rate (an explicit list)."""
     review_every: int = 10

@@ -1,11 +1,12 @@
 """``policy=adaptive``: per membership change, the recovery with the lowest predicted cost (the idea of Odyssey,
 2025; it has no public code, so everything below is our choice).
 
-The candidates are the existing policies, imported, never copied: **reroute** (``ReCycle``: no pause, slower
-iterations around the dead workers), **reconfigure** (``Oobleck``: a pause for layer copies, then new pipelines) and
-**restart** (``CheckpointRestart``: new processes restored from the protection's newest state, REFT's memory or
-storage, losing the steps since it). At each change every candidate gives its own answer, and each answer is
-costed on the one cost model:
+The candidates are the policies that offer themselves as one (``Roles.candidate``), found, never listed or copied
+(``offered_candidates``): **reroute** (``ReCycle``: no pause, slower iterations around the dead workers),
+**reconfigure** (``Oobleck``: a pause for layer copies, then new pipelines) and **restart** (``CheckpointRestart``:
+new processes restored from the protection's newest state, REFT's memory or storage, losing the steps since it),
+and any new policy that declares a candidate name. At each change every candidate gives its own answer, and each
+answer is costed on the one cost model:
 
     cost = pause + iteration time x (steps lost and recomputed + steps expected until the next membership change)
 
@@ -31,11 +32,11 @@ costed on the one cost model:
   for every candidate: at each candidate's own iteration time the cost would be pause + iteration x (mean seconds /
   iteration), the iteration time would cancel, and the choice would weigh pauses alone.
 
-The cheapest answer is carried out; ties go to the order reroute, reconfigure, restart (and a ``Keep``, on a join,
-before all: it pauses nothing). The choice is a pure function of the change, the job and the profile: the same
-failure on the same profile is answered the same way. Every candidate's prediction and the choice go into the
-decision's ``details`` (the ``recovery_decision`` event); the chosen answer's pause and iteration time into
-``Decision.predicted_pause_s`` / ``predicted_iter_s``, which tracking logs beside the measured ones.
+The cheapest answer is carried out; ties go to the order reroute, reconfigure, restart, then any other candidate
+(``TIE_ORDER``), and a ``Keep``, on a join, before all: it pauses nothing. The choice is a pure function of the change,
+the job and the profile: the same failure on the same profile is answered the same way. Every candidate's prediction and
+the choice go into the decision's ``details`` (the ``recovery_decision`` event); the chosen answer's pause and iteration
+time into ``Decision.predicted_pause_s`` / ``predicted_iter_s``, which tracking logs beside the measured ones.
 
 The candidates keep state between changes (ReCycle the layout of each of its plans, Oobleck the pipelines), and
 adaptive carries out only one candidate's plan. Our choice: each candidate remembers the plan it proposed for each
@@ -50,18 +51,18 @@ Asking a candidate is not free of side effects on the protection: REFT's ``resto
 failure broke, which holds whichever answer is taken.
 
 **Reviews.** After every ``policy.review_every`` committed steps of a plan the coordinator asks ``review``
-(``Policy.review``), and adaptive may switch without a failure: it re-costs the running plan (no pause, its
-predicted iteration time) against the in-place candidates' answers (reroute, reconfigure: a pause without the
-failure's detection and abort, then their iteration time) over one horizon, the steps expected until the next change
-at the running plan's iteration time, and switches to the cheapest when staying costs more by ``REVIEW_MARGIN``
-(5%). A restart is never an option (it would lose steps and restart processes nobody lost), nor is the candidate
-whose plan runs (it would propose the same plan). What changes between the failure and a review is the horizon:
-with bursty failures (Weibull shape below 1) the longer nothing has failed, the longer nothing is expected to, so a
-reroute chosen because the next change was expected soon gives way to a reconfiguration once its pause is repaid
-over the horizon; with exponential failures (and ``policy.mtbf_steps``) the horizon only shrinks toward the job's
-end, and a review keeps what the failure chose. A review is a pure function of the job, the running plan, the
-profile, the step and the step of the last failure; the candidates are asked once per running plan and membership
-(their answers' costs do not depend on the step), so a simulated day of reviews costs a lookup each.
+(``Policy.review``), and adaptive may switch without a failure: it re-costs the running plan (no pause, its predicted
+iteration time) against the in-place candidates' answers (``Roles.in_place``: reroute, reconfigure; a pause without the
+failure's detection and abort, then their iteration time) over one horizon, the steps expected until the next change at
+the running plan's iteration time, and switches to the cheapest when staying costs more by ``REVIEW_MARGIN`` (5%). A
+restart is never an option (it would lose steps and restart processes nobody lost), nor is the candidate whose plan runs
+(it would propose the same plan). What changes between the failure and a review is the horizon: with bursty failures
+(Weibull shape below 1) the longer nothing has failed, the longer nothing is expected to, so a reroute chosen because
+the next change was expected soon gives way to a reconfiguration once its pause is repaid over the horizon; with
+exponential failures (and ``policy.mtbf_steps``) the horizon only shrinks toward the job's end, and a review keeps what
+the failure chose. A review is a pure function of the job, the running plan, the profile, the step and the step of the
+last failure; the candidates are asked once per running plan and membership (their answers' costs do not depend on the
+step), so a simulated day of reviews costs a lookup each.
 """
 
 from __future__ import annotations
@@ -70,25 +71,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ftlab.policies.adaptive.config import CANDIDATES
+from ftlab.policies import catalog
+from ftlab.policies.adaptive.config import TIE_ORDER
 from ftlab.policies.adaptive.horizon import steps_until_change
-from ftlab.policies.checkpoint_restart.config import CheckpointRestartConfig
-from ftlab.policies.checkpoint_restart.policy import CheckpointRestart
-from ftlab.policies.oobleck.config import OobleckConfig
-from ftlab.policies.oobleck.policy import Oobleck
-from ftlab.policies.recycle.config import ReCycleConfig
-from ftlab.policies.recycle.policy import ReCycle
 from ftlab.runtime.core.config import SimConfig
 from ftlab.runtime.core.contract import (
-    Change, ConfigError, Decision, Job, Keep, LayerTransfer, MemorySource, Outcome, Policy, Protection, Source,
-    StorageSource, Stop,
+    Change, ConfigError, Decision, Job, Keep, LayerTransfer, MemorySource, Outcome, Policy, Protection, Roles,
+    Source, StorageSource, Stop,
 )  # fmt: skip
 from ftlab.runtime.core.plan import PlanError
 from ftlab.runtime.sim.shared_host import contention_on, host_of
 from ftlab.runtime.sim.timing import IterationTimer, configuration_s
 
-IN_PLACE = ("reroute", "reconfigure")
-"""The candidates a review may switch to: they keep every survivor's state and lose no step."""
 REVIEW_MARGIN = 0.05
 """A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. Measured
 here, a predicted iteration time is off by 5-25% (``experiments/bench_policies.py``, depending on the machine's
@@ -100,6 +94,29 @@ FIRST_PLAN_TIE = 0.01
 """First plans whose predicted iterations differ by less than 1% are a tie, which the earlier candidate in
 ``policy.candidates`` wins. Often they are the same layout (a grid is also one Oobleck instantiation), and which one
 starts must not turn on the last digits of a profile or a constant."""
+
+
+def offered_candidates() -> dict[str, str]:
+    """Candidate name -> the policy that offers itself under it (``Roles.candidate``), every one found, in the order
+    that breaks ties (``TIE_ORDER``, then the others by policy name)."""
+    offered: dict[str, str] = {}
+    for policy, roles in catalog.roles().items():
+        name = roles.candidate
+        if name is None:
+            continue
+        if name in offered:
+            raise ConfigError(f"policies {offered[name]} and {policy} both offer adaptive the candidate {name!r}: "
+                              f"a candidate's name (Roles.candidate) names one policy")  # fmt: skip
+        offered[name] = policy
+    rank = {name: i for i, name in enumerate(TIE_ORDER)}
+    return dict(sorted(offered.items(), key=lambda item: (rank.get(item[0], len(rank)), item[1])))
+
+
+def build_candidate(policy: str, settings: Any) -> Policy:  # noqa: ANN401 - adaptive's settings
+    """``policy`` on its default settings but for those it shares by name with adaptive's (``AdaptiveConfig``)."""
+    schema = catalog.component_schemas()["policy"][policy]
+    shared = {s: getattr(settings, s) for s in catalog.settings_of("policy", policy) if hasattr(settings, s)}
+    return catalog.component_class(schema)(schema(**shared))
 
 
 @dataclass(frozen=True)
@@ -132,22 +149,21 @@ Switches = tuple[list[tuple[Prediction, Decision]], dict[str, str]]
 
 
 class Adaptive(Policy):
+    roles = Roles(restarts=True, chooses=True)
+    """With its default candidates it may restart from saved state; it is no candidate of its own."""
+
     def __init__(self, settings: Any) -> None:
         super().__init__(settings)
-        unknown = [c for c in settings.candidates if c not in CANDIDATES]
+        offered = offered_candidates()
+        unknown = [c for c in settings.candidates if c not in offered]
         if unknown:
             raise ConfigError(f"policy.candidates={list(settings.candidates)}: {unknown} unknown; use any of "
-                              f"{', '.join(CANDIDATES)}")  # fmt: skip
+                              f"{', '.join(offered)}")  # fmt: skip
         self.explicit = bool(settings.candidates)
-        names = [c for c in CANDIDATES if c in settings.candidates] if self.explicit else list(CANDIDATES)
-        self.moves_layers = any(name != "restart" for name in names)  # type: ignore[misc]
-        built: dict[str, Policy] = {
-            "reroute": ReCycle(ReCycleConfig(solver=settings.solver)),
-            "reconfigure": Oobleck(OobleckConfig(fault_threshold=settings.fault_threshold)),
-            "restart": CheckpointRestart(CheckpointRestartConfig()),
-        }
-        self.candidates: dict[str, Policy] = {name: built[name] for name in names}
+        names = [c for c in offered if c in settings.candidates] if self.explicit else list(offered)
+        self.candidates: dict[str, Policy] = {name: build_candidate(offered[name], settings) for name in names}
         """The candidates in the order that breaks ties."""
+        self.moves_layers = any(c.moves_layers for c in self.candidates.values())  # type: ignore[misc]
         self.excluded: dict[str, str] = {}
         """Candidates that do not apply to this job, and why."""
         self._timer: IterationTimer | None = None
@@ -310,8 +326,8 @@ class Adaptive(Policy):
         owner = self._owner.get(change.plan.generation)
         options: list[tuple[Prediction, Decision]] = []
         refused: dict[str, str] = {}
-        for name in IN_PLACE:
-            if name not in self.candidates or name == owner:
+        for name, candidate in self.candidates.items():
+            if not candidate.roles.in_place or name == owner:
                 continue
             try:
                 answer = self.candidates[name].on_change(change, job, protection)

@@ -10,11 +10,15 @@ run's step for step. A node that joins waits for the next restart (Varuna adds c
 from __future__ import annotations
 
 from ftlab.policies.grid import decision, largest_grid, restart_grid
-from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Stop
+from ftlab.runtime.core.contract import (
+    Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop,
+)  # fmt: skip
 from ftlab.runtime.core.plan import PlanError
 
 
 class CheckpointRestart(Policy):
+    roles = Roles(restarts=True, candidate="restart")
+
     def check(self, protection: Protection) -> None:
         if not protection.keeps_state:
             raise ConfigError(

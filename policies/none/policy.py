@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from ftlab.policies.grid import decision, grid
-from ftlab.runtime.core.contract import Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, Stop
+from ftlab.runtime.core.contract import Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop
 from ftlab.runtime.core.plan import Plan
 
 
 class NoRecovery(Policy):
     """``policy=none``: train on the PP x DP grid of ``train.stages`` and stop cleanly at the first failure."""
+
+    roles = Roles(recovers=False)
 
     def plan(self, job: Job, protection: Protection) -> Decision:
         plan = grid(job.workers, job, generation=0, step=job.start_step)

@@ -32,7 +32,7 @@ from ftlab.policies.oobleck.instantiate import InstantiationError, PipelineInsta
 from ftlab.policies.oobleck.reconfigure import Impossible, Reconfigured, Slot, on_failure, on_join, reinstantiate
 from ftlab.policies.oobleck.templates import TemplateSet, generate_templates
 from ftlab.policies.oobleck.to_plan import KeptPipelines, to_plan, worker_transfers
-from ftlab.runtime.core.contract import Change, Decision, Job, Outcome, Policy, Protection, Source, Stop
+from ftlab.runtime.core.contract import Change, Decision, Job, Outcome, Policy, Protection, Roles, Source, Stop
 from ftlab.runtime.core.plan import Plan, PlanError
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -50,6 +50,7 @@ class Layout:
 
 
 class Oobleck(Policy):
+    roles = Roles(in_place=True, candidate="reconfigure")
     moves_layers = True
 
     def __init__(self, settings: object) -> None:

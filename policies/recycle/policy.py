@@ -54,6 +54,7 @@ from ftlab.runtime.core.contract import (
     Outcome,
     Policy,
     Protection,
+    Roles,
     Source,
     Stop,
 )
@@ -65,6 +66,8 @@ PatternKey = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], frozense
 
 
 class ReCycle(Policy):
+    roles = Roles(in_place=True, restarts=True, candidate="reroute")
+    """Reroutes around dead workers; restarts from the protection's state once a stage has lost every replica."""
     moves_layers = True
     """A join takes a failed role back with its stage's layers and optimizer state from a peer; rerouted
     micro-batches also change which replicas reduce each gradient, which ZeRO-1's fixed shards cannot follow."""

@@ -348,9 +348,39 @@ class Protection(ABC):
         offer something else next time."""
 
 
+@dataclass(frozen=True)
+class Roles:
+    """What a policy can be used for, declared by the policy itself (``Policy.roles``). Code that runs policies side
+    by side finds them (``ftlab.policies.catalog``) and selects them by these roles, never by a list of names: the
+    soak campaign, ``policy=adaptive``'s candidates, the benches."""
+
+    recovers: bool = True
+    """Carries a job on past a failure (``policy=none`` stops at the first one)."""
+    in_place: bool = False
+    """Recovers without restarting a process or losing a committed step while enough replicas survive: every
+    survivor keeps its state. Adaptive's reviews may switch to such a candidate without a failure."""
+    restarts: bool = False
+    """With a protection that keeps state, recovers from any failure that leaves a live node, by restarting processes
+    from that state (always, or where it cannot recover in place)."""
+    candidate: str | None = None
+    """The recovery this policy offers ``policy=adaptive`` as a candidate, by the name ``policy.candidates`` uses:
+    ``reroute`` (ReCycle), ``reconfigure`` (Oobleck), ``restart`` (checkpoint-restart), or a new name; unique among
+    policies. None: no candidate."""
+    chooses: bool = False
+    """Recovers by choosing among other policies' answers (adaptive): compared with the best policy that does not."""
+
+    @property
+    def restarts_only(self) -> bool:
+        """Recovers by restarting from saved state and nothing else: the baseline in-place recovery is measured
+        against."""
+        return self.recovers and self.restarts and not self.in_place and not self.chooses
+
+
 class Policy(ABC):
     """How the cluster reconfigures when its membership changes."""
 
+    roles: ClassVar[Roles] = Roles()
+    """What this policy can be used for (``Roles``); a policy package sets its own."""
     moves_layers: ClassVar[bool] = False
     """Copies layers with their optimizer state between live workers (in place), which ZeRO-1 (train.zero=1)
     splits across replicas: such a policy cannot run with it."""
