@@ -38,7 +38,7 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.config import ClusterConfig, SimConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.core.costs import LayerProfile, ModelProfile, layer_bytes, stage_footprint
+from ftlab.runtime.core.costs import CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES
@@ -49,6 +49,7 @@ from ftlab.runtime.core.model_spec import layer_specs, num_layers
 from ftlab.runtime.core.plan import Plan, PlanError
 from ftlab.runtime.processes.profiler import analytic_profile, measure_profile
 from ftlab.runtime.reporting.tracking import RunRecorder, Tracker
+from ftlab.runtime.sim.machines import machine_for
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,12 @@ def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Member
     specs = tuple(layer_specs(cfg.model))
     memory = int(cfg.cluster.device_memory_gb * GIB)
     profile = cache(lambda: job_profile(cfg)[0])
+    machine = cache(lambda: machine_for(cfg.cluster, cfg.sim, CostModel(profile())))
     rate = failure_rate(cfg.faults)
 
     def make(membership: Membership) -> Job:
         return Job(cfg.model, specs, cfg.train, membership.workers_of_node, membership.slots_of_node, memory,
-                   profile, start, rate, machinery=cfg.sim, shared_host=cfg.cluster.device not in DEVICES)  # fmt: skip
+                   profile, machine, start, rate)  # fmt: skip
 
     return make
 

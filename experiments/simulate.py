@@ -2,11 +2,10 @@
 
 The same checks as a real job (``job.check_job``), the same policy and protection objects, the same coordinator,
 the same fault schedule fired by the same injector (in simulated time), the same MLflow run with tag
-``backend=sim``: only the machines are simulated. Costs come from the job's profile, the one a policy plans with:
-analytic for a GPU type of ``runtime.core.devices`` (each worker its own device, each node its own host), measured on
-this machine for ``cluster.device=cpu`` (then every worker shares this host's ``sim.host_cores`` cores, as the
-local runtime's processes do). The constants the profile has no figure for (process start, detection, storage)
-are ``conf/sim/measured.yaml``, measured here by ``experiments/measure_sim_constants.py``.
+``backend=sim``: only the machines are simulated. Costs come from the job's machine (``runtime.sim.machines``), the
+one a policy predicts with: the job's profile (analytic for a GPU type of ``runtime.core.devices``, measured for
+``cluster.device=cpu``) on the platform its cluster describes, and the constants the profile has no figure for
+(process start, detection, storage: ``conf/sim``, measured by ``experiments/measure_sim_constants.py``).
 
 ``sim.horizon_s`` ends the job after that much simulated training, whatever ``train.steps`` (then a cap) says.
 """
@@ -24,7 +23,6 @@ from ftlab.experiments.job import (
 from ftlab.faults.injector import Injector
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.control.coordinator import Coordinator, JobStopped
-from ftlab.runtime.core.devices import DEVICES
 from ftlab.runtime.sim.backend import HorizonReached, SimBackend
 from ftlab.runtime.reporting.tracking import Tracker
 
@@ -66,11 +64,9 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     c, t = cfg.cluster, cfg.train
     job = checked.make_job(everyone(cfg))
     seen = observe(cfg, tracker, clock_origin=0.0, repeats=False)
+    seen.progress.on_simulated_clock()  # no loss to show: the simulated time instead
     record_checks(cfg, tracker, seen, checked, 0.0)
-    backend = SimBackend(
-        c.nodes, c.workers_per_node, job.costs, cfg.sim, c.heartbeat_timeout_s, seen.bus,
-        shared_host=c.device not in DEVICES,
-    )  # fmt: skip
+    backend = SimBackend(c.nodes, c.workers_per_node, job.machine(), c.heartbeat_timeout_s, seen.bus)
     injector = Injector(checked.faults, backend, seen.bus, clock=backend.clock, schedule=backend.call_at)
     coordinator = Coordinator(
         backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir

@@ -26,6 +26,6 @@ def test_the_wheel_holds_only_the_ftlab_package_with_its_data(tmp_path: Path) ->
     top_level = next(n for n in names if n.endswith("top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["ftlab"]
     for needed in ("ftlab/runtime/processes/worker.py", "ftlab/policies/oobleck/policy.py", "ftlab/conf/config.yaml",
-                   "ftlab/conf/protection/storage.yaml", "ftlab/runtime/datasets/wikitext-2-valid.txt.gz",
+                   "ftlab/conf/protection/storage.yaml", "ftlab/runtime/training/datasets/wikitext-2-valid.txt.gz",
                    "ftlab/faults/traces/p3-trace.csv"):  # fmt: skip
         assert needed in names

@@ -39,7 +39,8 @@ from ftlab.runtime.core.program_check import ProgramError, timeline
 from ftlab.runtime.core.scheduler import one_f_one_b
 from ftlab.runtime.sim.shared_host import HostCores
 from ftlab.runtime.sim.backend import SimBackend
-from ftlab.runtime.sim.timing import IterationTimer, configuration_s
+from ftlab.runtime.sim.machines import DeviceMachine, SharedHostMachine
+from ftlab.runtime.sim.timing import IterationTimer
 from ftlab.runtime.core.snapshot_layout import groups_of
 from tests.support import snapshot_history
 
@@ -427,21 +428,25 @@ def test_an_all_reduce_costs_each_member_its_buffer_whatever_the_members(job_ove
     assert added(4) == pytest.approx(2 * added(2), rel=1e-6)
 
 
-def test_a_configuration_costs_the_slowest_worker_its_share_and_its_reduce_groups_on_the_cores_shared() -> None:
+def test_a_configuration_costs_the_slowest_worker_its_share_and_its_reduce_groups_on_the_cores_shared(
+    job_overrides: list[str],
+) -> None:
+    costs = CostModel(analytic(sim_cfg(job_overrides))[0])
     sim = SimConfig(configure_s=0.005, configure_group_s=0.008)
+    devices = DeviceMachine(costs, sim, workers_per_node=1)
     stages = grid_plan([0, 1], 2, 8, 4, 2)  # nothing is all-reduced
     replicas = grid_plan([0, 1], 1, 8, 4, 2)  # one reduce group
     grid = grid_plan([0, 1, 2, 3], 2, 8, 8, 2)  # one group each, four workers
     # Worker 2 alone holds every layer, so it all-reduces the first half with worker 0 and the second with worker 1.
     halves = Pipeline((Stage(0, 0, 4), Stage(1, 4, 8)), (0, 1))
     mixed = Plan(0, 8, 8, 2, (halves, Pipeline((Stage(2, 0, 8),), (2, 3))))
-    assert configuration_s(sim, stages, None) == pytest.approx(0.005)
-    assert configuration_s(sim, replicas, None) == configuration_s(sim, grid, None) == pytest.approx(0.013)
-    assert configuration_s(sim, mixed, None) == pytest.approx(0.021)
+    assert devices.configuration_s(stages) == pytest.approx(0.005)
+    assert devices.configuration_s(replicas) == devices.configuration_s(grid) == pytest.approx(0.013)
+    assert devices.configuration_s(mixed) == pytest.approx(0.021)
     # On a shared host every worker configures at once: two on two cores as fast as one, four at half the speed.
-    two_cores = HostCores(2)
-    assert configuration_s(sim, replicas, two_cores) == pytest.approx(0.013)
-    assert configuration_s(sim, grid, two_cores) == pytest.approx(2 * 0.013)
+    two_cores = SharedHostMachine(costs, SimConfig(configure_s=0.005, configure_group_s=0.008, host_cores=2))
+    assert two_cores.configuration_s(replicas) == pytest.approx(0.013)
+    assert two_cores.configuration_s(grid) == pytest.approx(2 * 0.013)
 
 
 def test_a_lost_shard_is_decoded_from_parity(job_overrides: list[str]) -> None:
@@ -470,7 +475,7 @@ def test_a_killed_nodes_records_are_gone_from_memory(job_overrides: list[str]) -
     policy, protection = components(cfg)
     plan = policy.plan(job, protection).plan
     c = cfg.cluster
-    backend = SimBackend(c.nodes, c.workers_per_node, job.costs, cfg.sim, 1.0, ev.EventBus(), shared_host=False)
+    backend = SimBackend(c.nodes, c.workers_per_node, job.machine(), 1.0, ev.EventBus())
     assert backend.save(1, TakeSnapshot(plan, "arc", c.workers_per_node, -1), {}, plan.num_layers).pending
     assert backend.completed_saves() == []  # still copying
     backend.now = 10.0

@@ -6,24 +6,17 @@ The candidates are the policies that offer themselves as one (``Roles.candidate`
 **reconfigure** (``Oobleck``: a pause for layer copies, then new pipelines) and **restart** (``CheckpointRestart``:
 new processes restored from the protection's newest state, REFT's memory or storage, losing the steps since it),
 and any new policy that declares a candidate name. At each change every candidate gives its own answer, and each
-answer is costed on the one cost model:
+answer is costed on the job's machine (``Job.machine``, the one the simulator charges with):
 
     cost = pause + iteration time x (steps lost and recomputed + steps expected until the next membership change)
 
-- the iteration time is the simulator's (``runtime.sim.timing.IterationTimer``: the candidate's programs on
-  ``CostModel.durations``, i.e. ``program_check.simulate``'s abstract machine, with the shared host's cores and the
-  runtime's own cost per layer of an instruction when the profile was measured here), plus the commit's round trip
-  and the slowest optimizer step, as a simulated step costs, and what the protection's snapshot copies add to the
-  step they overlap (``Protection.copies_beside_training``: on a shared host they take cores from it), spread over
-  the steps between snapshots;
-- the pause is what the simulator charges for carrying the answer out (``runtime.sim.backend``, whose formulas are
-  followed with the same measured constants, ``Job.machinery`` = ``conf/sim``): detection, the failure window and
-  the abort (failures only), configuring the plan, then on a restart the processes' start (on a shared host
-  slowed as many processes computing at once are), and for every worker that lacks layers of its stage the layer
-  copies (each source's sends one after another at the cost model's p2p bandwidth), decoding what it received,
-  building what is new and reading what it restores (storage: at the storage's read bandwidth; memory: decoded from
-  the host's /dev/shm at the codec bandwidth: a coarser figure than the simulator's, which reads local records at
-  the snapshot copy rate and fetches or decodes the rest along REFT's load plan; unifying the two is left to do);
+- the iteration time is ``Machine.step_s``: the candidate's programs until every worker has reduced, the commit's
+  round trip and the slowest optimizer step, as a simulated step costs, and what the protection's snapshot copies
+  add to the steps they overlap (``Protection.copies_beside_training``), spread over the steps between snapshots;
+- the pause is ``Machine.pause_s``, what the simulator charges for carrying the answer out: detection, the failure
+  window and the abort (failures only), on a restart the processes' start, then configuring the plan, and for every
+  worker that lacks layers of its stage the layer copies, decoding what it received, building what is new and
+  reading what it restores (from storage, or from REFT's memory along the runtime's own load plan);
 - the steps until the next change come from the fault schedule's rate (``Job.failure_rate``), else
   ``policy.mtbf_steps``, at most the steps the job has left: at a failure the mean time between failures, later the
   mean residual life given the steps since the last failure (``horizon``: the same for exponential gaps, longer for
@@ -67,21 +60,16 @@ step), so a simulated day of reviews costs a lookup each.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ftlab.policies import catalog
 from ftlab.policies.adaptive.config import TIE_ORDER
 from ftlab.policies.adaptive.horizon import steps_until_change
-from ftlab.runtime.core.config import SimConfig
 from ftlab.runtime.core.contract import (
-    Change, ConfigError, Decision, Job, Keep, LayerTransfer, MemorySource, Outcome, Policy, Protection, Roles,
-    Source, StorageSource, Stop,
+    Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop,
 )  # fmt: skip
 from ftlab.runtime.core.plan import PlanError
-from ftlab.runtime.sim.shared_host import contention_on, host_of
-from ftlab.runtime.sim.timing import IterationTimer, configuration_s
 
 REVIEW_MARGIN = 0.05
 """A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. Measured
@@ -166,7 +154,6 @@ class Adaptive(Policy):
         self.moves_layers = any(c.moves_layers for c in self.candidates.values())  # type: ignore[misc]
         self.excluded: dict[str, str] = {}
         """Candidates that do not apply to this job, and why."""
-        self._timer: IterationTimer | None = None
         self._protection: Protection | None = None
         """The job's protection: its snapshots' copies are part of every plan's iterations."""
         self._iter_s: dict[int, float] = {}
@@ -357,83 +344,12 @@ class Adaptive(Policy):
         return max(0.0, min(expected, job.train.steps - change.step))
 
     def _iteration_s(self, decision: Decision, job: Job) -> float:
-        """One step of ``decision.plan``: until every worker has reduced, the commit's round trip, the slowest
-        optimizer step (as the simulator charges a step); and of the steps a protection's snapshot overlaps, what
-        its copies add, spread over the steps between snapshots."""
-        m = _machinery(job)
-        if self._timer is None:
-            self._timer = IterationTimer.for_sim(job.costs, m, job.shared_host, check=False)
-        timing = self._timer.time(decision.plan, decision.programs)
-        plain = timing.ready_s + m.control_s + timing.optimizer_s
+        """One step of ``decision.plan`` on the job's machine (as the simulator charges a step), with what the
+        protection's snapshot copies add to the steps they overlap, spread over the steps between snapshots."""
         copied, every = self._protection.copies_beside_training(decision.plan, job) if self._protection else ({}, 1)
-        if not copied:
-            return plain
-        seconds = {worker: nbytes / m.snapshot_bytes_per_s for worker, nbytes in copied.items()}
-        if self._timer.cores is not None:  # the copies share the cores with the iteration they overlap
-            overlapped = self._timer.time(decision.plan, decision.programs, seconds)
-            ready = max(overlapped.ready_s, *overlapped.copy_end.values())
-        else:  # a copy engine's: the step waits for the longest copy
-            ready = max(timing.ready_s, *seconds.values())
-        return plain + (ready - timing.ready_s + m.snapshot_launch_s) / max(1, every)
+        return job.machine().step_s(decision.plan, decision.programs, copied, every)
 
     def _pause_s(self, decision: Decision, change: Change, job: Job) -> float:
-        """From the failure's signal (or the join's notice) until training runs on ``decision.plan``."""
-        m = _machinery(job)
-        costs = job.costs
-        codec = m.codec_bytes_per_s if job.shared_host else float("inf")
-        build = m.build_bytes_per_s if job.shared_host else float("inf")
-        host = host_of(m) if job.shared_host else None
-        seconds = m.detect_s + m.failure_window_s + m.abort_s if change.is_failure else 0.0
-        if decision.restart:
-            at_once = len(job.slots) if job.shared_host else job.workers_per_node  # every live node's workers restart
-            seconds += m.process_start_s * contention_on(host, at_once)
-        arrival, received = _arrivals(decision.transfers, costs.transfer_s)
-        slowest = 0.0
-        restored: dict[int, tuple[int, ...]] = {}
-        for worker, (start, stop) in decision.plan.layer_ranges().items():
-            held = set() if decision.restart else set(change.holdings.get(worker, ()))
-            new = set(range(start, stop)) - held
-            if not new:
-                continue
-            got = received.get(worker, [])
-            missing = new - set(got)
-            if missing and decision.restore is not None:
-                restored[worker] = tuple(sorted(missing))
-            decoded = _bytes(costs, got) / codec
-            slowest = max(slowest, arrival.get(worker, 0.0) + decoded + _bytes(costs, new) / build)
-        reading = _restore_s(decision.restore, restored, costs, m, codec) if restored else 0.0
-        return seconds + configuration_s(m, decision.plan, host) + slowest + reading
-
-
-def _machinery(job: Job) -> SimConfig:
-    return job.machinery if job.machinery is not None else SimConfig()
-
-
-def _bytes(costs: Any, layers: Any) -> float:
-    return float(sum(costs.checkpoint_bytes(layer, layer + 1) for layer in layers))
-
-
-def _arrivals(transfers: tuple[LayerTransfer, ...], transfer_s: Any) -> tuple[dict[int, float], dict[int, list[int]]]:
-    """When each receiver has its layers, and which: a source's sends go out one after another (as the simulator
-    charges them), in the order of the decision."""
-    busy: dict[int, float] = {}
-    arrival: dict[int, float] = {}
-    received: dict[int, list[int]] = {}
-    for t in transfers:
-        busy[t.source] = busy.get(t.source, 0.0) + transfer_s(t.layer)
-        arrival[t.destination] = max(arrival.get(t.destination, 0.0), busy[t.source])
-        received.setdefault(t.destination, []).append(t.layer)
-    return arrival, received
-
-
-def _restore_s(
-    source: Source | None, readers: Mapping[int, tuple[int, ...]], costs: Any, m: SimConfig, codec: float
-) -> float:
-    per_reader = [_bytes(costs, layers) for layers in readers.values()]
-    decode = max(per_reader, default=0.0) / codec
-    if isinstance(source, StorageSource):
-        return sum(per_reader) / m.storage_read_bytes_per_s + decode
-    if isinstance(source, MemorySource):
-        return decode
-    return 0.0
-
+        """From the failure's signal (or the join's notice) until training runs on ``decision.plan``, as the
+        simulator charges it (``Machine.pause_s``)."""
+        return job.machine().pause_s(decision, change, job)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
-from ftlab.runtime.core.config import SimConfig, TrainConfig
+from ftlab.runtime.core.config import TrainConfig
 from ftlab.runtime.core.costs import CostModel, ModelProfile
 from ftlab.runtime.core.instructions import Program
+from ftlab.runtime.core.machine import Machine
 from ftlab.runtime.core.model_spec import LayerSpec, ModelConfig
 from ftlab.runtime.core.plan import Plan
 
@@ -74,16 +75,14 @@ class Job:
     device_memory_bytes: int
     profile: Callable[[], ModelProfile] = field(compare=False, repr=False)
     """The per-layer costs of this model on this cluster's devices (measured or analytic; cached by the caller)."""
+    machine: Callable[[], Machine] = field(compare=False, repr=False)
+    """The platform's answers to what a step or a recovery takes (``runtime.core.machine``; built once from the
+    cluster and cached by the caller): the simulator charges with the same machine a policy predicts with."""
     start: Source | None = None
     """Saved state the first plan starts from (``train.resume_from``), or None for a fresh model."""
     failure_rate: FailureRate | None = None
     """How often the cluster is expected to fail (None: the fault schedule does not say, e.g. an explicit list or no
     faults). Protections that tune their interval to it and policies that weigh a recovery's future cost read it."""
-    machinery: SimConfig | None = None
-    """The measured constants of the machinery around training (process start, configuration, build, codec and
-    storage bandwidths: ``conf/sim``), for policies that predict what a recovery pauses training for."""
-    shared_host: bool = False
-    """Every worker shares one host of ``machinery.host_cores`` cores (the local runtime with a measured profile)."""
 
     @property
     def workers(self) -> list[int]:
@@ -331,8 +330,7 @@ class Protection(ABC):
 
     def copies_beside_training(self, plan: Plan, job: Job) -> tuple[dict[int, int], int]:
         """The bytes each worker of ``plan`` copies beside training per snapshot, and the steps between snapshots
-        (a cost to predict: on a shared host the copies take cores from the iterations they overlap); none by
-        default."""
+        (a cost a policy predicts with ``Machine.step_s``); none by default."""
         return {}, 1
 
     def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:

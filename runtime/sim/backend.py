@@ -86,17 +86,13 @@ from ftlab.runtime.control.backend import (
     Backend, ConfigureReport, Failure, FaultTarget, Membership, PendingSnapshot, SaveProgress, SaveReport, StepReport,
     WorkerCrashed,
 )
-from ftlab.runtime.core.config import SimConfig
 from ftlab.runtime.core.contract import (
     Action, MemoryRecord, MemorySource, SaveCheckpoint, Source, StorageSource, TakeSnapshot,
 )
-from ftlab.runtime.core.costs import CostModel
-from ftlab.runtime.core.model_spec import FP32
 from ftlab.runtime.core.plan import Plan
-from ftlab.runtime.core.program_check import timeline
-from ftlab.runtime.sim.shared_host import contention_on, host_of, shared_ends
-from ftlab.runtime.sim.timing import IterationTimer, IterationTiming, configuration_s
-from ftlab.runtime.core.snapshot_layout import Fetch, WorkerLoad, load_plan, lost_shards, record_bytes, records_to_write
+from ftlab.runtime.core.snapshot_layout import load_plan, lost_shards, record_bytes, records_to_write
+from ftlab.runtime.sim.machines import SimMachine
+from ftlab.runtime.sim.timing import IterationTiming
 
 _NEVER = math.inf
 
@@ -117,78 +113,26 @@ class SimSave:
     checkpoint's encoding): on a shared host it shares the cores with the snapshot copies in flight."""
 
 
-ActionCost = Callable[[Action, int, Mapping[int, tuple[int, ...]], "SimBackend"], SimSave]
-SourceCost = Callable[[Source, Mapping[int, tuple[int, ...]], "SimBackend"], float]
+ActionCost = Callable[[Action, int, Mapping[int, tuple[int, ...]], SimMachine], SimSave]
 _ACTIONS: dict[type[Action], ActionCost] = {}
-_SOURCES: dict[type[Source], SourceCost] = {}
 
 
 def register_action(kind: type[Action], cost: ActionCost) -> None:
-    """Teach the simulator what a protection's action costs: ``cost(action, step, writers, backend)``, where
-    ``writers`` maps each saving worker to its layers and ``backend.costs`` / ``backend.sim`` hold the figures."""
+    """Teach the simulator what a protection's action costs: ``cost(action, step, writers, machine)``, where
+    ``writers`` maps each saving worker to its layers and ``machine`` holds the figures."""
     _ACTIONS[kind] = cost
 
 
-def register_source(kind: type[Source], cost: SourceCost) -> None:
-    """Teach the simulator what restoring from a kind of saved state costs: ``cost(source, readers, backend)``
-    seconds, ``readers`` mapping each worker to the layers it restores."""
-    _SOURCES[kind] = cost
-
-
-def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], b: SimBackend) -> SimSave:
+def _storage_checkpoint(action: Action, step: int, writers: Mapping[int, tuple[int, ...]], m: SimMachine) -> SimSave:
     assert isinstance(action, SaveCheckpoint)
-    per_writer = {worker: b.checkpoint_bytes(layers) for worker, layers in writers.items()}
-    encode = {worker: nbytes / b.codec_bytes_per_s for worker, nbytes in per_writer.items()}
-    written = sum(per_writer.values()) / b.sim.storage_write_bytes_per_s
-    seconds = b.sim.control_s + max(encode.values(), default=0.0) + written
+    per_writer = {worker: m.checkpoint_bytes(layers) for worker, layers in writers.items()}
+    encode = {worker: nbytes / m.codec_bytes_per_s for worker, nbytes in per_writer.items()}
+    written = sum(per_writer.values()) / m.sim.storage_write_bytes_per_s
+    seconds = m.sim.control_s + max(encode.values(), default=0.0) + written
     return SimSave(seconds, int(sum(per_writer.values())), f"{action.directory}/step-{step:06d}", encode)
 
 
-def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
-    per_reader = [b.checkpoint_bytes(layers) for layers in readers.values()]
-    return sum(per_reader) / b.sim.storage_read_bytes_per_s + max(per_reader, default=0) / b.codec_bytes_per_s
-
-
-def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], b: SimBackend) -> float:
-    """Restoring from REFT's snapshot in memory, on the plan being configured, as ``snapshot_layout.load_plan`` has
-    the runtime's workers do it. Assumptions, kept simple:
-    - a record on the reader's own node is read at ``sim.snapshot_bytes_per_s`` (a copy out of host memory with its
-      checksum, the rate a snapshot is written at);
-    - a record only another node holds is read there by that node's serving worker, at the same rate, and sent
-      over the network (the cost model's p2p latency and bandwidth); a sender reads and sends its records one
-      after another, and a receiver receives its own one after another;
-    - a shard no live node holds is rebuilt from the parities of the other members (fetched as above) and the other
-      shards: XOR at ``sim.codec_bytes_per_s`` over the shard's bytes (free on a GPU type, as decoding is there);
-    - on a shared host, the workers loading at once share its cores for their memory reads.
-    The restore takes as long as the busiest worker, reader or sender; building the layers from the loaded state is
-    charged by ``configure`` as for any restore."""
-    assert isinstance(source, MemorySource)
-    loads = b.memory_loads(source)
-    rate = b.copy_bytes_per_s(len(readers))
-    busy: dict[int, float] = {}
-
-    def fetched(fetch: Fetch) -> float:
-        if fetch.sender is None:
-            return fetch.record.nbytes / rate
-        sent = b.costs.p2p_s(fetch.record.nbytes)
-        busy[fetch.sender] = busy.get(fetch.sender, 0.0) + fetch.record.nbytes / rate + sent
-        return sent
-
-    for worker in sorted(readers):
-        seconds = 0.0
-        for group in loads[worker].groups:
-            seconds += sum(fetched(f) for f in group.shards.values())
-            for fetches in group.decode.values():
-                seconds += sum(fetched(f) for f in fetches)
-                shard = sum(f.record.nbytes for f in fetches)  # q parities of one sub-chunk each
-                seconds += shard * (group.group.members - 1) / b.codec_bytes_per_s  # a parity and m - 2 shards each
-        busy[worker] = busy.get(worker, 0.0) + seconds
-    return max(busy.values(), default=0.0)
-
-
 register_action(SaveCheckpoint, _storage_checkpoint)
-register_source(StorageSource, _storage_read)
-register_source(MemorySource, _memory_read)
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,27 +210,20 @@ class SimBackend(Backend, FaultTarget):
         self,
         nodes: int,
         workers_per_node: int,
-        costs: CostModel,
-        sim: SimConfig,
+        machine: SimMachine,
         heartbeat_timeout_s: float,
         bus: ev.EventBus,
-        shared_host: bool,
     ) -> None:
         self.workers_per_node = workers_per_node
-        self.costs = costs
-        self.sim = sim
+        self.machine = machine
+        """What everything costs (``runtime.sim.machines``): the one model the policies predict with too."""
+        self.costs = machine.costs
+        self.sim = machine.sim
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.bus = bus
-        self.shared_host = shared_host
-        """Every worker on one host (``sim.host_cores``: the local runtime on this machine)."""
-        self.host = host_of(sim) if shared_host else None
-        """That host's cores (None: a device per worker, or no cores named)."""
-        self.horizon = _NEVER if sim.horizon_s is None else sim.horizon_s
-        self.codec_bytes_per_s = sim.codec_bytes_per_s if shared_host else _NEVER
-        """Encoding or decoding layer state: the local runtime's CPU cost (a GPU's tensors move as they are)."""
-        self.build_bytes_per_s = sim.build_bytes_per_s if shared_host else _NEVER
+        self.horizon = _NEVER if self.sim.horizon_s is None else self.sim.horizon_s
         self.now = 0.0
-        self.timer = IterationTimer.for_sim(costs, sim, shared_host, check=sim.check_programs)
+        self.timer = machine.timer
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._sequence = itertools.count()
         self._cancelled: set[int] = set()
@@ -332,7 +269,6 @@ class SimBackend(Backend, FaultTarget):
         generation of the plan it was timed on."""
         self._step_timing: IterationTiming | None = None
         """The running step's timing: its plan's, or with the copies that overlap it."""
-        self._configuring: Plan | None = None
         self._layout: tuple[TakeSnapshot, dict[int, _Part], list[_Writers]] | None = None
         """The writers' parts of the running plan's snapshots (the same for every snapshot of it), and the writers
         grouped by their part's size."""
@@ -435,8 +371,8 @@ class SimBackend(Backend, FaultTarget):
         self._copies.clear()
         self._launch_s = 0.0
         self._changed()
-        at_once = len(workers) if self.shared_host else self.workers_per_node
-        failure = self._wait(self.now + self._start_s(at_once), needs=set())
+        slots = {node: tuple(self.workers_of(node)) for node in self._nodes}
+        failure = self._wait(self.now + self.machine.restart_s(slots), needs=set())
         for node in failure.nodes if failure else ():
             self._publish(ev.NodeLostWhileStarting, node=node)
         return failure
@@ -445,37 +381,21 @@ class SimBackend(Backend, FaultTarget):
         self, plan: Plan, programs: Mapping[int, ins.Program], transfers: Mapping[int, ins.Program], restore: Source | None
     ) -> ConfigureReport | Failure:
         timing = self.timer.time(plan, programs)
-        self._configuring = plan
-        ranges = plan.layer_ranges()
-        needs = frozenset(ranges)
+        needs = frozenset(plan.layer_ranges())
         started = self.now + self._copying(needs)  # a worker finishes its snapshot first
-        arrival, received = self._transfer_times(transfers)
-        restored: dict[int, tuple[int, ...]] = {}
-        slowest = 0.0
-        gaining = []
-        nothing: set[int] = set()
-        for worker, (start, stop) in ranges.items():
-            held = self._held.get(worker, nothing)
-            if held.issuperset(range(start, stop)):
-                continue  # holds its stage already: nothing to build, receive or restore
-            gaining.append(worker)
-            new = set(range(start, stop)) - held
-            missing = new - set(received.get(worker, ()))
-            if missing and restore is None and plan.step != 0:
-                raise WorkerCrashed(
-                    f"worker {worker} crashed:\nRuntimeError: layer {min(missing)} is missing at step {plan.step} and "
-                    f"nothing provides it"
-                )
-            if missing and restore is not None:
-                restored[worker] = tuple(sorted(missing))
-            decoded = self.checkpoint_bytes(received.get(worker, ())) / self.codec_bytes_per_s
-            built = self.checkpoint_bytes(new) / self.build_bytes_per_s
-            slowest = max(slowest, arrival.get(worker, 0.0) + decoded + built)
-        reading = self._restore_s(restore, restored) if restored else 0.0
-        restored_from = self._restored_from(restore, restored)
-        self._configuring = None
-        configuring = configuration_s(self.sim, plan, self.host)
-        seconds = configuring + slowest + reading
+        serving = [w for w in sorted(self._alive) if w not in needs]
+        cost = self.machine.configuring(plan, transfers, restore, self._held, serving)
+        if cost.unprovided is not None and plan.step != 0:
+            worker, layer = cost.unprovided
+            raise WorkerCrashed(
+                f"worker {worker} crashed:\nRuntimeError: layer {layer} is missing at step {plan.step} and nothing "
+                f"provides it"
+            )
+        restored_from = self._restored_from(restore, cost.restored, plan, serving)
+        ranges = plan.layer_ranges()
+        gaining, received, restored, reading = cost.gaining, cost.received, cost.restored, cost.restore_s
+        seconds = cost.seconds
+        configuring = cost.configure_s
         self._arm_transfers(plan, transfers, started + configuring)
         failure = self._wait(started + seconds, needs=needs)
         if failure:
@@ -489,8 +409,8 @@ class SimBackend(Backend, FaultTarget):
         self._reduced_by.clear()
         self._layers_dropped = False
         return ConfigureReport(
-            received_bytes=int(sum(self.checkpoint_bytes(layers) for layers in received.values())),
-            restored_bytes=int(sum(self.checkpoint_bytes(layers) for layers in restored.values())),
+            received_bytes=int(sum(self.machine.checkpoint_bytes(layers) for layers in received.values())),
+            restored_bytes=int(sum(self.machine.checkpoint_bytes(layers) for layers in restored.values())),
             restore_s=reading, restored_from=restored_from,
         )  # fmt: skip
 
@@ -600,12 +520,12 @@ class SimBackend(Backend, FaultTarget):
                 f"the simulator has no cost for {type(action).__name__}: register one with "
                 f"runtime.sim.backend.register_action"
             )
-        saved = cost(action, step, writers, self)
-        seconds = self._beside_copies(saved) if self.host is not None and saved.cpu_s else saved.seconds
+        saved = cost(action, step, writers, self.machine)
+        seconds = self._beside_copies(saved)
         started = self.now
         for worker, (armed_step, phase) in list(self._armed.items()):
             if armed_step == step and phase == "checkpoint" and writers.get(worker):
-                first = self.checkpoint_bytes(writers[worker][:1]) / self.codec_bytes_per_s
+                first = self.machine.checkpoint_bytes(writers[worker][:1]) / self.machine.codec_bytes_per_s
                 self._step_timers.append(self.call_at(started + first, self._at_phase(worker, step, phase)))
         failure = self._wait(started + seconds, needs=set(writers))
         self._cancel_step_timers()
@@ -614,23 +534,17 @@ class SimBackend(Backend, FaultTarget):
         return SaveReport(saved.nbytes, saved.location)
 
     def _beside_copies(self, saved: SimSave) -> float:
-        """A save's seconds on a shared host with the snapshot copies in flight beside it. On the runtime a flush to
-        storage follows its step's snapshot, and the workers write it while their copy threads run: the writers'
-        CPU (``saved.cpu_s``) and what is left of each copy share the cores, each copy ends when it is done, and
-        the next iteration, timed with the copies beside it, is timed without them if they end within the save.
-        Left as is: a fault armed in a copy (the "snapshot" phase) keeps the moment its launch scheduled."""
-        assert self.host is not None
-        left = {i: self._copy_cpu_left(c) for i, c in enumerate(self._copies) if c.ends > self.now}
-        if not left:
-            return saved.seconds
-        threads = [i for i in left for _ in self._copies[i].writers.workers]  # each writer copies on a thread
-        writing = list(saved.cpu_s.values())
-        alone = self.host.slowdown(1)  # the rates are measured alone: only the sharing slows them here
-        ends = [end / alone for end in shared_ends([*writing, *(left[i] for i in threads)], self.host)]
-        seconds = saved.seconds - max(writing) + max(ends[: len(writing)])
-        copy_ends: dict[int, float] = {}
-        for i, end in zip(threads, ends[len(writing) :], strict=True):
-            copy_ends[i] = max(copy_ends.get(i, 0.0), self.now + end)
+        """A save's seconds with the snapshot copies in flight beside it, as the machine shares them
+        (``SimMachine.save_beside_copies``). On the runtime a flush to storage follows its step's snapshot, and the
+        workers write it while their copy threads run: each copy ends when it is done, and the next iteration, timed
+        with the copies beside it, is timed without them if they end within the save. Left as is: a fault armed in a
+        copy (the "snapshot" phase) keeps the moment its launch scheduled."""
+        flight = [i for i, c in enumerate(self._copies) if c.ends > self.now]
+        left = [(self._copy_cpu_left(self._copies[i]), len(self._copies[i].writers.workers)) for i in flight]
+        seconds, ends = self.machine.save_beside_copies(saved.seconds, saved.cpu_s, left)
+        if ends is None:
+            return seconds
+        copy_ends = {i: self.now + end for i, end in zip(flight, ends, strict=True)}
         self._copies = [replace(c, ends=copy_ends[i]) if i in copy_ends else c for i, c in enumerate(self._copies)]
         if max(copy_ends.values()) <= self.now + seconds:
             self._overlapped = None
@@ -688,12 +602,12 @@ class SimBackend(Backend, FaultTarget):
         """Launch every writer's copy of a snapshot; they run beside the next iterations."""
         parts, groups = self._parts(action)
         writing = parts if parts.keys() <= self._alive else {w: p for w, p in parts.items() if w in self._alive}
-        rate = self.copy_bytes_per_s(len(writing))
+        rate = self.machine.copy_bytes_per_s(len(writing))
         self._snapshots[step] = PendingSnapshot(action, set(writing))
         launched = self.now + self.sim.snapshot_launch_s
         # A writer still copying the last snapshot starts this one after it (launched in order: its last ends last).
         busy = {w: c.ends for c in self._copies if c.ends > launched for w in c.writers.workers}
-        overlapping = self._overlapping(writing) if self.host is not None and not busy else None
+        overlapping = self._overlapping(writing) if self.machine.copies_take_compute and not busy else None
         if overlapping is not None:
             ends = overlapping.copy_end
             copies = [_Copy(step, _Writers.of(pairs), action.keep, launched, launched + ends[pairs[0][0]])
@@ -717,8 +631,8 @@ class SimBackend(Backend, FaultTarget):
         return SaveReport(0, "memory", pending=True)
 
     def _overlapping(self, writing: Mapping[int, _Part]) -> IterationTiming | None:
-        """On a shared host, the configured plan's iteration with ``writing``'s copies beside it (kept as the next
-        step's timing), or None if no plan is configured."""
+        """Where the copies take the computation's resources, the configured plan's iteration with ``writing``'s
+        copies beside it (kept as the next step's timing), or None if no plan is configured."""
         configured = self._configured
         if configured is None:
             return None
@@ -726,7 +640,8 @@ class SimBackend(Backend, FaultTarget):
         timing = configured.with_copies.get(key)
         if timing is None:
             copies = {w: part.nbytes / self.sim.snapshot_bytes_per_s for w, part in writing.items()}
-            timing = self.timer.time(configured.plan, configured.programs, copies)
+            timing = self.machine.overlapped(configured.plan, configured.programs, copies)
+            assert timing is not None, "asked only where copies take compute"
             configured.with_copies[key] = timing
         self._overlapped = (configured.generation, timing)
         return timing
@@ -743,7 +658,7 @@ class SimBackend(Backend, FaultTarget):
         parts = {}
         for worker, mine in records_to_write(action.plan, action.mode, action.workers_per_node).items():
             if mine:
-                sized = tuple(replace(r, nbytes=record_bytes(r, self.numel(r.layers))) for r in mine)
+                sized = tuple(replace(r, nbytes=record_bytes(r, self.machine.numel(r.layers))) for r in mine)
                 parts[worker] = _Part(sized, tuple(r.name for r in sized), sum(r.nbytes for r in sized))
         by_size: dict[int, list[tuple[int, _Part]]] = {}
         for worker, part in parts.items():
@@ -805,7 +720,7 @@ class SimBackend(Backend, FaultTarget):
 
     def start_node(self, node: int, wait: bool) -> None:
         self._nodes.add(node)
-        self._registered_at[node] = self.now + self.sim.node_start_s + self._start_s(self.workers_per_node)
+        self._registered_at[node] = self.now + self.sim.node_start_s + self.machine.start_s(self.workers_per_node)
         self._pending_joins.add(node)
         self._changed()
         if wait:
@@ -826,31 +741,14 @@ class SimBackend(Backend, FaultTarget):
         self._armed[worker] = (step, phase)
 
     # -- costs -------------------------------------------------------------------------------------------------
-    def checkpoint_bytes(self, layers: object) -> float:
-        """What a checkpoint, a restore or a transfer of ``layers`` (an iterable of layer indices) carries."""
-        return sum(self.costs.checkpoint_bytes(layer, layer + 1) for layer in layers)  # type: ignore[attr-defined]
-
-    def numel(self, layers: tuple[int, ...]) -> int:
-        """Parameters of ``layers`` (a snapshot's geometry is in float32 elements)."""
-        return int(sum(self.costs.profile.layers[layer].param_bytes for layer in layers)) // FP32
-
-    def copy_bytes_per_s(self, at_once: int) -> float:
-        """One worker's copy into or out of its node's memory while ``at_once`` workers copy."""
-        return self.sim.snapshot_bytes_per_s / contention_on(self.host, at_once)
-
-    def memory_loads(self, source: MemorySource) -> dict[int, WorkerLoad]:
-        """The runtime's load plan for restoring ``source`` on the plan being configured: live workers outside it
-        serve their nodes' records."""
-        assert self._configuring is not None, "a memory restore is costed while a plan is configured"
-        plan = self._configuring
-        return load_plan(source, plan, [w for w in sorted(self._alive) if w not in plan.workers])
-
-    def _restored_from(self, source: Source | None, restored: Mapping[int, tuple[int, ...]]) -> str:
+    def _restored_from(
+        self, source: Source | None, restored: Mapping[int, tuple[int, ...]], plan: Plan, serving: list[int]
+    ) -> str:
         """memory | parity (some worker decoded a shard) | storage | "" (nothing restored), as the runtime says."""
         if source is None or not restored:
             return ""
         if isinstance(source, MemorySource):
-            loads = self.memory_loads(source)
+            loads = load_plan(source, plan, serving)
             if any(g.decode for w in restored for g in loads[w].groups):
                 return "parity"
         return source.kind
@@ -858,46 +756,6 @@ class SimBackend(Backend, FaultTarget):
     def _copying(self, workers: set[int] | frozenset[int]) -> float:
         """How long until the copies in flight of ``workers`` are done."""
         return max([0.0, *(c.ends - self.now for c in self._copies if not c.writers.members.isdisjoint(workers))])
-
-    def _start_s(self, at_once: int) -> float:
-        """Starting ``at_once`` worker processes together on one host."""
-        return self.sim.process_start_s * contention_on(self.host, at_once)
-
-    def _restore_s(self, source: Source | None, readers: dict[int, tuple[int, ...]]) -> float:
-        assert source is not None
-        cost = _SOURCES.get(type(source))
-        if cost is None:
-            raise NotImplementedError(
-                f"the simulator has no cost for restoring from {type(source).__name__}: register one with "
-                f"runtime.sim.backend.register_source"
-            )
-        return cost(source, readers, self)
-
-    def _transfer_times(self, transfers: Mapping[int, ins.Program]) -> tuple[dict[int, float], dict[int, list[int]]]:
-        """When each worker has received its layers, and which layers it receives. A worker's sends go out one after
-        another on its link, so the k-th arrives after the first k layers' bytes."""
-        if not transfers:
-            return {}, {}
-        sent: dict[tuple[int, int, int], float] = {}
-        for worker, program in transfers.items():
-            busy = 0.0
-            for instruction in program:
-                if isinstance(instruction, ins.SendLayer):
-                    busy += self.costs.transfer_s(instruction.layer)
-                    sent[(worker, instruction.layer, instruction.peer)] = busy
-
-        def duration(worker: int, instruction: ins.Instruction) -> float:
-            if isinstance(instruction, ins.SendLayer):
-                return sent[(worker, instruction.layer, instruction.peer)]
-            return 0.0
-
-        arrival: dict[int, float] = {}
-        received: dict[int, list[int]] = {}
-        for event in timeline(transfers, duration):
-            if isinstance(event.instruction, ins.RecvLayer):
-                arrival[event.worker] = max(arrival.get(event.worker, 0.0), event.end)
-                received.setdefault(event.worker, []).append(event.instruction.layer)
-        return arrival, received
 
     # -- phase faults ----------------------------------------------------------------------------------------
     def _at_phase(self, worker: int, step: int, phase: str) -> Callable[[], None]:

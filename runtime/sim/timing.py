@@ -33,12 +33,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ftlab.runtime.core import instructions as ins
-from ftlab.runtime.core.config import SimConfig
 from ftlab.runtime.core.costs import CostModel
 from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
 from ftlab.runtime.core.program_check import ProgramError, check_programs, timeline
 from ftlab.runtime.core.scheduler import OneFOneB
-from ftlab.runtime.sim.shared_host import HostCores, Reduction, contention_on, host_of, run_shared, shared_span
+from ftlab.runtime.sim.shared_host import HostCores, Reduction, run_shared, shared_span
 
 PHASES = ("forward", "backward", "reduce")
 
@@ -130,19 +129,6 @@ class IterationTimer:
         self.layer_speed = tuple(layer_speed)
         self._components: dict[_Key, ComponentTiming] = {}
         self._shapes: dict[tuple, ComponentTiming] = {}
-
-    @classmethod
-    def for_sim(cls, costs: CostModel, sim: SimConfig, shared_host: bool, check: bool) -> IterationTimer:
-        """The timer of a simulated job by ``sim``'s constants: on a shared host (the local runtime on this machine),
-        its cores and the runtime's own costs per layer and per message; a device per worker otherwise."""
-        return cls(
-            costs, check=check, cores=host_of(sim) if shared_host else None,
-            layer_overhead_s=sim.layer_overhead_s if shared_host else 0.0, step_cpu_s=sim.step_cpu_s,
-            message_cpu_s=sim.message_cpu_s if shared_host else 0.0,
-            allreduce_cpu_bytes_per_s=sim.allreduce_cpu_bytes_per_s,
-            layer_speed=sim.host_layer_speed if shared_host else (),
-            message_cpu_own_core_s=sim.message_cpu_own_core_s if shared_host else None,
-        )  # fmt: skip
 
     @property
     def components(self) -> int:
@@ -334,16 +320,6 @@ def compute_charge_s(costs: CostModel, layer_overhead_s: float, start: int, stop
     [start, stop): the profile's time and the runtime's own cost per layer of each (``sim.layer_overhead_s``). A
     layer's speed (``SimConfig.host_layer_speed``) is measured against it and applied to it."""
     return costs.forward_s(start, stop) + costs.backward_s(start, stop) + 2 * layer_overhead_s * (stop - start)
-
-
-def configuration_s(sim: SimConfig, plan: Plan, host: HostCores | None) -> float:
-    """Configuring ``plan`` before any layer moves: the slowest worker's own configuration (``sim.configure_s``)
-    and ``sim.configure_group_s`` for each gradient reduce group it is in. On a shared host (``host``) every worker
-    of the plan configures at once, and they share its cores."""
-    group_of = {layer: i for i, (_, layers) in enumerate(plan.reduction_groups()) for layer in layers}
-    # Workers of one range of layers are in the same groups.
-    groups = [len({group_of[i] for i in range(*held) if i in group_of}) for held in plan.workers_by_range()]
-    return (sim.configure_s + sim.configure_group_s * max(groups, default=0)) * contention_on(host, len(plan.workers))
 
 
 def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
