@@ -32,8 +32,8 @@ HEADER = """# Results
 
 Every section below is written by the benchmark it names (`--write-docs`), with the command that regenerates it and
 the commit it ran at; nothing here is pasted by hand. A section that says only how to regenerate it has not been run
-yet. The benchmarks, what they compare and how they are built are in the README (Other targets) and in each
-module's docstring under `experiments/`.
+yet. What each benchmark compares, and how, is in its module docstring under `experiments/`; how the simulator is
+validated is in [simulator.md](simulator.md).
 """
 
 
@@ -54,10 +54,11 @@ def write_section(
     for caption, table in ({"": tables} if isinstance(tables, str) else tables).items():
         if caption:
             parts += [caption, ""]
-        parts += [table if isinstance(table, str) else markdown_table(table), ""]
+        parts += [(table if isinstance(table, str) else markdown_table(table)).strip(), ""]
     if note:
         parts += [note, ""]
-    parts.append(f"Regenerate: `{command}` (commit {commit()}, a host of {os.cpu_count()} CPUs)")
+    changed = " with uncommitted changes" if uncommitted() else ""
+    parts.append(f"Regenerate: `{command}` (commit {commit()}{changed}, a host of {os.cpu_count()} CPUs)")
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else HEADER
     path.write_text(replace_section(text, name, "\n".join(parts)))
@@ -99,6 +100,16 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def uncommitted() -> bool:
+    """Whether tracked files of the checkout differ from its HEAD (the figures ran on code no commit holds)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
 
 
 def _scalar(value: Any) -> bool:  # noqa: ANN401
