@@ -13,9 +13,9 @@ composed config is simulated (``mode=simulate``) from the profile measured on th
 the real run's policy planned with; each round measures it afresh, ``round_cache``) and the constants of the
 machinery measured for that round, before its jobs (``round_constants``: one run of
 ``experiments.measure_sim_constants``, some two and a half minutes, another where the machine's drift spoiled it).
-Measured three hours apart here, the runtime's cost per layer differed by 36%, a message's CPU by 25% and a step's
-own work by a factor of 2.7, and with them the simulated iteration of a 2 x 2 grid by 8%: constants measured in a
-quiet hour were charged to jobs run in a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s.
+The constants move with the machine's load from hour to hour (the runtime's cost per layer, a message's CPU and a
+step's own work most), and with them the simulated iterations: constants measured in a quiet hour would be charged
+to jobs run in a busy one. ``--constants-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 The jobs:
 
 - ``fault-free``: no policy, a 2 x 2 grid on ``local-4``;
@@ -44,8 +44,8 @@ layer is computed alone against its charge, the machine's speed against the prof
 ``--cores-as-measured`` keeps ``conf/sim/measured.yaml``'s.
 
 With ``--rounds N`` each job runs N times, a round being every job once after the round's constants, each simulated
-on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: two runs of
-one job here differ by up to 30% in their iteration time, more than the targets.
+on the cores measured beside it, and the medians of the real and of the simulated rounds are compared: on a shared
+machine two runs of one job can differ in their iteration time by more than the targets.
 
 Per job and measure the relative error |sim - real| / real of the iteration time (``summary/median_iter_s``: the
 median iteration of the first plan; ``iter_after_s``: of the last plan, after the recovery), the recovery time (the
@@ -86,16 +86,14 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
 HOST_SWEEPS = 3
-"""Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep of the 2 x 2
-grid's workers varied by 7% at four computing from one sweep to the next here."""
+"""Sweeps of ``cores_by_load`` before and after each real job, each number's median kept: one sweep varies from the
+next by several percent on a shared machine."""
 STEPS, KILL_AT = 50, 22
 """A job's steps, and the step in whose reduction a job with a fault loses its node: 22 iterations of the first
-plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares,
-and this machine's load moves within seconds: 10-step windows of one fault-free run of 150 steps here had medians
-from 0.167 to 0.196 s, so the 6 iterations a kill in step 8 left the first plan could fall on one slow stretch.
-Longer jobs do not make the rounds agree: with 90 steps and the kill in step 42 (2026-11-27 13:19 UTC, six rounds),
-each plan's real iteration moved by 3.5-11.4% from round to round (the standard deviation of its logarithm),
-against 4.9-7.1% with 50 steps over the five rounds of 10:17 UTC: the load moves from minute to minute as well."""
+plan (20 after the warm-up) and some 28 of the last. The median of a plan's iterations is what a round compares, and
+a shared machine's load moves within seconds, so a plan needs enough iterations that its median does not fall on
+one slow stretch; longer jobs do not make the rounds agree, since the load moves from minute to minute as well
+(hence ``--rounds``)."""
 SMOKE_STEPS, SMOKE_KILL_AT = 14, 8
 
 
@@ -200,11 +198,11 @@ def measured_host(cfg: Any, plan: Any, *loads: HostLoad) -> MeasuredHost:  # noq
       layers (``charged_rates``): the machine's speed now against the profile's, whatever load the profile met,
       and what computing a stage costs beyond its layers timed one by one.
 
-    Both were once one: every process counted against its charged rate, one alone being the first process. The
-    first stage of a 2 x 2 grid here (with the embedding) computes 1.17-1.35 times as fast against its charge as the
-    second (with the output head), so ReCycle's plan after a kill, whose slowest worker runs the second stage alone
-    for much of an iteration, was simulated 10-19% short in every round; and copies, messages and all-reduces, whose
-    costs are measured constants of their own, ran at the first stage's speed."""
+    The two are kept apart because the stages of one plan compute at different speeds against their charges (the
+    first stage of a 2 x 2 grid, with the embedding, faster than the second, with the output head): one speed for
+    the whole host would misprice a plan whose slowest worker runs one stage alone (ReCycle's after a kill), and
+    would run copies, messages and all-reduces, whose costs are measured constants of their own, at one stage's
+    speed."""
     charged = charged_rates(cfg, plan)
     speeds = [statistics.fmean(load.alone[i] / charged[i] for load in loads) for i in range(len(charged))]
     ranges = list(plan.layer_ranges().values())
@@ -307,8 +305,8 @@ def pair(
 
 def round_cache(d: Path) -> Path:
     """A cache for one round under ``d``: the tokens of ``CACHE_DIR`` and no profile, so that the round measures its
-    layers afresh (its simulation first, the real run then reads the same): two profiles of gpt2-tiny cached hours
-    apart here differ by 8%, more than the targets."""
+    layers afresh (its simulation first, the real run then reads the same): profiles taken hours apart can differ by
+    more than the targets."""
     cache = d / "cache"
     cache.mkdir()
     for tokens in CACHE_DIR.glob("tokens-*"):

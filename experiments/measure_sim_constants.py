@@ -8,16 +8,15 @@ What a model profile has no figure for is measured here, on the local runtime it
 real agents and workers running gpt2-tiny on two nodes of one worker), each the best of a few repeats (the shortest
 time, the highest rate: other processes on a shared machine only ever slow a repeat down). ``host_cores`` is this
 machine's core count: the constants are an idle host's, and the simulator slows what a busy one would. The storage
-rates are the median of their repeats instead: the disk is shared with other machines' jobs too, and the simulator
-has no load for it to slow (checkpoints fsync every file: the best of three writes ran 0.044 s, a job's ran
-0.054-0.1 s).
+rates are the median of their repeats instead: the disk is shared with other machines' jobs too, checkpoints fsync
+every file, and the simulator has no load for the disk to slow, so the best write would be faster than a job's.
 
 - ``process_start_s``: ``restart_workers`` of two workers, as on an idle host: divided by the slowdown the
   simulator would charge two processes starting on the share of the machine they had (``profiler.host_share``,
   measured around it); ``node_start_s``: starting the cluster (alike) less that: the agents.
 - ``configure_s``: configuring a plan of two stages on workers that hold its layers and ran a step of the plan
-  before, as a recovery configures (right after the configuration before, with no step between, it took 2 ms, and
-  5-8 ms after steps); ``configure_group_s``: configuring two replicas of the whole model, one gradient reduce group,
+  before, as a recovery configures (a configuration right after another, with no step between, is cheaper than
+  one after steps, and a recovery's always follows steps); ``configure_group_s``: configuring two replicas of the whole model, one gradient reduce group,
   takes longer by that (both, as ``process_start_s``, an idle host's); ``build_bytes_per_s``: a fresh worker's
   configuration takes longer by building its layers' weights and optimizer state.
 - ``layer_overhead_s``: the runtime's cost per layer of a forward or backward instruction beyond the profiled
@@ -25,9 +24,9 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   profiled compute and two instructions of every layer), against the layers profiled just before each repeat (not
   read from the cache). CPU time, as the profile's layers are timed: the wall clock also counts what other
   processes took of the core, and a correction by the share of a core that spinners got misses what their working
-  sets cost this one (measured that way at a load of 1.7 the cost came out 0.43 ms a layer, by CPU time 0.14-0.35
-  ms); what working sets side by side cost is the host's (``sim.host_cores_by_load``). The median of five repeats:
-  the machine's speed drifts by up to 10% within minutes, and the CPU clock ticks at 10 ms;
+  sets cost this one, so on a loaded host it overstates the cost; what working sets side by side cost is the
+  host's (``sim.host_cores_by_load``). The median of five repeats: the machine's speed drifts within minutes, and
+  the CPU clock ticks at 10 ms;
   ``step_cpu_s``: the one-micro-batch step's CPU time beyond its compute, instructions and optimizer step;
   ``control_s``: the fastest such step's wall time beyond its CPU time (the worker's other threads receive the
   next step while it works: about nothing).
@@ -36,8 +35,8 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   ``allreduce_cpu_bytes_per_s``: the gradient bytes over the CPU time two replicas' steps of one micro-batch each
   take beyond the one worker's (their all-reduce). Both workers on one core meanwhile: what computing side by side
   costs them is the host's (``sim.host_cores_by_load``), and counted here it would be charged twice (measured
-  unpinned on two cores, a message came out 1.9-3.1 ms; gloo's own copying of a 64 KB activation is 0.16 ms of
-  it). The median of five repeats. ``message_cpu_own_core_s``: a message measured the same way with each worker
+  unpinned on two cores, a message would carry the contention of the moment; gloo's own copying of an activation is
+  a small part of it). The median of five repeats. ``message_cpu_own_core_s``: a message measured the same way with each worker
   pinned to a core of its own, which it keeps while it waits (what a plan whose processes fit the cores is
   charged); five repeats more.
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.training.layer_state``), timed in this process;
@@ -46,10 +45,9 @@ has no load for it to slow (checkpoints fsync every file: the best of three writ
   both moments into its node's /dev/shm, with its CRC-32), the snapshots' bytes over the CPU time of the copy
   thread, as the worker reports it (``ft/snapshot_cpu_s``; the median of five repeats). The copy runs on a thread
   beside the next step and the simulator runs it as one more thread on the host's cores, so what it costs is that
-  thread's CPU time. (Taken instead as the CPU time the snapshots added to the worker's steps, it came out
-  1.2-1.96 GB/s over a day here: a difference of two sets of steps, each on a clock that ticks at 10 ms, moved by
-  the machine's drift between them. The copy threads of a 2 x 2 grid's REFT job, four workers on two cores,
-  reported 1.8-2.1 GB/s.) ``snapshot_launch_s`` stays ``SimConfig``'s estimate: starting the copy thread is not
+  thread's CPU time. (Not the CPU time the snapshots add to the worker's steps: that is a difference of two sets
+  of steps, each on a clock that ticks at 10 ms, and moves with the machine's drift between them.)
+  ``snapshot_launch_s`` stays ``SimConfig``'s estimate: starting the copy thread is not
   separable from the step around it;
   ``storage_write_bytes_per_s``: a checkpoint's bytes over its time less the encoding; ``storage_read_bytes_per_s``:
   restoring a checkpoint on fresh workers, less configuring, building and decoding.
@@ -109,8 +107,7 @@ def measure(cache_dir: Path) -> dict[str, float]:
 
     def profiled_now(repeat: int) -> CostModel:
         """The layers' costs measured now, not read from the cache: the runtime's own cost is what its steps take
-        beyond them at the same moment (two profiles of gpt2-tiny taken hours apart here differ by 8%, and minutes
-        apart by up to 10%)."""
+        beyond them at the same moment, and a profile taken minutes or hours earlier met another load."""
         fresh = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cache_dir=str(scratch / f"{repeat}")))
         return CostModel(job_profile(fresh)[0])
 
@@ -288,9 +285,8 @@ def measure(cache_dir: Path) -> dict[str, float]:
 
 DRIFT_SPOILS = ("layer_overhead_s", "step_cpu_s", "message_cpu_s", "message_cpu_own_core_s")
 """Costs the runtime always has, each the difference of CPU times taken at different moments, held at zero where it
-comes out negative: a zero says the machine's speed moved between them by more than the cost. In the second round of
-the bench of 2026-11-27 12:57 UTC a step's own work and a message both came out 0 (in the round before:
-4.7 ms and 1.9 ms), and that round's simulations came out 5-24% short of their real twins."""
+comes out negative: a zero says the machine's speed moved between them by more than the cost, and simulations
+charged with it come out short of their real twins, so such a run is measured again."""
 
 
 def measure_unspoiled(cache_dir: Path, tries: int = 3) -> dict[str, float]:
@@ -418,9 +414,9 @@ def _snapshot_rate(backend, plan, step: int, steps: int) -> tuple[float, int]:  
 
 
 def median_of_runs(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Each constant's median over whole runs of ``measure``: from one run to the next here, minutes apart, a node's
-    start came out 0 to 1.27 s, detection 1.7 to 10 ms, and the cost per layer 0 to 0.44 ms (with the step's own
-    CPU, fitted from the same steps, moving the other way), where each run's own repeats agreed."""
+    """Each constant's median over whole runs of ``measure``: on a shared machine whole runs minutes apart differ
+    far more than one run's own repeats (a node's start, detection, and the cost per layer with the step's own CPU,
+    fitted from the same steps, moving the other way)."""
     return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
 
 

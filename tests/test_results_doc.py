@@ -36,7 +36,7 @@ def test_write_section_gives_the_table_the_command_and_the_commit(tmp_path: Path
     assert first.startswith("# Results")
     assert "| nodes | seconds | optimal | rounds |" in first and "| 8 | 0.01235 | yes | 1.5 / 2 |" in first
     assert "`python -m ftlab.experiments.bench_x --quick`" in first
-    assert f"commit {results_doc.commit()}" in first
+    assert f"(commit {results_doc.commit()}" in first
     assert "| ratio | 1 |" in first and "| model | gpt2-tiny |" in first
 
 

@@ -8,8 +8,8 @@ MILP has at most ``max_binaries`` ordering binaries (``milp.improve``: healthy-p
 then the whole one, warm-started); turn the order into programs; check them and predict the makespan by executing
 them on the abstract machine of ``runtime.core.program_check``.
 
-Why 1,500 binaries by default: on these machines (2 cores, HiGHS single-threaded) instances up to about that size
-mostly solved to optimality in a few seconds. PP 8 x DP 4 with 16 micro-batches (900 to 1,900 binaries once
+Why 1,500 binaries by default: on a 2-core machine with HiGHS single-threaded, instances up to about that size
+mostly solve to optimality in a few seconds. PP 8 x DP 4 with 16 micro-batches (900 to 1,900 binaries once
 precedence-ordered pairs are left out) does not solve to optimality within 20 s, but the restricted model brings it
 within 4-5% of the proven bound (``experiments/bench_planner.py``). With many micro-batches per pipeline the list
 schedule usually meets the lower bound anyway: the stage that absorbs the rerouted work is the bottleneck and never

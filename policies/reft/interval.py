@@ -27,8 +27,8 @@ from ftlab.policies.reft.reliability import reft_survival
 from ftlab.runtime.core.contract import FailureRate
 
 SNAPSHOT_BYTES_PER_S = 1e9
-"""Copying into pre-touched /dev/shm and CRC-32 of the copy, one thread, measured here: about 2.5 and 2.2 GB/s on a
-loaded 2-core machine, so about 1 GB/s together."""
+"""Copying into pre-touched /dev/shm and taking the copy's CRC-32, one thread: about 2.5 and 2.2 GB/s on a loaded
+2-core machine, so about 1 GB/s together."""
 LAUNCH_S = 1e-3
 """Starting the copy thread and describing the state to it."""
 

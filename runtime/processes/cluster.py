@@ -355,7 +355,7 @@ def _send(member: Member | None, message: object) -> bool:
 def _running(pid: int) -> bool:
     """Whether ``pid`` has not ended. A zombie has: its memory, files and sockets are released, only its entry waits
     for its parent. A lost node's workers are reparented to this machine's init, which can take seconds to reap
-    them (1-1.6 s measured here), and a restart waited for that."""
+    them, and a restart would wait for that."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

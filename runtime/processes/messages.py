@@ -104,7 +104,7 @@ def _connection(sock: socket.socket) -> Connection:
 
     Control messages are small and often follow each other closely (Commit then RunStep, a heartbeat then Ready).
     With Nagle the second one waits for the acknowledgement of the first, which the receiver delays by up to 40 ms:
-    measured, one iteration in three stalled 10-40 ms at its commit before this.
+    many iterations would stall that long at their commit.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)

@@ -329,14 +329,13 @@ def cores_by_load(
 
     Unlike ``host_share``'s spinners, which touch no memory, this counts what the workers' own computations cost
     each other: their working sets in the shared caches and the switches between more processes than cores. And it
-    counts them for each number at once, since a pipeline's workers do not all compute at every moment: on two cores
-    here, two to six processes of an Oobleck plan's stages of gpt2-tiny got 2.0, 1.96, 1.72, 1.67 and 1.62 cores'
-    worth, where spinners got 2.0 for any number. Alone means alone among these processes: other load on the machine
-    slows both runs.
+    counts them for each number at once, since a pipeline's workers do not all compute at every moment: past the
+    cores, more processes of a plan's stages get fewer cores' worth than the core count, where spinners get the
+    core count for any number. Alone means alone among these processes: other load on the machine slows both runs.
 
     ``sweeps``: measure every number that many times over, one number after the other in each sweep, and keep each
-    number's median: on this shared machine five sweeps of a 2 x 2 grid's workers in a row gave all four 1.47-1.70
-    cores' worth and one alone 0.68-0.86, so one sweep can put a simulation 10% off by itself."""
+    number's median: on a shared machine one sweep differs enough from the next to put a simulation off by
+    itself."""
     context = mp.get_context("spawn")  # each process builds its layers with torch of its own
     out = context.Queue()
     commands = [context.Queue() for _ in ranges]
@@ -473,9 +472,8 @@ def measure_profile(
     """Measure every layer of ``cfg`` on ``device``, or return the cached profile of the very same setting.
 
     ``again``: measure even where a profile is cached, and cache the fastest of both (``fastest_of``): a profile
-    taken while other load held the cores is slow for as long as that load lasted (two of gpt2-tiny's taken a
-    minute and a half apart here: 28.6 and 41.2 ms for a micro-batch's passes, the second's layers 1.2 to 2 times
-    slower).
+    taken while other load held the cores is slow for as long as that load lasted, and two profiles minutes apart
+    on a shared machine can differ by far more than the simulator's targets.
 
     ``links=False`` skips the bandwidth probe (a few seconds to start two processes) and records infinite
     bandwidths: communication then costs nothing in the planners. ``threads``: measure with as many torch threads

@@ -3,8 +3,7 @@
 Ctrl-C raises ``KeyboardInterrupt`` (and ``ftlab``'s SIGTERM and SIGHUP raise ``Stopped``) wherever the main thread
 is. Raised inside a write to a SQLite store, it leaves that write's connection holding the database's lock: the
 write that marks the run FAILED then waits for the lock forever, and the interrupted job hangs with its run RUNNING
-(measured here: a loop of ``log_batch`` interrupted at random hung its next ``set_tag`` on the first try). A call
-to the store is short, so the signal waits for its end and is then delivered to the handler it was meant for.
+(a loop of ``log_batch`` interrupted at a random moment hangs its next ``set_tag``). A call to the store is short, so the signal waits for its end and is then delivered to the handler it was meant for.
 """
 
 from __future__ import annotations

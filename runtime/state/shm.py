@@ -1,7 +1,7 @@
 """Snapshot records in a node's host memory: file-backed shared memory under /dev/shm, two slots and a commit record
 per file, each slot checksummed. Torch-free: the node agent takes inventories with it, workers write and read.
 
-Measured here (design notes): a file under /dev/shm survives the SIGKILL of the process that wrote it (it is the
+Why this shape (the design notes have the measurements): a file under /dev/shm survives the SIGKILL of the process that wrote it (it is the
 node's memory, owned by its agent, and lost with the node), and copying into pages already touched runs about ten
 times faster than into fresh ones, so a record's file is allocated and touched once and then reused.
 

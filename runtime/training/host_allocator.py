@@ -3,13 +3,11 @@
 glibc serves an allocation above its mmap threshold (128 KiB at a process's start) with a fresh mapping and unmaps
 it when it is freed, so each of a CPU iteration's activations and gradients is page-faulted and zeroed anew. The
 threshold is dynamic: freeing a larger mapped block raises it to that block's size, and allocations of up to that
-size come from the heap from then on. A worker therefore ran at one speed until something freed a big buffer (the
-bytes of its first checkpoint) and about 20% faster after it: on ``local-4``, gpt2-tiny's two-stage pipeline went
-from 0.155 s to 0.125 s an iteration at its first save, and the same job without checkpoints stayed at the slow
-speed throughout. Fixing the thresholds where the dynamic ones end up (glibc's ceiling of 32 MiB, and a trim
-threshold of twice that, as glibc would set it) at the start of every process that computes (each worker, and the
-profiler before it times layers) makes every iteration run as the fast ones did, and the profile time what the
-workers run.
+size come from the heap from then on. Left dynamic, a worker runs at one speed until something frees a big buffer
+(the bytes of its first checkpoint) and markedly faster after it, so a job's speed would depend on whether it has
+saved yet. Fixing the thresholds where the dynamic ones end up (glibc's ceiling of 32 MiB, and a trim threshold of
+twice that, as glibc would set it) at the start of every process that computes (each worker, and the profiler
+before it times layers) makes every iteration run at the fast speed, and the profile time what the workers run.
 
 Other C libraries (macOS, musl) have no such thresholds; there this does nothing.
 """
