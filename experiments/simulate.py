@@ -67,7 +67,7 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     seen.progress.on_simulated_clock()  # no loss to show: the simulated time instead
     record_checks(cfg, tracker, seen, checked, 0.0)
     backend = SimBackend(c.nodes, c.workers_per_node, job.machine(), c.heartbeat_timeout_s, seen.bus)
-    injector = Injector(checked.faults, backend, seen.bus, clock=backend.clock, schedule=backend.call_at)
+    injector = Injector(checked.faults, backend.cluster, seen.bus, clock=backend.clock, schedule=backend.call_at)
     coordinator = Coordinator(
         backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir
     )

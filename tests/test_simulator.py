@@ -478,18 +478,18 @@ def test_a_killed_nodes_records_are_gone_from_memory(job_overrides: list[str]) -
     backend = SimBackend(c.nodes, c.workers_per_node, job.machine(), 1.0, ev.EventBus())
     assert backend.save(1, TakeSnapshot(plan, "arc", c.workers_per_node, -1), {}, plan.num_layers).pending
     assert backend.completed_saves() == []  # still copying
-    backend.now = 10.0
+    backend.time.now = 10.0
     done = backend.completed_saves()
     reported = [w for p in done for w in p.workers]  # writers whose copies end together report together
     assert sorted(reported) == sorted(plan.workers) and len(done) < len(reported)
     assert done[-1].complete and not any(p.complete for p in done[:-1])
     source = MemorySource(1, plan=plan, workers_per_node=c.workers_per_node, records=tuple(r for p in done for r in p.records))
     assert backend.verify(source) == source
-    backend.kill_node(1)
+    backend.cluster.kill_node(1)
     narrowed = backend.verify(source)
     assert isinstance(narrowed, MemorySource) and 1 not in {r.node for r in narrowed.records}
     (partner,) = [w for g in groups_of(plan) if 1 in g.holders for w in g.holders if w != 1]
-    backend.kill_node(backend.node_of(partner))  # the other holder of node 1's layers: their state is gone
+    backend.cluster.kill_node(backend.cluster.node_of(partner))  # the other holder of node 1's layers: their state is gone
     assert "cannot rebuild" in backend.verify(source)
 
 
