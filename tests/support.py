@@ -53,25 +53,23 @@ worker 2 of an eight-node cluster (one worker a node) at the start of step 2."""
 REVIEW_MACHINERY = ("sim.layer_overhead_s=0.00313873", "sim.control_s=0.0238024", "sim.configure_s=0.00506956",
                     "sim.configure_group_s=0", "sim.build_bytes_per_s=2.62101e+08", "sim.codec_bytes_per_s=3.65449e+08",
                     "sim.host_cores=2", "sim.step_cpu_s=0", "sim.host_cores_by_load=[]")  # fmt: skip
-"""The machinery constants adaptive's review scenarios are costed with (``conf/sim/measured.yaml`` of 2026-11-23; its
-cost per instruction, 0.0125549 s, as a cost per layer of the four-layer stages these scenarios run; the rest of a step
-all in ``control_s``, as then measured, and no cost of a reduce group's configuration, then not yet measured; the rates
-of building and decoding at 3/4 of those measured, which were per byte of a layer's state with its gradient: a layer's
-state, now sized without it, takes as long), fixed so that a re-measurement of this machine's constants does not move a
-decision these scenarios hold: with them, rerouting around worker 2 is about 10% slower an iteration than Oobleck's
-plan, so the review at step 4 switches."""
+"""The machinery constants adaptive's review scenarios are costed with: a measured set of this machine's, fixed
+(the runtime's cost per instruction as a cost per layer of the four-layer stages these scenarios run, the rest of a
+step in ``control_s``, and the rates of building and decoding at 3/4 of those measured) so that a re-measurement of
+this machine's constants does not move a decision these scenarios hold: with them, rerouting around worker 2 is
+about 10% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
 
 
 REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272", "sim.configure_s=0.00211632",
                      "sim.configure_group_s=0", "sim.build_bytes_per_s=9.94965e+08",
                      "sim.codec_bytes_per_s=5.23127e+08", "sim.host_cores=2", "sim.step_cpu_s=0",
                      "sim.host_cores_by_load=[]")  # fmt: skip
-"""The machinery constants of adaptive's reroute-then-reconfigure scenario (``conf/sim/measured.yaml`` of 2026-11-25,
-with no cost of a reduce group's configuration, and a runtime cost of 0.05 ms a layer of an instruction: about what the
-analytic A100 profile's layers cost; the rates of building and decoding at 3/4, as in ``REVIEW_MACHINERY``), fixed so
-that a re-measurement does not move its decisions. At this machine's measured 0.3-0.45 ms a layer, the peer that takes a
-dead worker's micro-batches is the iteration's tail, and reconfiguring is predicted cheaper for the first failure too
-(an iteration of 0.036 s against 0.046 s on ``local-6``). With these, rerouting it costs 1.7% less."""
+"""The machinery constants of adaptive's reroute-then-reconfigure scenario: a measured set of this machine's with
+no cost of a reduce group's configuration and a runtime cost of 0.05 ms a layer of an instruction (about what the
+analytic A100 profile's layers cost), the rates of building and decoding at 3/4 as in ``REVIEW_MACHINERY``, fixed so
+that a re-measurement does not move its decisions. At a higher cost per layer, the peer that takes a dead worker's
+micro-batches is the iteration's tail, and reconfiguring is predicted cheaper for the first failure too; with these,
+rerouting it costs 1.7% less."""
 
 
 @contextmanager

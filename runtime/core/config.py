@@ -97,8 +97,9 @@ class TrackingConfig:
 @dataclass
 class SimConfig:
     """The simulator's settings (``mode=simulate``, ``runtime.sim.backend``) and the costs it cannot read off a
-    model profile: constants of the machinery around training, measured on this machine by
-    ``experiments/measure_sim_constants.py`` and stored in ``conf/sim/measured.yaml``."""
+    model profile: constants of the machinery around training, measured by ``experiments/measure_sim_constants.py``
+    and stored in ``conf/sim/measured.yaml``. The job's machine (``runtime.sim.machines``) reads them: the fields
+    marked *shared host* only where every worker is a process of one host (``SharedHostMachine``)."""
 
     horizon_s: float | None = None
     """Simulated seconds of training after which the job ends (with train.steps as a cap); None: train.steps."""
@@ -113,56 +114,45 @@ class SimConfig:
     no worker computes."""
     step_cpu_s: float = 0.0
     """Per step, each worker's own work besides its instructions and optimizer step (taking the step, zeroing its
-    gradients, reporting), measured on this machine's runtime: on a shared host the workers do it at once, beside
-    their optimizer steps, and share the cores for it. A GPU type's workers have host cores of their own, and it
-    costs them nothing of the step's time on their devices."""
+    gradients, reporting), charged with its optimizer step; on a shared host the workers do it at once and share the
+    cores for it."""
     layer_overhead_s: float = 0.0
-    """The runtime's own cost per layer of a forward or backward instruction, on top of the profiled layer times
-    (autograd's bookkeeping, buffers, dispatch): measured on this machine's runtime; a GPU type's profile is the
-    whole cost. Per layer, not per instruction: on one worker here an instruction's excess over its profiled layers
-    was 1.3 ms for gpt2-tiny with 2 blocks (4 layers), 2.5-3.3 ms with 6 (8 layers) and 4.5 ms with 12 (14 layers)."""
+    """*Shared host.* The runtime's own cost per layer of a forward or backward instruction, on top of the profiled
+    layer times (autograd's bookkeeping, buffers, dispatch). Per layer, not per instruction: an instruction's excess
+    over its profiled layers grows with the layers it runs. A device's profile is the whole cost."""
     message_cpu_s: float = 0.0
-    """The CPU a message between two stages (an activation or a gradient) costs its sender and receiver together
-    on a shared host, beyond the link's delay, measured on this machine's runtime with both workers on one core.
-    Little of it is the transfer: timed per instruction in the workers, a send or a receive took 0.1-0.2 ms of the
-    worker's CPU and gloo's own copying of 64 KB is 0.16 ms; the stages' forward and backward passes next to the
-    boundary took 1.3 ms a micro-batch more than the one worker's (a micro-batch run through two stages one at a
-    time, on two cores: about 1 ms a message in all). On one core, the switch between the two processes at every
-    message is in it too. Being the passes' cost, it is charged per message up to one worker's half per pass of its
-    own: a stage between two others pays half per message (``runtime.sim.shared_host``). A GPU type's workers have host
-    cores of their own."""
+    """*Shared host.* The CPU a message between two stages (an activation or a gradient) costs its sender and
+    receiver together beyond the link's delay, measured with both workers on one core. Little of it is the transfer:
+    it is mostly the passes next to the boundary, which find their working set gone after the wait, and on one core
+    the switch between the two processes at every message. Being the passes' cost, it is charged per message up to
+    one worker's half per pass of its own (``runtime.sim.shared_host``)."""
     message_cpu_own_core_s: float | None = None
-    """``message_cpu_s`` where a plan's processes (its workers and their snapshot copies) fit the host's cores:
-    measured the same way with each worker on a core of its own, which it keeps while it waits: 0.21-0.79 ms over
-    five runs here, against 1.71-2.64 ms on one core in the same runs. Timed per instruction, the two workers of a
-    two-stage pipeline on two cores took 0.1 ms of CPU a message, and their passes ran on a core all the time they
-    took: on one core, each message switches the core to the other process and the pass after it finds its working
-    set gone. None: ``message_cpu_s``."""
+    """*Shared host.* ``message_cpu_s`` where a plan's processes (its workers and their snapshot copies) fit the
+    host's cores: measured the same way with each worker on a core of its own, which it keeps while it waits, so no
+    switch and no lost working set. None: ``message_cpu_s``."""
     allreduce_cpu_bytes_per_s: float | None = None
-    """On a shared host, the rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU
-    second whatever the members (``IterationTimer._reduce_cpu_s``), measured on this machine's runtime. The link's
-    rate is wall time between two processes with a core each, its waits included; charged as CPU beside the
-    computation it counted four replicas' all-reduce of 13 MB at 25 ms a member, which cost each 8.7 ms of CPU
-    here. None: the link's rate."""
+    """*Shared host.* The rate a gradient all-reduce costs each member CPU at, bytes of its buffer per CPU second
+    whatever the members (``IterationTimer._reduce_cpu_s``). The link's rate is wall time between two processes with
+    a core each, its waits included, and would charge the waits as CPU. None: the link's rate."""
     abort_s: float = 0.0
     """Aborting the iteration in flight on every survivor."""
     configure_s: float = 0.0
     """Configuring a plan on a worker that holds its layers, before layers move: its programs, the generation's
     process group, its stage and executor. On a shared host every worker of the plan does it at once, and they
-    share the cores (``sim_timing.configuration_s``)."""
+    share the cores (``SimMachine.configuration_s``)."""
     configure_group_s: float = 0.0
     """What each gradient reduce group a worker is in adds to its configuration: the group's own process group and
-    its gradient bucket. Configured on this machine's local runtime after a step, as a recovery configures: two
-    workers took 5.1-8.2 ms as two stages, 10-12 ms as two replicas (one group each), 20-31 ms as four replicas and
-    12.6-23 ms as a 2 x 2 grid, four workers sharing two cores."""
+    its gradient bucket."""
     process_start_s: float = 0.0
     """Starting one worker process until it registers (torch and the runtime imported), on an idle host."""
     node_start_s: float = 0.0
     """A joining node's agent starting, before its workers start."""
     build_bytes_per_s: float = 1.0
-    """Building a layer's weights and optimizer state (a fresh worker's model load), bytes of state per second."""
+    """*Shared host.* Building a layer's weights and optimizer state (a fresh worker's model load), bytes of state per
+    second. A device builds on the device, at no cost beyond the bandwidths."""
     codec_bytes_per_s: float = 1.0
-    """Serialising and deserialising a layer's state for a copy or a checkpoint, bytes per second."""
+    """*Shared host.* Serialising and deserialising a layer's state for a copy or a checkpoint, bytes per second. A
+    device's tensors move as they are."""
     storage_write_bytes_per_s: float = 1.0
     """Checkpoint writes, all writers together."""
     storage_read_bytes_per_s: float = 1.0
@@ -175,25 +165,20 @@ class SimConfig:
     """A snapshot's cost on the training thread before its copy runs beside training: starting the copy thread
     and describing the state to it (``policies/reft/interval.py``'s ``LAUNCH_S``, an estimate, not a measurement)."""
     host_cores: float = 0.0
-    """Cores of the host that every worker of a measured (cpu) profile shares, as the local runtime runs them all
-    on this machine: compute slows down when more workers compute at once than there are cores, and worker
-    processes that start together take longer. A GPU type gives each worker its own device and each node its own
-    host, and ignores it."""
+    """*Shared host.* Cores of the host every worker shares: compute slows down when more workers compute at once
+    than there are cores, and processes that start, configure or copy together take longer. 0: the processes do not
+    slow each other."""
     host_cores_by_load: list[float] = field(default_factory=list)
-    """Where measured beside a job (``runtime.processes.profiler.cores_by_load``), the cores' worth ``k`` processes computing
-    at once get on that host together, entry k - 1 (past the last, each process more gets what each of the last
-    entry's got while ``host_cores`` has a core for it: ``shared_host.HostCores.worth``): past the cores, switching
-    between processes and their working sets in the shared caches cost more than ``host_cores`` says. Empty:
-    min(k, host_cores).
-
-    Measured beside a job, each entry counts the processes against their own rates alone (entry 0 is 1): how fast
-    each worker computes against its charge is ``host_layer_speed``'s, not the host's."""
+    """*Shared host.* Where measured beside a job (``runtime.processes.profiler.cores_by_load``), the cores' worth
+    ``k`` processes computing at once get on that host together, entry k - 1 (past the last, each process more gets
+    what each of the last entry's got while ``host_cores`` has a core for it: ``shared_host.HostCores.worth``): past
+    the cores, switching between processes and their working sets in the shared caches costs more than
+    ``host_cores`` says. Measured beside a job, each entry counts the processes against their own rates alone (entry
+    0 is 1): how fast each worker computes against its charge is ``host_layer_speed``'s. Empty: min(k, host_cores)."""
     host_layer_speed: list[float] = field(default_factory=list)
-    """Where measured beside a job (``experiments/bench_simulator.py``'s ``measured_host``), one entry a layer: how
-    fast a process of this host, computing its stage alone, computes the layer against what the simulation charges
-    it (the profile's time and ``layer_overhead_s``). On a shared host a worker's forward and backward instructions
-    run at its layers' speed, each layer weighted by its charge; communication, copies and the optimizer are
-    measured constants of their own and run at the host's rate alone. The profile times each layer alone: the stages
-    of a 2 x 2 grid of gpt2-tiny, computed each by a process of its own here, ran at 1.05-1.40 (the embedding's) and
-    0.87-1.07 (the output head's) of their charges over one bench, the first 1.17-1.35 times as fast as the second
-    each time. Empty: every layer at 1."""
+    """*Shared host.* Where measured beside a job (``experiments/bench_simulator.py``'s ``measured_host``), one entry a
+    layer: how fast a process of this host, computing its stage alone, computes the layer against what the
+    simulation charges it (the profile's time and ``layer_overhead_s``): the profile times each layer alone, and a
+    stage computed by a process of its own runs at its own speed against that. A worker's forward and backward
+    instructions run at its layers' speed, each layer weighted by its charge; communication, copies and the optimizer
+    are measured constants of their own. Empty: every layer at 1."""

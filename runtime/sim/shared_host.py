@@ -1,59 +1,35 @@
 """One iteration's programs on workers that share the cores of one host: processor sharing, in time order.
 
 The local runtime runs every worker as a single-threaded process on one machine with a few cores, and its layers
-were profiled alone on one core. Whenever more workers compute than the host has cores, the operating system shares
-the cores out, and each computing worker advances at ``cores / computing`` of its profiled speed. A slowdown
-averaged over the iteration misses how the pipelines of a plan move: in lockstep, so their workers compute at the
-same moments and wait at the same moments, and a computation meets the contention of the moment it runs in (on a
-4 x 2 grid on two cores, a mean slowdown predicted 30% less compute than the workers measured). Here the programs
-run in time order and every computing worker's rate changes the moment a worker starts or ends a computation.
+are profiled alone on one core. Whenever more workers compute than the host has cores, the operating system shares
+the cores out, and each computing worker advances at its share of them. The programs run here in time order, and
+every computing worker's rate changes the moment a worker starts or ends a computation: the pipelines of a plan move
+in lockstep, so their workers compute at the same moments and wait at the same moments, and a computation meets the
+contention of the moment it runs in, which a slowdown averaged over the iteration misses.
 
-Communication is charged as on the checker's abstract machine (``program_check.timeline``): a message arrives after
-the link's cost, and a receive waits for it; with ``message_cpu_s``, what a message costs the processes on both
-sides of a stage boundary is CPU too, half on the sender's core before the message leaves and half on the
-receiver's once it arrived (a pipeline of four stages on four workers ran 10% slower for real than four one-stage
-replicas of the same micro-batches, where the simulation without it had it 8% faster). A worker pays its half per
-message up to one half per forward or backward pass of its own, so a stage between two others, with a message on
-each side of every pass, pays half as much per message: what a message costs is the pass after the wait, which
-finds its working set gone, not the send or the receive. Timed per instruction on an Oobleck plan of two
-three-stage pipelines on two cores (2026-11-27), a send or a receive took 0.05-0.15 ms of its worker's CPU, and the
-passes took 1.24-1.34 times their charge in CPU, the middle stage's (twice the messages) no more than the end
-stages'; charged per message, that plan's simulated iteration came out 9-12% longer than the real one in three
-runs, and 2% longer charged per pass (with the optimizer steps of ``shared_span``). Each program runs up to its
-``ReduceGrads``. Its gradient all-reduces, given, start once every co-holder of its layers has arrived there, and
-they take the cores as a computation does: on loopback an all-reduce is the processes' own copying and adding, and
-the cores it gets are those the other workers' computations leave it (on a 2 x 2 grid on two cores, the two replica
-sets reduce while the other stage still computes: charged at the link's cost alone, the iteration came out 10% short
-of the one measured). What an all-reduce costs is its CPU (``SimConfig.allreduce_cpu_bytes_per_s``, where
-measured): the link's time between two processes with a core each counts its waits too (four replicas' all-reduce
-of 13 MB cost each 8.7 ms of CPU here, a third of the 25 ms the link's rate gives). The optimizer steps are
-charged by the caller (``sim_timing``), every worker's at once with its own work (``shared_span``): a worker that
-steps fewer layers is done sooner and leaves its share of the cores to the others. (On the Oobleck plan above, the
-slowest worker's step charged to all six took 17.7 ms, each worker's own 15.6 ms; the real run took 11.3 ms from
-the last worker's report to the last one's step, 17 ms of CPU in all.)
-
-A REFT snapshot's copy, given, runs on a second thread of its worker from the iteration's start (the runtime starts it
-right after the optimizer step, and the worker waits for it before it reports the next iteration ready), and takes
-the cores as a computation does: a CPU host has no copy engine, and a copy thread is one more runnable thread. (On a
-4 x 2 grid of gpt2-tiny on two cores, a snapshot every step made the iterations 21% longer; charged beside the cores,
-the simulated iterations had not changed.)
+What takes the cores, besides the forward and backward passes:
+- **Messages.** A message arrives after the link's cost, as on the checker's abstract machine
+  (``program_check.timeline``); with ``message_cpu_s`` it also costs the processes on both sides of a stage boundary
+  CPU, half on the sender's core before it leaves and half on the receiver's once it arrived. A worker pays its half
+  per message up to one half per forward or backward pass of its own, so a stage between two others, with a message
+  on each side of every pass, pays half as much per message: what a message costs is the pass after the wait, which
+  finds its working set gone, not the send or the receive.
+- **All-reduces.** Each program runs up to its ``ReduceGrads``; its gradient all-reduces, given, start once every
+  co-holder of its layers has arrived there, and take the cores as a computation does: on loopback an all-reduce is
+  the processes' own copying and adding, and it gets the cores the other workers' computations leave it. What it
+  costs is its CPU (``SimConfig.allreduce_cpu_bytes_per_s``), not the link's time, which counts its waits too.
+- **Snapshot copies.** A REFT snapshot's copy, given, runs on a second thread of its worker from the iteration's start
+  (the runtime starts it right after the optimizer step), and takes the cores as a computation does: a CPU host has
+  no copy engine, and a copy thread is one more runnable thread.
+- **Optimizer steps.** The caller (``runtime.sim.timing``) charges every worker's step at once with its own work of
+  a step (``shared_span``): a worker that steps fewer layers is done sooner and leaves its share to the others.
 
 How much the cores give depends on how many processes compute at once (``HostCores``): past the host's cores, the
-switches between processes and their working sets in the shared caches cost more than the cores' count says, and a
-plan's workers do not all compute at every moment. (An Oobleck plan of six workers on two cores, simulated at the
-1.5 cores' worth its six workers got computing side by side, came out 12-25% slower than the real run, whose workers
-compute two or three at a time for much of an iteration, and two got 2.0 cores' worth.)
+switches between processes and their working sets in the shared caches cost more than the cores' count says.
 
-What processor sharing leaves out, measured against the runtime's workers (each instruction's wall and CPU time
-recorded on a 2 x 2 grid and an Oobleck plan of six workers on two cores): the kernel hands out the cores in slices,
-so a worker woken by a message waits for one (one-way latency between two processes 0.2 ms alone, 1.6 ms with two
-others computing, 3.4 ms with four), and runs its next instruction faster than its even share once it has one; and
-each worker steps its optimizer as soon as the commit reaches it and goes on to its next iteration without waiting
-for the others. Modelled here one at a time (a wake-up delay per message; round-robin slices of 1.5 or 3 ms; each
-worker's optimizer step at the head of its program), none moved a simulated iteration by more than 3%: the work is
-the same, and so are the cores it gets. (Slices of 6 ms made one plan 7% faster, away from the real run.) What
-differs is where the time goes: on the 2 x 2 grid the simulated optimizer steps took 15 ms, where the real next
-iteration began 7 ms after the last reduction, and the simulated programs reached it 6% sooner than the real ones.
+Left out on purpose: the kernel's time slices (a worker woken by a message waits for a core, then runs faster than
+its even share), and each worker starting its next iteration as soon as its own optimizer step is done. The work is
+the same and so are the cores it gets; ``docs/simulator.md`` says how the model is validated against the runtime.
 """
 
 from __future__ import annotations
@@ -105,9 +81,8 @@ class HostCores:
 
         Past the loads measured (a job's workers and their snapshot copies beside them), each process more gets
         what each of the last measured load got, while the host has a core for it: on a host of more cores than the
-        job has workers, four workers and their four copies are eight processes on eight cores (capped at the last
-        measured worth, the copies of a 2 x 2 grid on a 16-core host made its simulated iterations 42% longer than
-        the real ones), and where the measured load already filled the cores, the last entry holds."""
+        job has workers, four workers and their four copies are eight processes on eight cores, each getting what one
+        of the measured load got; where the measured load already filled the cores, the last entry holds."""
         if running <= 0:
             return 0.0
         if not self.by_load:
