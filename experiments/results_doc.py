@@ -103,10 +103,11 @@ def commit() -> str:
 
 
 def uncommitted() -> bool:
-    """Whether tracked files of the checkout differ from its HEAD (the figures ran on code no commit holds)."""
+    """Whether tracked files of the checkout other than ``docs/results.md`` differ from its HEAD (the figures ran on
+    code no commit holds)."""
     try:
-        out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              f":(exclude){RESULTS.relative_to(REPO)}"], capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return False
     return out.returncode == 0 and bool(out.stdout.strip())
