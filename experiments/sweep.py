@@ -221,7 +221,9 @@ def record_comparison(sweep: SweepContext, total: int, failed: int) -> list[str]
     from mlflow.entities import RunStatus
     from mlflow.tracking import MlflowClient
 
-    from ftlab.runtime.reporting.tracking import NOTE_TAG, PARENT_TAG, compare_url, ensure_experiment, view_url
+    from ftlab.runtime.reporting.tracking import (
+        NOTE_TAG, PARENT_TAG, compare_url, ensure_experiment, figures_url, view_url,
+    )
 
     client = MlflowClient(sweep.tracking_uri)
     experiment_id = ensure_experiment(client, sweep.experiment, sweep.tracking_uri)
@@ -249,6 +251,7 @@ def record_comparison(sweep: SweepContext, total: int, failed: int) -> list[str]
     return [
         f"comparison: {figure} (and on the parent run {run})",
         f"MLflow: mlflow ui --backend-store-uri {sweep.tracking_uri}, then open {view_url(server, experiment_id)}",
+        f"  with the key figures as columns (a saved view): {figures_url(server, experiment_id)}",
         f"  or compare the jobs side by side: {compare_url(server, experiment_id, [r.info.run_id for r in children])}",
     ]
 

@@ -2,8 +2,10 @@
 
 A small sweep fills a fresh store; the MLflow server serves it on the loopback interface at a free port; headless
 Chromium (Debian's ``chromium`` and ``chromium-driver``, driven by Selenium with the driver named: nothing is
-downloaded) opens the sweep's compare view and the experiment's runs table through ftlab's shared view, and each page
-must list the sweep's child runs with their ``summary/goodput_ratio`` (the runs table: with its values). The screenshots are kept in
+downloaded) opens the addresses the sweep prints. Each page is in MLflow's model-training navigation (its sidebar
+offers the model registry, not GenAI's judges) and lists the sweep's child runs: the experiment's runs table sorted by
+goodput with no shared-view banner over it, the key figures' saved view (named in the table's "Views" menu) with
+each job's ``summary/goodput_ratio``, and the compare view with that metric. The screenshots are kept in
 ``$FTLAB_UI_ARTIFACTS`` (default ``ui-artifacts/``) and on the sweep's parent run.
 """
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ftlab.runtime.reporting.tracking import compare_url, view_url
+from ftlab.runtime.reporting.tracking import KEY_FIGURES, VIEW_NAME, compare_url, figures_url, view_url
 from tests.test_sweep import ftlab, sweep_runs
 
 pytestmark = pytest.mark.ui
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.ui
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 ARTIFACTS = Path(os.environ.get("FTLAB_UI_ARTIFACTS", "ui-artifacts"))
 PAGE_TIMEOUT_S = 90
+SHARED_VIEW_BANNER = "You're viewing a shared view"
 
 
 def free_port() -> int:
@@ -106,6 +109,13 @@ def wait_for_text(driver, texts: list[str], screenshot: Path) -> str:  # noqa: A
         time.sleep(1.0)
 
 
+def assert_model_training(driver, body: str) -> None:  # noqa: ANN001
+    """The page is in the model-training navigation: the address says so, and the sidebar has the model registry
+    and none of GenAI's pages."""
+    assert "workflowType=machine_learning" in driver.current_url, driver.current_url
+    assert "Model registry" in body and "Judges" not in body and "Prompts & versions" not in body, body[:1500]
+
+
 def test_the_mlflow_ui_lists_the_sweeps_runs_with_their_goodput(
     tmp_path: Path, token_cache: Path, mlflow_server: str, browser  # noqa: ANN001
 ) -> None:
@@ -116,15 +126,24 @@ def test_the_mlflow_ui_lists_the_sweeps_runs_with_their_goodput(
     names = sorted(r.info.run_name for r in children)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
 
-    # The experiment's runs table, through ftlab's shared view: the key figures are its first metric columns.
+    # The experiment's runs table, best goodput first, with no banner over it.
     browser.get(view_url(mlflow_server, experiment_id))
-    table = wait_for_text(browser, [*names, parent.info.run_name, "summary/goodput_ratio"], ARTIFACTS / "runs-table.png")
+    runs = [*names, parent.info.run_name]
+    table = wait_for_text(browser, [*runs, f"Sort: {KEY_FIGURES[0]}"], ARTIFACTS / "runs-table.png")
+    assert_model_training(browser, table)
+    assert SHARED_VIEW_BANNER not in table
+
+    # The key figures as columns: ftlab's saved view, by its name in the Views menu, with each job's goodput.
+    browser.get(figures_url(mlflow_server, experiment_id))
+    figures = wait_for_text(browser, [*runs, "summary/goodput_ratio"], ARTIFACTS / "key-figures.png")
     goodputs = [repr(r.data.metrics["summary/goodput_ratio"])[:6] for r in children]
-    assert all(g in table for g in goodputs), (goodputs, table[:3000])
+    assert all(g in figures for g in goodputs), (goodputs, figures[:3000])
+    assert browser.find_element("css selector", "[data-testid='saved-views-trigger']").text == VIEW_NAME
+    assert_model_training(browser, figures)
 
     # MLflow's compare view of the sweep's jobs: parameters that differ, then every metric.
     browser.get(compare_url(mlflow_server, experiment_id, [r.info.run_id for r in children]))
-    wait_for_text(browser, [*names, "Show diff only"], ARTIFACTS / "compare-runs.png")
+    assert_model_training(browser, wait_for_text(browser, [*names, "Show diff only"], ARTIFACTS / "compare-runs.png"))
     browser.find_element("xpath", "//*[text()='Visualizations']").click()  # folded: the tables move up
     for switch in browser.find_elements("xpath", "//*[text()='Show diff only']")[:2]:
         switch.click()  # only the parameters and metrics that differ: the metrics table shows a few rows at a time
@@ -132,5 +151,5 @@ def test_the_mlflow_ui_lists_the_sweeps_runs_with_their_goodput(
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'})", metrics)
     wait_for_text(browser, [*names, "summary/goodput_ratio"], ARTIFACTS / "compare-runs.png")
 
-    for picture in ("compare-runs.png", "runs-table.png"):
+    for picture in ("compare-runs.png", "runs-table.png", "key-figures.png"):
         client.log_artifact(parent.info.run_id, str(ARTIFACTS / picture), "ui")

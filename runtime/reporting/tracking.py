@@ -7,11 +7,17 @@ written locally as the job goes, so a crash still leaves a complete audit trail,
 
 A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
 
-The experiment is made to open on its runs: MLflow 3 shows a new experiment's GenAI "Overview" of traces unless its
-``mlflow.experimentKind`` tag says it is a model-training one, and its runs table shows no metric column until
-chosen. So ``ensure_experiment`` marks the experiment, and stores a shared view (``mlflow.sharedViewState.ftlab``,
-the form the UI's own "Share" button writes) that opens the runs table with the key figures as columns, sorted by
-goodput: ``view_url`` is its address.
+The experiment is made to open on its runs, in MLflow's model-training navigation. MLflow's UI (3.17) takes an
+experiment's kind from its workflow switch ("GenAI" or "Model training"): the address's ``workflowType`` parameter,
+else the switch as this browser last left it, else GenAI, whose experiment page is an "Overview" of traces; the
+experiment's ``mlflow.experimentKind`` tag only labels it (and decides in UIs without the switch). So the addresses
+ftlab prints carry ``workflowType=machine_learning``: ``view_url`` opens the runs table sorted by goodput, and
+``compare_url`` the side-by-side comparison of some runs.
+
+The runs table shows no metric column until a user chooses some, in state each browser keeps for itself; a view
+stored on the experiment is the only way to bring columns along, and the UI shows a "shared view" banner over any
+such view. So the key figures are a saved view, named in the table's "Views" menu, that a user opens by choice
+(``figures_url`` opens it directly), and the runs table ``view_url`` opens has no banner.
 """
 
 from __future__ import annotations
@@ -56,10 +62,13 @@ def artifact_location(uri: str) -> str | None:
 
 
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")  # mlflow/demo/generators/traces.py
+WORKFLOW = ("workflowType", "machine_learning")
+"""The address parameter that opens an MLflow page in the model-training navigation, whatever the browser's switch."""
 PARENT_TAG = "mlflow.parentRunId"
 NOTE_TAG = "mlflow.note.content"
 """The run's description in the UI (markdown)."""
 VIEW_KEY = "ftlab"
+VIEW_NAME = "ftlab: key figures"
 KEY_FIGURES = (
     "summary/goodput_ratio",
     "summary/recovery_s_total",
@@ -83,6 +92,21 @@ def _view_state() -> str:
     })  # fmt: skip
 
 
+def _view_tag(stored: str | None) -> str:
+    """The key figures' saved view as the UI stores one (``mlflow.sharedViewState.<key>``): a name for the "Views"
+    menu, creation and update times in milliseconds, and the state as a string. A stored tag that already holds this
+    view is kept as it is, so its times stay those of its creation."""
+    state = _view_state()
+    try:
+        envelope = json.loads(stored) if stored else None
+    except ValueError:
+        envelope = None
+    if isinstance(envelope, dict) and envelope.get("name") == VIEW_NAME and envelope.get("state") == state:
+        return str(stored)
+    now = int(time.time() * 1000)
+    return json.dumps({"name": VIEW_NAME, "createdAt": now, "updatedAt": now, "state": state})
+
+
 @store_access
 def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     """The experiment's id, created (store and all) if it does not exist, and marked to open on its runs.
@@ -96,20 +120,33 @@ def ensure_experiment(client: MlflowClient, name: str, uri: str) -> str:
     tags = experiment.tags if experiment else {}
     if tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
         client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
-    if tags.get(f"mlflow.sharedViewState.{VIEW_KEY}") != _view_state():
-        client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{VIEW_KEY}", _view_state())
+    view_tag = f"mlflow.sharedViewState.{VIEW_KEY}"
+    view = _view_tag(tags.get(view_tag))
+    if tags.get(view_tag) != view:
+        client.set_experiment_tag(experiment_id, view_tag, view)
     return experiment_id
 
 
 def view_url(server: str, experiment_id: str) -> str:
-    """The runs table of the experiment with the key figures as columns, on an MLflow server at ``server``."""
-    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+    """The runs table of the experiment in the model-training navigation, best goodput first, on an MLflow server
+    at ``server``."""
+    query = urllib.parse.urlencode({WORKFLOW[0]: WORKFLOW[1], "orderByKey": f"metrics.`{KEY_FIGURES[0]}`",
+                                    "orderByAsc": "false"})  # fmt: skip
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
+
+
+def figures_url(server: str, experiment_id: str) -> str:
+    """The runs table with the key figures as columns: the saved view, under MLflow's "shared view" banner."""
+    query = urllib.parse.urlencode({WORKFLOW[0]: WORKFLOW[1], "viewStateShareKey": VIEW_KEY})
+    return f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
 
 
 def compare_url(server: str, experiment_id: str, run_ids: list[str]) -> str:
-    """MLflow's side-by-side comparison of the given runs (every param and metric, one column per run)."""
+    """MLflow's side-by-side comparison of the given runs (every param and metric, one column per run), in the
+    model-training navigation."""
     runs = json.dumps(run_ids, separators=(",", ":"))
-    return f"{server.rstrip('/')}/#/compare-runs?runs={runs}&experiments=[\"{experiment_id}\"]"
+    workflow = "=".join(WORKFLOW)
+    return f"{server.rstrip('/')}/#/compare-runs?runs={runs}&experiments=[\"{experiment_id}\"]&{workflow}"
 
 
 # Metrics are written at most this often. A write is a store transaction; one per step would cost a fast job a
