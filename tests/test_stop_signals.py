@@ -106,25 +106,46 @@ def test_a_joblib_sweep_stopped_by_sigterm_fails_its_running_jobs_and_kills_its_
 
 
 INTERRUPTED_WRITES = """
-import os, random, signal, sys, threading
+import os, signal, sys
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 from ftlab.experiments.stop_signals import Stopped, stop_on_signals
 from ftlab.runtime.core.config import TrackingConfig
 from ftlab.runtime.reporting.tracking import Tracker
 
 uri, sig, attempts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal: a test run in the background ignores it
+statements, land_at, landed = 0, None, []
+
+
+def land(conn, cursor, statement, parameters, context, executemany):
+    # After each statement the store runs, in the main thread: the chosen one's write gets the signal before it ends.
+    global statements
+    if land_at is not None:
+        statements += 1
+        if statements == land_at:
+            landed.append(statement.split()[0])
+            os.kill(os.getpid(), sig)
+
+
+event.listen(Engine, "after_cursor_execute", land)
 for attempt in range(attempts):
     stop_on_signals()  # again: a stop leaves SIGTERM and SIGHUP to their default, as a second one should find them
     tracker = Tracker(TrackingConfig(uri=uri))
     tracker.start({}, {}, "")
-    threading.Timer(random.Random(attempt).uniform(0.01, 0.2), os.kill, (os.getpid(), sig)).start()
+    statements, land_at = 0, 1 + attempt  # each attempt at the next statement of the writes below
     try:
         while True:  # nothing but writes to the store: the signal lands in one
             tracker.log_metrics({"loss": 1.0}, 0)
             tracker.flush()
     except (KeyboardInterrupt, Stopped) as exc:
+        land_at = None
         tracker.finish(failure=type(exc).__name__)
+print(" ".join(landed))
 """
+"""Runs that write metrics until a stop signal, one after the other; attempt k sends the signal right after the k-th
+SQL statement its writes run, inside that write (after an insert, the write holds SQLite's lock until it commits),
+and the statements it landed after are printed."""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
@@ -132,14 +153,18 @@ def test_a_signal_in_the_middle_of_a_write_to_the_store_still_lets_the_run_be_fa
     # Raised inside a write to SQLite, the signal's exception left the store locked, and the write of the FAILED
     # status waited for it forever: an interrupted job hung with its run RUNNING.
     uri, attempts = f"sqlite:///{tmp_path}/mlflow.db", 20
-    writing = subprocess.Popen([sys.executable, "-c", INTERRUPTED_WRITES, uri, str(sig), str(attempts)])
+    writing = subprocess.Popen([sys.executable, "-c", INTERRUPTED_WRITES, uri, str(sig), str(attempts)],
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        assert writing.wait(timeout=300) == 0
+        out, _ = writing.communicate(timeout=300)
+        assert writing.returncode == 0
     except subprocess.TimeoutExpired:
         pytest.fail("a run could not be closed after the signal")
     finally:
         writing.kill()
         writing.wait()
+    landed = out.split()
+    assert len(landed) == attempts and "INSERT" in landed, landed  # every signal came from inside a write
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
     assert [r.info.status for r in runs] == ["FAILED"] * attempts
