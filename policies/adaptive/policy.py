@@ -72,12 +72,11 @@ from ftlab.runtime.core.contract import (
 from ftlab.runtime.core.plan import PlanError
 
 REVIEW_MARGIN = 0.05
-"""A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. Measured
-here, a predicted iteration time is off by 5-25% (``experiments/bench_policies.py``, depending on the machine's
-load), but most of that error is shared by two plans of one job on one machine (the same constants, the same cost
-per layer), so their difference is known much better than either; the margin keeps a review from paying a
-pause, layer copies and a window in which a failure finds a reconfiguration half done for a gain the size of the
-model's noise between plans."""
+"""A review leaves the running plan only when staying is predicted to cost more than switching by over 5%. A
+predicted iteration time carries the machine model's error, but most of it is shared by two plans of one job on one
+machine (the same constants, the same cost per layer), so their difference is known much better than either; the
+margin keeps a review from paying a pause, layer copies and a window in which a failure finds a reconfiguration
+half done for a gain the size of the model's error between plans."""
 FIRST_PLAN_TIE = 0.01
 """First plans whose predicted iterations differ by less than 1% are a tie, which the earlier candidate in
 ``policy.candidates`` wins. Often they are the same layout (a grid is also one Oobleck instantiation), and which one
