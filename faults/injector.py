@@ -5,6 +5,10 @@
   starts is tied to it by PR_SET_PDEATHSIG. A backend with a clock of its own (the simulator) passes ``clock`` and
   ``schedule``: the events are then handed to its timers and fire in its time.
 - Step events without a phase fire when the coordinator is about to start that step.
+- A join (``kind: join``) starts the node at its time or step and returns at once: the node boots in the
+  background while training goes on, and the coordinator offers it to the policy at the first iteration boundary
+  after its workers have registered (``Backend.joined``). "Joins at step k" means "starts at step k", as a
+  replacement node on a real cluster boots for minutes beside the job it joins.
 - Step events with a phase are armed on the target worker, which stops at the start of that phase and reports it;
   the injector then kills it there. So "kill a node during the gradient reduction of step 7" happens exactly then,
   which tests need. Arms are sent again after every configuration, since restarted workers are new processes.
@@ -122,8 +126,7 @@ class Injector:
             if fault in self._pending:
                 self._pending.remove(fault)
             if fault.kind == "join":
-                # "Joins at step k" means: is up by step k, whatever this machine's start-up time.
-                self.target.start_node(fault.node, wait=fault.at_step is not None)
+                self.target.start_node(fault.node)  # returns at once: the node boots beside training
                 return self._injected(self.clock(), fault, ())
             if fault.kind == "node":
                 if fault.node not in self.target.alive_nodes():

@@ -20,6 +20,7 @@ import pytest
 from ftlab.runtime.state import checkpoint
 from ftlab.experiments.job import JobResult, compose_config, run_job
 from ftlab.runtime.control.coordinator import JobStopped
+from tests.holds import holds, up_before  # noqa: F401 - holds: a fixture
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 from tests.support import analytic_profiles, explicit
 
@@ -94,8 +95,11 @@ def test_a_node_killed_while_layers_are_being_copied(run, reference: dict[int, J
     assert 0 not in result.plans[-1].workers and 3 not in result.plans[-1].workers
 
 
-def test_a_join_after_a_failure_is_instantiated_from_the_templates(run, reference: dict[int, JobResult]) -> None:  # noqa: ANN001
-    result = run(*oobleck(6, 1), *explicit("{kind: node, node: 3, at_step: 2}", "{kind: join, node: 6, at_step: 5}"))
+def test_a_join_after_a_failure_is_instantiated_from_the_templates(
+    run, holds: Path, reference: dict[int, JobResult]  # noqa: ANN001
+) -> None:
+    faults = explicit("{kind: node, node: 3, at_step: 2}", "{kind: join, node: 6, at_step: 5}")
+    result = up_before(holds, [6], 7, lambda: run(*oobleck(6, 1), *faults))  # boots from step 5, offered by step 8
     assert_recovered_in_place(result, reference[6])
     assert 6 in result.plans[-1].workers and 3 not in result.plans[-1].workers
     assert len(result.plans) == 3

@@ -19,6 +19,7 @@ from ftlab.runtime.state import checkpoint
 from ftlab.runtime.training.layer_state import decode
 from ftlab.experiments.job import JobResult
 from ftlab.runtime.control.coordinator import JobStopped
+from tests.holds import holds, up_before  # noqa: F401 - holds: a fixture
 from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 8
@@ -103,11 +104,12 @@ def test_a_hang_and_a_node_loss_in_one_step_are_one_recovery(run, fault_free: li
     assert sorted(f.kind for f in result.faults) == ["hang", "node"]
 
 
-def test_a_joined_node_is_absorbed_at_the_next_restart(run, fault_free: list[float]) -> None:  # noqa: ANN001
-    result = run(
-        *COMMON,
-        *explicit("{kind: node, node: 1, at_step: 2}", "{kind: join, node: 4, at_step: 3}", "{kind: process, node: 0, worker: 0, at_step: 6}"),
-    )
+def test_a_joined_node_is_absorbed_at_the_next_restart(run, holds: Path, fault_free: list[float]) -> None:  # noqa: ANN001
+    # Node 4 boots beside training from step 3 on; it is up before step 5 ends (``up_before``), so it is a member by
+    # the restart of step 6.
+    faults = explicit("{kind: node, node: 1, at_step: 2}", "{kind: join, node: 4, at_step: 3}",
+                      "{kind: process, node: 0, worker: 0, at_step: 6}")  # fmt: skip
+    result = up_before(holds, [4], 5, lambda: run(*COMMON, *faults))
     assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
     final = result.plans[-1]
     assert 4 in final.workers and 1 not in final.workers and len(final.pipelines) == 2

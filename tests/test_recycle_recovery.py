@@ -21,6 +21,7 @@ import pytest
 
 from ftlab.experiments.job import JobResult, compose_config, run_job
 from ftlab.runtime.control.coordinator import JobStopped
+from tests.holds import holds, up_before  # noqa: F401 - holds: a fixture
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
 from tests.support import analytic_profiles, explicit, node, process
 
@@ -82,8 +83,9 @@ def test_a_node_of_two_workers_takes_a_whole_pipeline(run, fault_free: JobResult
     assert set(result.plans[-1].workers) == {0, 1, 4, 5, 6, 7}
 
 
-def test_a_joined_node_takes_back_the_failed_role(run, fault_free: JobResult) -> None:  # noqa: ANN001
-    result = run(*recycle(), *explicit(node(1, 2, "backward"), "{kind: join, node: 4, at_step: 5}"))
+def test_a_joined_node_takes_back_the_failed_role(run, holds: Path, fault_free: JobResult) -> None:  # noqa: ANN001
+    faults = explicit(node(1, 2, "backward"), "{kind: join, node: 4, at_step: 5}")
+    result = up_before(holds, [4], 7, lambda: run(*recycle(), *faults))  # boots from step 5, offered by step 8
     assert_on_fault_free_trajectory(result, fault_free, STEPS)
     assert [p.workers for p in result.plans[-1].pipelines] == [(0, 4), (2, 3)], "the fault-free grid again"
     assert len(result.plans) == 3 and result.faults[0].lost_steps == 0

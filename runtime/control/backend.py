@@ -170,7 +170,9 @@ class Backend(ABC):
 
     @abstractmethod
     def joined(self) -> list[int]:
-        """Nodes that joined and whose workers all registered, not offered before and not in a configured plan."""
+        """Nodes that started (``FaultTarget.start_node``) and whose workers all registered by now, not offered
+        before: each is offered once, at the iteration boundary this is asked at. A node still starting is in no
+        ``Membership`` until then, so no plan counts on it and no restart waits for it."""
 
 
 class FaultTarget(ABC):
@@ -197,8 +199,10 @@ class FaultTarget(ABC):
         """The worker stops responding (and stops heartbeating) without dying."""
 
     @abstractmethod
-    def start_node(self, node: int, wait: bool) -> None:
-        """A new node starts; with ``wait``, return once its workers have registered."""
+    def start_node(self, node: int) -> None:
+        """A new node starts in the background and returns at once: training goes on while it boots. The node joins
+        the membership once its workers have registered, as ``Backend.joined`` offers it at an iteration boundary; if
+        it dies or times out before that, the backend logs ``NodeLostWhileStarting`` and the job goes on without it."""
 
     @abstractmethod
     def arm(self, worker: int, step: int, phase: str) -> None:

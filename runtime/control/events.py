@@ -141,8 +141,12 @@ class NodesJoined(Event):
 
 @dataclass(frozen=True)
 class NodeLostWhileStarting(Event):
+    """A node died (or did not come up in time) while it started: a joining node is given up, and the job goes on
+    without it; a node lost during a restart is part of that failure."""
+
     kind: ClassVar[str] = "node_lost_while_starting"
     node: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)

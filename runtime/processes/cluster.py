@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ftlab.runtime.processes import messages as msg
 from ftlab.runtime.state import shm
+from ftlab.runtime.processes.hold import hold, registered_point
 from ftlab.runtime.processes.launchers import AgentHandle, AgentSpec, Launcher, LocalLauncher
 from ftlab.runtime.processes.placement import device_index
 
@@ -185,6 +186,8 @@ class LocalCluster:
         with self._accept_lock:  # registrations change the tables one at a time
             member = self._admit(conn, hello)
         if member is not None:
+            if member.role == "worker":
+                hold(registered_point(member.ident, hello.incarnation))  # where a test waits for a registration
             threading.Thread(target=self._read, args=(member,), daemon=True, name=f"read-{member.role}{member.ident}").start()
 
     def _admit(self, conn: Connection, hello: msg.Hello) -> Member | None:
@@ -292,6 +295,19 @@ class LocalCluster:
             for pid in workers:
                 self.launcher.signal(node, pid, signal.SIGKILL)
         self.lose_memory(node)
+
+    def abandon_node(self, node: int) -> None:
+        """Give up a node that failed to start: whatever of it runs is killed (its agent even before it registered),
+        its members count as dead, its memory is freed. Nothing of it can register later."""
+        self.kill_node(node)
+        handle = self._agent_procs.get(node)
+        if handle is not None and handle.poll() is None:
+            handle.kill()
+        self._starting.discard(node)
+        self.mark_dead("agent", node)
+        for worker in self.workers_of(node):
+            self.mark_dead("worker", worker)
+            self.incarnation[worker] = self.incarnation.get(worker, 0) + 1  # a late Hello is refused (``_admit``)
 
     def wait_gone(self, member: Member, timeout_s: float = 10.0) -> None:
         """Wait until a killed worker is gone: its connection closed, and (on this machine) its process ended."""

@@ -6,8 +6,12 @@ and their workers through the environment) and creates ``<point>.hold`` there. A
 writes ``<point>.reached`` (its pid) and waits until the ``.hold`` file is removed. Without the variable, or without
 the ``.hold`` file, ``hold`` returns at once: a job never waits on it.
 
-Points (``worker_point``): a worker after its imports (torch among them) and before it registers with the
-coordinator, by worker id and incarnation.
+Points:
+- ``worker_point``: a worker after its imports (torch among them) and before it registers with the coordinator, by
+  worker id and incarnation;
+- ``registered_point``: the coordinator once it has admitted a worker's registration (its membership counts it),
+  before it reads the worker's messages;
+- ``step_point``: the coordinator before it starts a step on the workers, after that boundary's joins were offered.
 """
 
 from __future__ import annotations
@@ -24,6 +28,16 @@ _POLL_S = 0.01
 def worker_point(worker: int, incarnation: int) -> str:
     """The point a worker reaches once its imports are done, before it registers."""
     return f"register-worker{worker}-{incarnation}"
+
+
+def registered_point(worker: int, incarnation: int) -> str:
+    """The point the coordinator reaches once it has admitted ``worker``'s registration."""
+    return f"registered-worker{worker}-{incarnation}"
+
+
+def step_point(step: int) -> str:
+    """The point the coordinator reaches before it starts ``step`` on the workers."""
+    return f"step{step}"
 
 
 def hold(point: str) -> None:

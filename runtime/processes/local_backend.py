@@ -12,6 +12,11 @@ Snapshots (``TakeSnapshot``) are asynchronous: ``save`` hands each writer its re
 from memory is verified first: every live agent takes an inventory of its node's records of the step (checksums
 included), and a record that is missing or corrupted is left out of the source. Live workers outside the new plan
 join its generation as helpers, so that the records only their node holds can still be sent.
+
+A joining node starts in the background (``start_node`` returns at once) and stays outside the membership until
+``joined`` finds, at an iteration boundary, that its agent and every worker of it have registered: no plan, restart or
+helper counts on it before. A joining node that dies or does not come up within ``_RESTART_TIMEOUT_S`` is given up
+with a ``NodeLostWhileStarting`` event; the job never waits for it and never recovers from it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -35,6 +41,7 @@ from ftlab.runtime.core.contract import Action, MemorySource, SaveCheckpoint, So
 from ftlab.runtime.core.snapshot_layout import lost_shards, records_to_write
 from ftlab.runtime.core.instructions import Program
 from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.processes.hold import hold, step_point
 
 M = TypeVar("M")
 
@@ -51,7 +58,12 @@ class LocalBackend(Backend, FaultTarget):
         self.setup = setup
         """Model, training and data settings every worker needs; sent with each Configure."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._pending_joins: set[int] = set()
+        self._joining: dict[int, float] = {}
+        """Nodes starting and not offered yet (``joined``), with when they started; outside the membership."""
+        self._joining_lock = threading.Lock()
+        """``start_node`` runs on the fault injector's thread too, beside the coordinator's."""
+        self._abandoned: set[int] = set()
+        """Joining nodes given up: the signs of their deaths are no failure of the job."""
         self._snapshots: dict[int, PendingSnapshot] = {}
         """Snapshots in flight, by step."""
         self._progress: list[SaveProgress] = []
@@ -64,7 +76,7 @@ class LocalBackend(Backend, FaultTarget):
 
     def membership(self) -> Membership:
         alive = set(self.cluster.alive_workers())
-        nodes = self.cluster.alive_nodes()
+        nodes = self._member_nodes()
         workers = {n: tuple(w for w in self.cluster.workers_of(n) if w in alive) for n in nodes}
         return Membership(
             workers_of_node={n: ws for n, ws in workers.items() if ws},
@@ -77,7 +89,8 @@ class LocalBackend(Backend, FaultTarget):
     ) -> ConfigureReport | Failure:
         helpers: tuple[int, ...] = ()
         if isinstance(restore, MemorySource):
-            helpers = tuple(w for w in self.cluster.alive_workers() if w not in plan.workers)
+            members = {w for n in self._member_nodes() for w in self.cluster.workers_of(n)}
+            helpers = tuple(w for w in self.cluster.alive_workers() if w in members and w not in plan.workers)
             self._helpers[plan.generation] = helpers
         for worker in (*plan.workers, *helpers):
             configure = msg.Configure(
@@ -88,7 +101,6 @@ class LocalBackend(Backend, FaultTarget):
         done = self._collect({*plan.workers, *helpers}, msg.Configured, lambda m: m.generation == plan.generation)
         if isinstance(done, Failure):
             return done
-        self._pending_joins -= {self.cluster.node_of(w) for w in plan.workers}
         self._configured = plan
         sources = {m.restored_from for m in done.values()} - {""}
         return ConfigureReport(
@@ -122,6 +134,7 @@ class LocalBackend(Backend, FaultTarget):
         return dataclasses.replace(source, records=tuple(intact))
 
     def begin_step(self, plan: Plan, step: int) -> None:
+        hold(step_point(step))  # where a test holds training at a step (``runtime.processes.hold``)
         for worker in plan.workers:
             self.cluster.send(worker, msg.RunStep(step))
 
@@ -205,47 +218,78 @@ class LocalBackend(Backend, FaultTarget):
                                            snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s))  # fmt: skip
 
     def restart_workers(self) -> Failure | None:
-        """End every worker process and start fresh ones on every live node.
+        """End every worker process of the membership's nodes and start fresh ones there.
 
-        Workers of a node still joining are waited for first, so none is left starting while its slot is refilled.
+        Nodes still joining are left to start on their own: they are in no plan yet, and are offered once up.
         """
-        booting = {w for n in self._pending_joins if n in self.cluster.alive_nodes() for w in self.cluster.workers_of(n)}
-        lost = self._wait_for(booting)
-        if lost:
-            return lost
-        for worker in self.cluster.alive_workers():
+        nodes = self._member_nodes()
+        alive = set(self.cluster.alive_workers())
+        ending = [w for n in nodes for w in self.cluster.workers_of(n) if w in alive]
+        for worker in ending:
             self.cluster.kill_worker(worker)
             self.cluster.mark_dead("worker", worker)
         self._snapshots.clear()  # copies in flight die with their workers: those snapshots stay incomplete
-        for member in list(self.cluster.workers.values()):
+        joining = set(self.cluster.alive_nodes()) - set(nodes)
+        for member in [m for m in self.cluster.workers.values() if m.node not in joining]:
             self.cluster.wait_gone(member)
         failure = self._drain_events()
         expected: set[int] = set()
-        for node in self.cluster.alive_nodes():
+        for node in nodes:
             expected |= self.cluster.respawn(node)
-        self._pending_joins.clear()  # every live node is now restarting: the next plan includes them all
-        lost = self._wait_for(expected)
+        lost = self._wait_for(expected, watch=nodes)
         if lost:
             failure.merge(lost)
         return failure or None
 
     def joined(self) -> list[int]:
-        alive = set(self.cluster.alive_workers())
-        ready = {n for n in self._pending_joins if set(self.cluster.workers_of(n)) <= alive}
-        self._pending_joins -= ready
-        return sorted(ready)
+        """The joining nodes up now (agent and every worker registered), each offered once; a node that has been
+        starting for longer than ``_RESTART_TIMEOUT_S`` is given up."""
+        alive, exited = set(self.cluster.alive_workers()), set(self.cluster.exited_agents())
+        agents = set(self.cluster.alive_nodes())
+        with self._joining_lock:
+            joining = dict(self._joining)
+        ready = [n for n in sorted(joining) if n in agents and n not in exited and set(self.cluster.workers_of(n)) <= alive]
+        late = [n for n, started in joining.items() if n not in ready and self.clock() - started > _RESTART_TIMEOUT_S]
+        for node in late:
+            self._abandon(node, f"it did not come up within {_RESTART_TIMEOUT_S:.0f} s")
+        with self._joining_lock:  # one given up meanwhile (a kill on the injector's thread) is not offered
+            return [n for n in ready if self._joining.pop(n, None) is not None]
+
+    def _member_nodes(self) -> list[int]:
+        """Live nodes that are members: every live node but those still joining."""
+        with self._joining_lock:
+            joining = set(self._joining)
+        return [n for n in self.cluster.alive_nodes() if n not in joining]
+
+    def _joining_node(self, node: int) -> bool:
+        with self._joining_lock:
+            return node in self._joining
+
+    def _abandon(self, node: int, reason: str) -> None:
+        """Give up a joining node that failed to start: logged, and no failure of the job (it is in no plan)."""
+        with self._joining_lock:
+            self._joining.pop(node, None)
+        self._abandoned.add(node)
+        self.cluster.abandon_node(node)
+        self._publish(ev.NodeLostWhileStarting, node=node, reason=reason)
 
     # -- faults (the injector's side) ---------------------------------------------------------------------------
     def workers_of(self, node: int) -> list[int]:
         return self.cluster.workers_of(node)
 
     def alive_nodes(self) -> list[int]:
-        return self.cluster.alive_nodes()
+        """Live nodes, those still joining included (a fault may take one down while it starts)."""
+        with self._joining_lock:
+            joining = set(self._joining)
+        return sorted(set(self.cluster.alive_nodes()) | joining)
 
     def alive_workers(self) -> list[int]:
         return self.cluster.alive_workers()
 
     def kill_node(self, node: int) -> None:
+        if self._joining_node(node):
+            self._abandon(node, "killed while it started")  # at once: no sign of it has to arrive first
+            return
         self.cluster.kill_node(node)
 
     def kill_worker(self, worker: int) -> None:
@@ -254,10 +298,10 @@ class LocalBackend(Backend, FaultTarget):
     def hang_worker(self, worker: int) -> None:
         self.cluster.kill_worker(worker, signal.SIGSTOP)
 
-    def start_node(self, node: int, wait: bool) -> None:
-        self.cluster.start_node(node)
-        if wait:
-            self.cluster.wait_for_workers(set(self.cluster.workers_of(node)), timeout_s=_RESTART_TIMEOUT_S)
+    def start_node(self, node: int) -> None:
+        with self._joining_lock:
+            self._joining[node] = self.clock()
+        self.cluster.start_node(node)  # launches the agent and returns: its workers register while training goes on
 
     def arm(self, worker: int, step: int, phase: str) -> None:
         self.cluster.send(worker, msg.ArmFault(step, phase))
@@ -308,8 +352,11 @@ class LocalBackend(Backend, FaultTarget):
             self._snapshotted(event.ident, message)
             return
         if isinstance(message, msg.Hello):
-            if message.role == "agent":
-                self._pending_joins.add(message.node)
+            if message.role == "agent":  # a node joining (one started by hand, too)
+                with self._joining_lock:
+                    self._joining.setdefault(message.node, event.at)
+            return
+        if self._lost_while_joining(event):
             return
         if isinstance(message, msg.WorkerExited):
             self._lose_worker(message.worker, message.pid, event.at, failure)
@@ -327,6 +374,24 @@ class LocalBackend(Backend, FaultTarget):
                     self._lose_worker(worker, member.pid, event.at, failure)
                 else:  # one a restart was starting: lost with its node all the same
                     failure.workers.setdefault(worker, event.at)
+
+    def _lost_while_joining(self, event: ClusterEvent) -> bool:
+        """Whether ``event`` is the death of a joining (or given-up) node's agent or worker: then the node is given
+        up, and the event is no failure of the job."""
+        message = event.message
+        if isinstance(message, msg.WorkerExited):
+            node, what = self.cluster.node_of(message.worker), f"worker {message.worker} exited"
+        elif message is None:
+            node = event.ident if event.role == "agent" else self.cluster.node_of(event.ident)
+            what = "its agent exited" if event.role == "agent" else f"worker {event.ident} exited"
+        else:
+            return False
+        if node in self._abandoned:
+            return True
+        if not self._joining_node(node):
+            return False
+        self._abandon(node, f"{what} while it started")
+        return True
 
     def _lose_worker(self, worker: int, pid: int, at: float, failure: Failure) -> None:
         """Record a worker's death once, the first time any sign of it arrives; the signs of an earlier process
@@ -348,15 +413,16 @@ class LocalBackend(Backend, FaultTarget):
             self._classify(event, failure)
         return failure
 
-    def _wait_for(self, workers: set[int]) -> Failure | None:
-        """Wait for workers to register; any node that dies meanwhile is a failure to recover from at once."""
+    def _wait_for(self, workers: set[int], watch: list[int]) -> Failure | None:
+        """Wait for workers to register; any node of ``watch`` that dies meanwhile is a failure to recover from at
+        once."""
         try:
-            self.cluster.wait_for_workers(workers, _RESTART_TIMEOUT_S, watch=self.cluster.alive_nodes())
+            self.cluster.wait_for_workers(workers, _RESTART_TIMEOUT_S, watch=watch)
         except NodeLost as lost:
             noticed = time.monotonic()
             time.sleep(_FAILURE_WINDOW_S)  # nodes lost together (a burst of a spot trace) are one failure
             failure = Failure()
-            for node in {lost.node, *self.cluster.exited_agents()}:
+            for node in {lost.node, *(n for n in self.cluster.exited_agents() if n in watch)}:
                 self.cluster.mark_dead("agent", node)
                 self.cluster.lose_memory(node)
                 self._publish(ev.NodeLostWhileStarting, node=node)

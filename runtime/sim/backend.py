@@ -154,14 +154,10 @@ class SimBackend(Backend):
     # -- the protocol ------------------------------------------------------------------------------------------
     def restart_workers(self) -> Failure | None:
         cluster = self.cluster
-        starting = [cluster.registered_at[n] for n in cluster.nodes]
-        failure = cluster.wait(max(starting, default=self.time.now), needs=set())
-        if failure:
-            return failure
-        cluster.restart()
+        cluster.restart()  # joining nodes start on beside it: no restart waits for them
         self.memory.restart()
         self._launch_s = 0.0
-        slots = {node: tuple(cluster.workers_of(node)) for node in cluster.nodes}
+        slots = {node: tuple(cluster.workers_of(node)) for node in sorted(cluster.members())}
         failure = cluster.wait(self.time.now + self.machine.restart_s(slots), needs=set())
         for node in failure.nodes if failure else ():
             self._publish(ev.NodeLostWhileStarting, node=node)
@@ -190,8 +186,6 @@ class SimBackend(Backend):
             return failure
         for worker in cost.gaining:  # the others hold their stage already
             cluster.held.setdefault(worker, set()).update(range(*ranges[worker]))
-        if cluster.pending_joins:
-            cluster.pending_joins -= {cluster.node_of(w) for w in plan.workers}
         self._configured = _Configured(plan.generation, timing, needs, plan, programs)
         self._overlapped = None
         self.memory.forget_reductions()

@@ -6,8 +6,10 @@ closed connection), a hung worker after ``cluster.heartbeat_timeout_s`` of silen
 notice the coordinator waits ``sim.failure_window_s`` for the rest of the failure. A worker that is dead or hung
 blocks whatever waits for it, so the wait lasts until its failure is noticed (``wait``).
 
-A join with ``wait`` (a step-clocked join) moves the clock to when the node's workers have registered without firing
-the timers in between (the injector is firing one): those fire at once after it.
+A join starts a node beside training, as on the runtime: its workers register ``sim.node_start_s`` plus their
+processes' start (``SimMachine.start_s``) later, and the node is offered (``joined``) at the first iteration boundary
+after that; until then it is in no membership, so no plan, restart or wait counts on it and the clock never stops for
+it. A joining node killed before it is offered is given up (``NodeLostWhileStarting``), no failure of the job.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ class SimCluster(FaultTarget):
         """Called when a node dies: its host memory, every record in it, is gone."""
         self.nodes: set[int] = set(range(nodes))
         """Nodes whose agent is alive."""
-        self.registered_at: dict[int, float] = dict.fromkeys(range(nodes), 0.0)
-        """When each node's workers register (later than now for a node still starting)."""
+        self.joining: dict[int, float] = {}
+        """Nodes started and not offered yet (alive agents outside the membership), and when their workers
+        register."""
         self.alive: set[int] = {w for n in range(nodes) for w in self.workers_of(n)}
         self.held: dict[int, set[int]] = {w: set() for w in self.alive}
         """The layers each live worker holds."""
@@ -52,7 +55,6 @@ class SimCluster(FaultTarget):
         self.nodes_unnoticed: dict[int, float] = {}
         self.hung: dict[int, float] = {}
         """Hung workers (alive to everyone) and when their silence is noticed."""
-        self.pending_joins: set[int] = set()
         self.armed: dict[int, tuple[int, str]] = {}
         """Phase faults: worker -> (step, phase) where it stops."""
         self._membership: Membership | None = None
@@ -72,7 +74,7 @@ class SimCluster(FaultTarget):
 
     def membership(self) -> Membership:
         if self._membership is None:
-            slots = {n: tuple(self.workers_of(n)) for n in sorted(self.nodes)}
+            slots = {n: tuple(self.workers_of(n)) for n in sorted(self.members())}
             alive = self.alive
             workers = {n: ws if alive.issuperset(ws) else tuple(w for w in ws if w in alive) for n, ws in slots.items()}
             self._membership = Membership(
@@ -80,29 +82,42 @@ class SimCluster(FaultTarget):
             )
         return self._membership
 
+    def members(self) -> set[int]:
+        """Live nodes that are members: every live node but those still joining."""
+        return self.nodes - self.joining.keys() if self.joining else self.nodes
+
     def changed(self) -> None:
         self._membership = None
 
     def restart(self) -> None:
-        """Every live node's worker processes ended and started fresh, holding nothing."""
-        workers = [w for n in sorted(self.nodes) for w in self.workers_of(n)]
+        """Every member node's worker processes ended and started fresh, holding nothing (joining nodes start on)."""
+        workers = [w for n in sorted(self.members()) for w in self.workers_of(n)]
         self.alive = set(workers)
         self.held = {w: set() for w in workers}
         self.hung.clear()  # every worker process is ended, hung ones too
-        self.pending_joins.clear()  # every live node restarts: the next plan includes them all
         self.changed()
 
     def joined(self) -> list[int]:
+        """The joining nodes whose workers have registered by now, each offered once: members from here on."""
         now = self.clock.now
-        ready = {n for n in self.pending_joins if n in self.nodes and self.registered_at[n] <= now}
-        self.pending_joins -= ready
-        return sorted(ready)
+        ready = sorted(n for n, registered in self.joining.items() if registered <= now)
+        for node in ready:
+            del self.joining[node]
+            for worker in self.workers_of(node):
+                self.alive.add(worker)
+                self.held[worker] = set()
+        if ready:
+            self.changed()
+        return ready
 
     # -- faults (the injector's side) --------------------------------------------------------------------------
     def kill_node(self, node: int) -> None:
         if node not in self.nodes:
             return
         self.nodes.discard(node)
+        if self.joining.pop(node, None) is not None:  # in no plan yet: given up, the job goes on
+            self.bus.publish(ev.NodeLostWhileStarting(at=self.clock.now, node=node, reason="killed while it started"))
+            return
         self.lose_memory(node)
         noticed = self.clock.now + self.sim.detect_s
         self.nodes_unnoticed[node] = noticed
@@ -121,24 +136,10 @@ class SimCluster(FaultTarget):
         if worker in self.alive and worker not in self.hung:
             self.hung[worker] = self.clock.now + self.heartbeat_timeout_s
 
-    def start_node(self, node: int, wait: bool) -> None:
+    def start_node(self, node: int) -> None:
+        """The node boots beside training: the clock goes on, and ``joined`` offers it once its workers are up."""
         self.nodes.add(node)
-        self.registered_at[node] = self.clock.now + self.sim.node_start_s + self.machine.start_s(self.workers_per_node)
-        self.pending_joins.add(node)
-        self.changed()
-        if wait:
-            self.clock.now = max(self.clock.now, self.registered_at[node])
-            self._register(node)
-        else:
-            self.clock.call_at(self.registered_at[node], lambda: self._register(node))
-
-    def _register(self, node: int) -> None:
-        """The node's workers are up."""
-        if node in self.nodes:
-            for worker in self.workers_of(node):
-                self.alive.add(worker)
-                self.held[worker] = set()
-            self.changed()
+        self.joining[node] = self.clock.now + self.sim.node_start_s + self.machine.start_s(self.workers_per_node)
 
     def arm(self, worker: int, step: int, phase: str) -> None:
         self.armed[worker] = (step, phase)
