@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.experiments.job import JobResult, compose_config
+from ftlab.experiments.simulate import simulate_job
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.core.contract import ConfigError
@@ -16,7 +17,7 @@ STEPS = 8
 
 
 def simulate(job_overrides: list[str], *overrides: str) -> JobResult:
-    return run_job(compose_config([*job_overrides, "mode=simulate", "policy=elastic", "cluster=local-4",
+    return simulate_job(compose_config([*job_overrides, "mode=simulate", "policy=elastic", "cluster=local-4",
                                    "train.stages=2", f"train.steps={STEPS}", *overrides]))  # fmt: skip
 
 

@@ -1,0 +1,68 @@
+"""Job morphing: the configuration of the live workers the machine predicts fastest, the global batch fixed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ftlab.runtime.core.contract import Job
+from ftlab.runtime.core.costs import LayerProfile, layer_bytes, stage_footprint
+from ftlab.runtime.core.plan import Plan, PlanError, even_split, grid_plan
+from ftlab.runtime.core.scheduler import one_f_one_b
+
+
+@dataclass(frozen=True)
+class Morph:
+    """One configuration and what the machine predicts of it."""
+
+    plan: Plan
+    stages: int
+    pipelines: int
+    micro_batch: int
+    step_s: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.global_batch / self.step_s
+
+
+def micro_batches(job: Job) -> list[int]:
+    """The micro-batch sizes considered, largest first: the divisors of the global batch up to ``train.micro_batch``
+    (the size the machine's profile is taken at; see ``policy``'s docstring)."""
+    t = job.train
+    return [m for m in range(t.micro_batch, 0, -1) if t.global_batch % m == 0]
+
+
+def fits(job: Job, stages: int, micro_batch: int) -> bool:
+    """Every stage of an even split into ``stages`` fits a device at ``micro_batch`` (1F1B keeps ``stages - s``
+    micro-batches in flight at stage ``s``): the memory formula the preflight check uses."""
+    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, micro_batch, job.model.seq_len)) for spec in job.specs]
+    return all(
+        stage_footprint(layers, start, stop, stages - s, job.train.activation_checkpointing) <= job.device_memory_bytes
+        for s, (start, stop) in enumerate(even_split(len(layers), stages))
+    )
+
+
+def morph(workers: Sequence[int], job: Job, generation: int, step: int) -> tuple[Morph, list[Morph]]:
+    """The fastest configuration over ``workers`` and every one weighed. For each pipeline depth and micro-batch size
+    that fits memory, as many pipelines as the workers fill and the micro-batches feed. Raises PlanError, saying what
+    to change, when none fits."""
+    t, machine = job.train, job.machine()
+    weighed: list[Morph] = []
+    for stages in range(1, min(len(job.specs), len(workers)) + 1):
+        for micro in micro_batches(job):
+            if not fits(job, stages, micro):
+                continue
+            pipelines = min(len(workers) // stages, t.global_batch // micro)
+            plan = grid_plan(list(workers[: stages * pipelines]), stages, len(job.specs), t.global_batch, micro,
+                             generation, step)  # fmt: skip
+            weighed.append(Morph(plan, stages, pipelines, micro, machine.step_s(plan, one_f_one_b(plan))))
+    if not weighed:
+        raise PlanError(
+            f"no configuration of {len(workers)} workers fits {job.model.name} in {job.device_memory_bytes / 2**30:.2f} "
+            f"GiB a device at any micro-batch up to train.micro_batch={t.micro_batch}: raise "
+            f"cluster.device_memory_gb, add nodes, or set train.activation_checkpointing=true"
+        )
+    # Fastest first; among equal predictions the one using more workers, then the deeper micro-batch.
+    best = max(weighed, key=lambda m: (m.samples_per_s, len(m.plan.workers), m.micro_batch))
+    return best, weighed

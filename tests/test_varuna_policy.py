@@ -1,0 +1,46 @@
+"""``policy=varuna`` morphs over every live node where ``checkpoint_restart`` keeps its grid: the same failure on the
+same cluster, in the simulator (the same policy code the processes run); and what it refuses before any worker."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from ftlab.experiments.job import JobResult, check_job, compose_config
+from ftlab.experiments.simulate import simulate_job
+from ftlab.runtime.core.contract import ConfigError
+from tests.support import explicit, node
+
+# Six A40 nodes of one GPU (Oobleck's evaluation cluster, cut down): for gpt2-small the machine predicts five
+# workers in one five-stage pipeline faster than the 2 x 2 grid of train.stages=2 on the five survivors.
+CLUSTER = ["mode=simulate", "cluster=a40-30x1", "cluster.nodes=6", "cluster.backend=gloo", "model=gpt2-small",
+           "train.stages=2", "train.steps=6", "protection=storage", "protection.every=2"]  # fmt: skip
+
+
+def simulate(job_overrides: list[str], policy: str) -> JobResult:
+    return simulate_job(compose_config([*job_overrides, *CLUSTER, f"policy={policy}", *explicit(node(3, 3, "backward"))]))
+
+
+def test_varuna_uses_every_surviving_node_where_checkpoint_restart_idles_one(job_overrides: list[str]) -> None:
+    grid = simulate(job_overrides, "checkpoint_restart")
+    morphed = simulate(job_overrides, "varuna")
+    survivors = 5
+    assert len(grid.plans[-1].workers) == 4, "the 2 x 2 grid of train.stages leaves a survivor idle"
+    assert len(morphed.plans[-1].workers) == survivors
+    assert [r.step for r in morphed.steps][-1] == 5 and morphed.faults[0].lost_steps == 1, "restarted from step 2"
+
+
+def refused(job_overrides: list[str], *overrides: str) -> str:
+    cfg = OmegaConf.to_object(compose_config([*job_overrides, "policy=varuna", *overrides]))
+    with pytest.raises(ConfigError) as info:
+        check_job(cfg)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+def test_varuna_without_saved_state_is_refused(job_overrides: list[str]) -> None:
+    assert "add protection=storage" in refused(job_overrides, "protection=none")
+
+
+def test_varuna_where_no_configuration_fits_memory_is_refused(job_overrides: list[str]) -> None:
+    message = refused(job_overrides, "protection=storage", "cluster.device_memory_gb=0.001")
+    assert "no configuration of 4 workers fits" in message and "raise cluster.device_memory_gb" in message
