@@ -9,8 +9,11 @@ from dataclasses import dataclass
 class StorageConfig:
     _target_: str = "ftlab.policies.storage.protection.StorageProtection"
     name: str = "storage"
-    every: int = 5
-    """Committed steps between checkpoints."""
+    every: int | None = 5
+    """Committed steps between checkpoints; null to checkpoint by the clock (``every_s``). One of the two is set."""
+    every_s: float | None = None
+    """Seconds of training between checkpoints, on the machine's clock (``protection.StorageProtection``), so an
+    interval means the same at any iteration speed; set ``every`` to null with it."""
     keep: int = 2
     """Committed checkpoints kept on storage (older ones are deleted)."""
 
