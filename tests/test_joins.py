@@ -18,6 +18,7 @@ from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import JobResult, compose_config
 from ftlab.experiments.simulate import simulate
 from ftlab.runtime.control import events as ev
+from ftlab.runtime.processes import local_backend
 from ftlab.runtime.processes.hold import registered_point, step_point, worker_point
 from tests.holds import JobThread, hold_at, holds, release  # noqa: F401 - holds: a fixture
 from tests.oracle import assert_on_fault_free_trajectory
@@ -77,6 +78,18 @@ def test_a_joining_node_killed_while_it_starts_is_logged_and_the_job_goes_on(run
     assert not of(result, ev.FailureDetected) and not of(result, ev.NodesJoined)
     assert [s.step for s in result.steps] == list(range(STEPS)), "no step lost, none repeated"
     assert len(result.plans) == 1
+
+
+def test_a_joining_node_not_up_in_time_is_given_up_and_the_job_goes_on(
+    run, holds: Path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    monkeypatch.setattr(local_backend, "_RESTART_TIMEOUT_S", 0.0)  # late at the first boundary after its start
+    hold_at(holds, worker_point(JOINING_WORKER, 0))  # and held: it cannot be up by then
+    result = run(*OOBLECK, *explicit(f"{{kind: join, node: 6, at_step: {JOINS_AT}}}"))
+    (lost,) = of(result, ev.NodeLostWhileStarting)
+    assert lost.node == 6 and lost.reason == "it did not come up within 0 s"
+    assert not of(result, ev.FailureDetected) and not of(result, ev.NodesJoined)
+    assert [s.step for s in result.steps] == list(range(STEPS)) and len(result.plans) == 1
 
 
 # -- the simulator -----------------------------------------------------------------------------------------------

@@ -248,7 +248,8 @@ class LocalBackend(Backend, FaultTarget):
         agents = set(self.cluster.alive_nodes())
         with self._joining_lock:
             joining = dict(self._joining)
-        ready = [n for n in sorted(joining) if n in agents and n not in exited and set(self.cluster.workers_of(n)) <= alive]
+        ready = [n for n in sorted(joining)
+                 if n in agents and n not in exited and set(self.cluster.workers_of(n)) <= alive]  # fmt: skip
         late = [n for n, started in joining.items() if n not in ready and self.clock() - started > _RESTART_TIMEOUT_S]
         for node in late:
             self._abandon(node, f"it did not come up within {_RESTART_TIMEOUT_S:.0f} s")
@@ -256,10 +257,11 @@ class LocalBackend(Backend, FaultTarget):
             return [n for n in ready if self._joining.pop(n, None) is not None]
 
     def _member_nodes(self) -> list[int]:
-        """Live nodes that are members: every live node but those still joining."""
+        """Live nodes that are members: every live node but those still joining (or given up, whose agent may
+        register after all, only to be ended)."""
         with self._joining_lock:
-            joining = set(self._joining)
-        return [n for n in self.cluster.alive_nodes() if n not in joining]
+            outside = set(self._joining) | self._abandoned
+        return [n for n in self.cluster.alive_nodes() if n not in outside]
 
     def _joining_node(self, node: int) -> bool:
         with self._joining_lock:
