@@ -1,19 +1,26 @@
 """Every recovery policy and ``policy=adaptive`` side by side, on one job under one mixed fault schedule.
 
-    .venv/bin/python -m ftlab.experiments.bench_policies            # the full comparison (local-8, 30 steps)
-    .venv/bin/python -m ftlab.experiments.bench_policies --smoke    # local-6, 12 steps: that it runs and prints
+    .venv/bin/python -m ftlab.experiments.bench_policies            # the full comparison (local-8, 40 steps)
+    .venv/bin/python -m ftlab.experiments.bench_policies --smoke    # local-6, 20 steps: that it runs and prints
     .venv/bin/python -m ftlab.experiments.bench_policies --rounds 3 # each policy three times: its median run
 
 The job: gpt2-tiny, ``train.stages=2``, each device granted 40 MB (so every policy's pipelines have two stages and
 the schedule's victims sit in known stages of the 2 x N grid: even workers hold stage 0, odd ones stage 1). The
 schedule (explicit, step-clocked, the same kills for every policy):
 
-- a single worker process killed (worker 1, stage 1),
+- a single worker process killed (worker 1, stage 1), in ``--phase`` of its step,
 - a node killed (node 2, stage 0),
 - a whole-stage loss: the processes of every other stage-1 worker killed, one a step (with worker 1 already gone,
   the last kill leaves no replica of stage 1 in the grid; killed in one step, all but the first would find the
   iteration already aborted),
-- a join: a new node (``local-N``'s node N) joins.
+- a join: a new node (``local-N``'s node N) starts right after the stage is lost and boots beside training; the
+  policy gets it at the first iteration boundary after it is up.
+
+Every fault the schedule plans must fire: a fault that did not (its target never entered its phase, or was gone
+already) fails the bench, since the scenario it claims to test was not tested. So only the first kill waits for a
+phase: it alone meets the grid as planned. The later ones fire as their step starts, wherever their target is then:
+after a recovery a policy may have moved a worker, left it out as a spare, or kept it as a stage's last replica,
+which has no gradient reduction to be killed in.
 
 Every policy found that recovers runs (``Roles``): each single one (``checkpoint_restart``, ``oobleck``, ``recycle``)
 with its best protection, and each that chooses among the others' answers (``policy=adaptive``) with the same:
@@ -27,11 +34,15 @@ run's fault-free iterations, the total pause (``ft/recover_s`` summed over the f
 policy that predicts (adaptive) the prediction error: per recovery, |predicted - measured| / measured of the pause
 (predicted ``ft/predicted_recover_s`` against ``ft/recover_s``) and of the iteration time (``predicted_iter_s``
 against the median ``iter_s`` of the plan it chose; a switch at a review counts too), the median over recoveries.
-With ``--rounds N`` every policy runs N times, each round in an order rotated by one, and the figures are each
-policy's run of median goodput (every round's goodput beside them): one run of a policy and the next differ by
-5-10% on this shared machine, as much as the policies' own differences on this schedule. The last line is one JSON
-object: ``goodput`` per policy and ``adaptive_vs_best_single`` (adaptive's goodput over the best single policy's;
-``vs_best_single`` has it for every policy that chooses), with the other figures beside them.
+``join_stall_s`` is how long training stood still for the join: from the iteration boundary where the policy got the
+node to the start of the next step (the decision and its configuration; the node's start-up runs beside training and
+is ``join_boot_s``, with ``steps_while_joining`` committed meanwhile). Its target is the configuration pause alone,
+under ``JOIN_STALL_TARGET_S``, not a process start. With ``--rounds N`` every policy runs N times, each round in an
+order rotated by one, and the figures are each policy's run of median goodput (every round's goodput beside them):
+one run of a policy and the next differ by 5-10% on this shared machine, as much as the policies' own differences on
+this schedule. The last line is one JSON object: ``goodput`` and ``join_stall_s`` per policy and
+``adaptive_vs_best_single`` (adaptive's goodput over the best single policy's; ``vs_best_single`` has it for every
+policy that chooses), with the other figures beside them.
 
 Adaptive predicts for the host in ``sim`` (``Job.machinery``): ``conf/sim/measured.yaml`` holds an idle host's
 constants, and this machine is shared. Before each job the bench measures the cores the workers of the job's first
@@ -55,6 +66,9 @@ from pathlib import Path
 from typing import Any
 
 from ftlab.policies import catalog
+
+JOIN_STALL_TARGET_S = 1.0
+"""A join may stop training for its configuration, not for a node's start."""
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
@@ -83,15 +97,17 @@ def job(nodes: int, steps: int) -> list[str]:
 
 def schedule(nodes: int, steps: int, phase: str) -> list[str]:
     """The mixed schedule, spread over the job: a worker, a node, the rest of stage 1, then a new node (node ids are
-    never reused)."""
-    at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.45, 0.75)]
+    never reused) that boots through the rest of the job."""
+    at = [max(2, round(steps * f)) for f in (0.1, 0.2, 0.3)]  # the join's node boots through the rest of the job
 
     def process(n: int, step: int) -> str:
-        return f"{{kind: process, node: {n}, worker: 0, at_step: {step}, phase: {phase}}}"
+        return f"{{kind: process, node: {n}, worker: 0, at_step: {step}}}"
 
-    stage_one = [process(n, at[2] + i) for i, n in enumerate(range(3, nodes, 2))]
-    events = [process(1, at[0]), f"{{kind: node, node: 2, at_step: {at[1]}, phase: {phase}}}", *stage_one,
-              f"{{kind: join, node: {nodes}, at_step: {at[3]}}}"]  # fmt: skip
+    rest = list(range(3, nodes, 2))
+    stage_one = [process(n, at[2] + i) for i, n in enumerate(rest)]
+    first = f"{{kind: process, node: 1, worker: 0, at_step: {at[0]}, phase: {phase}}}"
+    events = [first, f"{{kind: node, node: 2, at_step: {at[1]}}}", *stage_one,
+              f"{{kind: join, node: {nodes}, at_step: {at[2] + len(rest)}}}"]  # fmt: skip
     return ["faults=explicit", f"faults.events=[{', '.join(events)}]"]
 
 
@@ -122,8 +138,48 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
         return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.monotonic() - started}
     figures = measure(result)
     figures["wall_s"] = time.monotonic() - started
-    print(f"  {policy}: {figures['wall_s']:.0f} s, goodput {figures['goodput']:.2f} samples/s", flush=True)
+    unfired = unfired_faults(result)
+    if unfired:
+        figures["unfired"] = unfired
+        print(f"  {policy}: planned faults that never fired: {'; '.join(unfired)}", flush=True)
+    print(f"  {policy}: {figures['wall_s']:.0f} s, goodput {figures['goodput']:.2f} samples/s, join stall "
+          f"{_seconds(figures.get('join_stall_s'))} (boot {_seconds(figures.get('join_boot_s'))})", flush=True)
     return figures
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def unfired_faults(result: Any) -> list[str]:
+    """The planned faults a finished job did not fire (skipped, or never reached), each with the reason."""
+    from ftlab.runtime.control import events as ev
+
+    missed = [e for e in result.events if isinstance(e, (ev.FaultUnfired, ev.FaultSkipped))]
+    return [f"{e.fault.get('kind')} fault at step {e.fault.get('at_step')}: {e.reason}" for e in missed]
+
+
+def join_figures(result: Any) -> dict[str, Any]:
+    """How the join went: ``join_boot_s`` from the node's start to the boundary where the policy got it (training
+    going on), ``steps_while_joining`` committed meanwhile, and ``join_stall_s``, how long training stood still for
+    it: from that boundary to the start of the next step (the decision and its configuration). None where the node
+    was not up before the job ended."""
+    from ftlab.runtime.control import events as ev
+
+    started = [e for e in result.events if isinstance(e, ev.FaultInjected) and e.fault_kind == "join"]
+    offered = [e for e in result.events if isinstance(e, ev.NodesJoined)]
+    if not started:
+        return {}
+    if not offered:
+        return {"join_stall_s": None, "join_boot_s": None, "steps_while_joining": None}
+    start, offer = started[0], offered[0]
+    after = [s for s in result.steps if s.at > offer.at]
+    resumed = after[0].at - after[0].iter_s if after else None
+    return {
+        "join_stall_s": None if resumed is None else resumed - offer.at,
+        "join_boot_s": offer.at - start.at,
+        "steps_while_joining": len([s for s in result.steps if start.at < s.at < offer.at]),
+    }
 
 
 def measure(result: Any) -> dict[str, Any]:
@@ -167,6 +223,7 @@ def measure(result: Any) -> dict[str, Any]:
         if review.predicted_pause_s is not None and review.generation in configured:
             row |= {"predicted_pause_s": review.predicted_pause_s, "pause_s": configured[review.generation] - review.at}
         figures["decisions"].append(row)
+    figures |= join_figures(result)
     if pause_errors or iter_errors:
         figures["pause_error"] = statistics.median(pause_errors) if pause_errors else None
         figures["iter_error"] = statistics.median(iter_errors) if iter_errors else None
@@ -175,36 +232,40 @@ def measure(result: Any) -> dict[str, Any]:
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median goodput (the lower of two middle ones), with every round's goodput beside it; a policy
-    that failed in any round is reported failed."""
+    that failed in any round is reported failed, and a fault unfired in any round is reported unfired."""
     failed = [r for r in runs if "error" in r]
     if failed:
         return {**failed[0], "error": f"failed in {len(failed)} of {len(runs)} rounds: {failed[0]['error']}"}
     ranked = sorted(runs, key=lambda r: r["goodput"])
-    return {**ranked[(len(ranked) - 1) // 2], "rounds_goodput": [r["goodput"] for r in runs]}
+    unfired = [fault for r in runs for fault in r.get("unfired", [])]
+    median = {**ranked[(len(ranked) - 1) // 2], "rounds_goodput": [r["goodput"] for r in runs]}
+    return {**median, "unfired": unfired} if unfired else median
 
 
 def table(report: dict[str, dict[str, Any]]) -> str:
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{100 * value:.0f}%"
 
-    lines = [f"{'policy':<20}{'goodput':>10}{'ratio':>8}{'pause s':>9}{'lost':>6}{'pause err':>11}{'iter err':>10}"]
+    lines = [f"{'policy':<20}{'goodput':>10}{'ratio':>8}{'pause s':>9}{'lost':>6}{'pause err':>11}{'iter err':>10}"
+             f"{'join stall s':>14}"]
     for policy, r in report.items():
         if "error" in r:
             lines.append(f"{policy:<20}  did not finish: {r['error'].splitlines()[0][:80]}")
             continue
         lines.append(
             f"{policy:<20}{r['goodput']:>10.2f}{r['goodput_ratio']:>8.3f}{r['pause_s']:>9.2f}{r['lost_steps']:>6}"
-            f"{pct(r.get('pause_error')):>11}{pct(r.get('iter_error')):>10}"
+            f"{pct(r.get('pause_error')):>11}{pct(r.get('iter_error')):>10}{_seconds(r.get('join_stall_s')):>14}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="local-6, 12 steps: that it runs and prints")
+    parser.add_argument("--smoke", action="store_true", help="local-6, 20 steps: that it runs and prints")
     parser.add_argument("--nodes", type=int, default=8, help="cluster=local-N (even: a 2 x N/2 grid)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--phase", default="reduce", help="the phase of its step each kill fires in")
+    parser.add_argument("--steps", type=int, default=40,
+                        help="enough that the joining node, started after the stage is lost, is up before the end")
+    parser.add_argument("--phase", default="reduce", help="the phase of its step the first kill fires in")
     parser.add_argument("--protection", default="reft", help="every policy's protection (reft or storage)")
     parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
     parser.add_argument("--policies", nargs="*", default=compared())
@@ -216,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/results.md")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.nodes, args.steps = 6, 12
+        args.nodes, args.steps = 6, 20
     protection = [f"protection={args.protection}",
                   f"protection.{'flush_every' if args.protection == 'reft' else 'every'}={args.flush_every}"]  # fmt: skip
     overrides = [*job(args.nodes, args.steps), *schedule(args.nodes, args.steps, args.phase), *protection]
@@ -241,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     vs_best = {p: goodput[p] / best if p in goodput and best else None for p in choosers()}
     for policy, ratio in vs_best.items():
         print(f"{policy} vs best single policy: {'-' if ratio is None else f'{ratio:.3f}'}")
+    stalls = {p: r.get("join_stall_s") for p, r in report.items() if "goodput" in r}
+    print(f"join stall (target under {JOIN_STALL_TARGET_S:g} s): "
+          + ", ".join(f"{p} {_seconds(stall)}" for p, stall in stalls.items()))  # fmt: skip
     print(json.dumps({"goodput": goodput, "adaptive_vs_best_single": vs_best.get("adaptive"), "vs_best_single": vs_best,
-                      "policies": report}, default=str))  # fmt: skip
+                      "join_stall_s": stalls, "policies": report}, default=str))  # fmt: skip
     if args.write_docs:
         from ftlab.experiments import results_doc
 
@@ -252,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             f"prediction errors: median over recoveries)": report,
             "": {f"{policy}_vs_best_single": ratio for policy, ratio in vs_best.items()},
         }, argv)  # fmt: skip
-    return 0
+    unfired = {p: r["unfired"] for p, r in report.items() if r.get("unfired")}
+    for policy, faults in unfired.items():
+        print(f"FAILED: {policy}'s job did not fire every planned fault: {'; '.join(faults)}", file=sys.stderr)
+    return 1 if unfired else 0
 
 
 if __name__ == "__main__":
