@@ -82,5 +82,5 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     finally:
         injector.stop()
         seen.progress.close()
-    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.timer.components)
+    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.machine.timer.components)
 

@@ -112,7 +112,6 @@ class SimBackend(Backend):
         self.machine = machine
         """What everything costs (``runtime.sim.machines``): the one model the policies predict with too."""
         self.sim = machine.sim
-        self.timer = machine.timer
         self.bus = bus
         self.time = Clock()
         self.memory = SnapshotMemory(machine, self.time)
@@ -167,7 +166,7 @@ class SimBackend(Backend):
         self, plan: Plan, programs: Mapping[int, ins.Program], transfers: Mapping[int, ins.Program], restore: Source | None
     ) -> ConfigureReport | Failure:
         cluster = self.cluster
-        timing = self.timer.time(plan, programs)
+        timing = self.machine.iteration(plan, programs)
         ranges = plan.layer_ranges()
         needs = frozenset(ranges)
         started = self.time.now + self.memory.copying(needs)  # a worker finishes its snapshot first
