@@ -36,7 +36,7 @@ from ftlab.faults.schedules import (
 from ftlab.runtime.state import checkpoint
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
-from ftlab.runtime.core.config import ClusterConfig, SimConfig
+from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.core.costs import CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint
 from ftlab.runtime.control.coordinator import JobStopped
@@ -192,6 +192,18 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
         )
+    if t.optimizer not in OPTIMIZERS or t.lr_schedule not in LR_SCHEDULES or t.warmup_type not in WARMUP_TYPES:
+        raise ConfigError(
+            f"train.optimizer={t.optimizer}, train.lr_schedule={t.lr_schedule}, train.warmup_type={t.warmup_type}: "
+            f"use one of {', '.join(OPTIMIZERS)}; {', '.join(LR_SCHEDULES)}; {', '.join(WARMUP_TYPES)}"
+        )
+    if not t.eps > 0 or min(t.warmup_min_lr, t.warmup_min_ratio, t.cos_min_ratio) < 0 or (t.decay_steps or 1) < 1:
+        raise ConfigError(
+            "train.eps must be > 0, train.warmup_min_lr, train.warmup_min_ratio and train.cos_min_ratio >= 0, and "
+            "train.decay_steps at least 1 (or null: train.steps)"
+        )
+    if t.lr_schedule != "cosine" and t.warmup_steps < 1:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: DeepSpeed's {t.lr_schedule} warms up over 1 step or more")
     machinery = sim_problems(cfg.sim)
     if machinery:
         raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
@@ -574,7 +586,7 @@ def worker_setup(cfg: JobConfig, checked: Preflight) -> dict[str, Any]:
     t, c = cfg.train, cfg.cluster
     return {
         "model": cfg.model,
-        "optim": OptimSettings(t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2),
+        "optim": OptimSettings.of(t),
         "seed": t.seed,
         "tokens_path": str(checked.tokens),
         "backend": checked.backend,

@@ -44,3 +44,15 @@ def test_varuna_without_saved_state_is_refused(job_overrides: list[str]) -> None
 def test_varuna_where_no_configuration_fits_memory_is_refused(job_overrides: list[str]) -> None:
     message = refused(job_overrides, "protection=storage", "cluster.device_memory_gb=0.001")
     assert "no configuration of 4 workers fits" in message and "raise cluster.device_memory_gb" in message
+
+
+def test_varuna_weighs_only_configurations_its_protection_can_protect(job_overrides: list[str]) -> None:
+    """On five nodes the machine predicts one five-stage pipeline fastest, which REFT cannot protect (a single holder
+    of every layer): Varuna takes the fastest configuration with two replicas of every stage instead of being
+    refused, as it was on real processes under bench_policies' measured host."""
+    five = [*job_overrides, *CLUSTER[:-2], "cluster.nodes=5", "policy=varuna"]  # CLUSTER less its protection
+    fastest = check_job(OmegaConf.to_object(compose_config([*five, "protection=storage"])))  # type: ignore[arg-type]
+    assert len(fastest.decision.plan.pipelines) == 1, "the case this test is about: one deep pipeline is fastest"
+    protected = check_job(OmegaConf.to_object(compose_config([*five, "protection=reft"])))  # type: ignore[arg-type]
+    assert all(len(p.stages) == 2 for p in protected.decision.plan.pipelines)
+    assert len(protected.decision.plan.pipelines) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ftlab.runtime.core.contract import Job
+from ftlab.runtime.core.contract import ConfigError, Job, Protection
 from ftlab.runtime.core.costs import LayerProfile, layer_bytes, stage_footprint
 from ftlab.runtime.core.plan import Plan, PlanError, even_split, grid_plan
 from ftlab.runtime.core.scheduler import one_f_one_b
@@ -43,10 +43,21 @@ def fits(job: Job, stages: int, micro_batch: int) -> bool:
     )
 
 
-def morph(workers: Sequence[int], job: Job, generation: int, step: int) -> tuple[Morph, list[Morph]]:
-    """The fastest configuration over ``workers`` and every one weighed. For each pipeline depth and micro-batch size
-    that fits memory, as many pipelines as the workers fill and the micro-batches feed. Raises PlanError, saying what
-    to change, when none fits."""
+def protects(protection: Protection, plan: Plan, job: Job) -> bool:
+    """Whether ``protection`` can protect ``plan`` (REFT needs two holders of every layer, for one)."""
+    try:
+        protection.check_plan(plan, job)
+    except ConfigError:
+        return False
+    return True
+
+
+def morph(workers: Sequence[int], job: Job, protection: Protection, generation: int, step: int) -> tuple[Morph, list[Morph]]:
+    """The fastest configuration over ``workers`` that ``protection`` can protect, and every one weighed. For each
+    pipeline depth and micro-batch size that fits memory, as many pipelines as the workers fill and the micro-batches
+    feed. Where the protection can protect none, the fastest of all: the preflight check refuses a first plan the
+    protection cannot protect, with the protection's own message, and later the protection keeps what it can. Raises
+    PlanError, saying what to change, when none fits memory."""
     t, machine = job.train, job.machine()
     weighed: list[Morph] = []
     for stages in range(1, min(len(job.specs), len(workers)) + 1):
@@ -64,5 +75,8 @@ def morph(workers: Sequence[int], job: Job, generation: int, step: int) -> tuple
             f"cluster.device_memory_gb, add nodes, or set train.activation_checkpointing=true"
         )
     # Fastest first; among equal predictions the one using more workers, then the deeper micro-batch.
-    best = max(weighed, key=lambda m: (m.samples_per_s, len(m.plan.workers), m.micro_batch))
+    protected = [m for m in weighed if protects(protection, m.plan, job)]
+    best = max(protected or weighed, key=lambda m: (m.samples_per_s, len(m.plan.workers), m.micro_batch))
+    if protected:
+        protection.check_plan(best.plan, job)  # what it derives from a plan (REFT's interval) is for the one chosen
     return best, weighed

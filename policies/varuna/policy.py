@@ -18,6 +18,9 @@ Where the papers leave it open, this module chooses:
   pessimistic prediction, so it wins only where it lets more pipelines run or a shallower pipeline fit memory. A
   larger one was never profiled and is not considered.
 - **Memory**: a configuration must fit a device by the preflight check's formula (``stage_footprint``).
+- **Protection**: only configurations the protection can protect are weighed (``Protection.check_plan``: REFT keeps
+  each shard on another holder of the same layers, so every stage needs two replicas), the fastest of all where it
+  can protect none: on a host where one deep pipeline is fastest, ``protection=reft`` still gets a plan it protects.
 - **Joins**: Varuna restarts to take a join in at once (it morphs on every change), where ``checkpoint_restart``
   lets a joined node wait for the next failure.
 - **Checkpoints**: the protection's (``protection=storage``: every ``every`` steps or ``every_s`` seconds);
@@ -45,13 +48,13 @@ class Varuna(Policy):
             )
 
     def plan(self, job: Job, protection: Protection) -> Decision:
-        best, weighed = morph(job.workers, job, generation=0, step=job.start_step)
+        best, weighed = morph(job.workers, job, protection, generation=0, step=job.start_step)
         return self._decision(best, weighed, "morphed over every worker", restore=job.start)
 
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         source: Source | None = protection.restore_source(change)
         try:
-            best, weighed = morph(job.slots, job, change.generation, source.step if source else 0)
+            best, weighed = morph(job.slots, job, protection, change.generation, source.step if source else 0)
         except PlanError as exc:
             return Stop(f"{change.describe()}: {exc}")
         where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"

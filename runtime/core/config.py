@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+OPTIMIZERS = ("adamw", "adam")
+LR_SCHEDULES = ("cosine", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+WARMUP_TYPES = ("log", "linear")
+
 
 @dataclass
 class ClusterConfig:
@@ -69,6 +73,26 @@ class TrainConfig:
     weight_decay: float = 0.01
     beta1: float = 0.9
     beta2: float = 0.95
+    # The optimizer and the learning-rate schedule beyond the defaults above, named as DeepSpeed names them: a
+    # ds_config (train.deepspeed_config, experiments/deepspeed_config.py) maps onto these and the keys above.
+    deepspeed_config: str | None = None
+    """A DeepSpeed config JSON whose settings become the ``train.*`` settings (README, "DeepSpeed configs")."""
+    optimizer: str = "adamw"
+    """adamw: weight decay decoupled from the gradient (torch AdamW); adam: weight decay added to the gradient as L2
+    (torch Adam; DeepSpeed's Adam with ``adam_w_mode: false``)."""
+    eps: float = 1e-8
+    lr_schedule: str = "cosine"
+    """cosine: linear warm-up over warmup_steps to lr, then cosine to min_lr at train.steps. DeepSpeed's, exactly as
+    its schedulers step (``runtime.training.optim.lr_at``): WarmupLR (warmup_min_lr to lr over warmup_steps, then
+    lr), WarmupDecayLR (then linear to 0 at decay_steps), WarmupCosineLR (lr times a ratio from warmup_min_ratio to
+    1 over warmup_steps, then cosine to cos_min_ratio at decay_steps)."""
+    warmup_type: str = "log"
+    """DeepSpeed's schedules: the warm-up's shape, log or linear."""
+    warmup_min_lr: float = 0.0
+    warmup_min_ratio: float = 0.0
+    cos_min_ratio: float = 1e-4
+    decay_steps: int | None = None
+    """DeepSpeed's total_num_steps (WarmupDecayLR, WarmupCosineLR); None: train.steps."""
     seed: int = 0
     zero: int = 0
     """1: ZeRO-1, each layer's optimizer state split across the layer's replicas (gradients reduce-scattered, each

@@ -1,7 +1,7 @@
-"""Per-layer AdamW and a stateless learning-rate schedule.
+"""Per-layer Adam or AdamW and a stateless learning-rate schedule.
 
 Each layer owns its optimizer, so a layer moves between workers with exactly its own state. The schedule is a pure
-function of the step, so it "travels" with nothing to copy. AdamW is element-wise, so per-layer optimizers give
+function of the step, so it "travels" with nothing to copy. Adam(W) is element-wise, so per-layer optimizers give
 exactly the update of one optimizer over the whole model. There is no global gradient-norm clipping: it would need a
 reduction over every layer of the model on every step.
 """
@@ -13,9 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ftlab.runtime.core.config import TrainConfig
+
 
 @dataclass(frozen=True)
 class OptimSettings:
+    """The ``train.*`` settings of the optimizer and the schedule (``runtime.core.config.TrainConfig``)."""
+
     lr: float
     min_lr: float
     warmup_steps: int
@@ -23,23 +27,73 @@ class OptimSettings:
     weight_decay: float
     beta1: float
     beta2: float
+    optimizer: str = "adamw"
+    eps: float = 1e-8
+    schedule: str = "cosine"
+    warmup_type: str = "log"
+    warmup_min_lr: float = 0.0
+    warmup_min_ratio: float = 0.0
+    cos_min_ratio: float = 1e-4
+    decay_steps: int | None = None
+    """None: total_steps."""
+
+    @classmethod
+    def of(cls, t: TrainConfig) -> OptimSettings:
+        return cls(
+            t.lr, t.min_lr, t.warmup_steps, t.steps, t.weight_decay, t.beta1, t.beta2, t.optimizer, t.eps,
+            t.lr_schedule, t.warmup_type, t.warmup_min_lr, t.warmup_min_ratio, t.cos_min_ratio, t.decay_steps,
+        )  # fmt: skip
 
 
 def lr_at(step: int, s: OptimSettings) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``total_steps``."""
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    span = max(1, s.total_steps - s.warmup_steps)
-    progress = min(1.0, (step - s.warmup_steps) / span)
-    return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
+    """The learning rate of optimizer step ``step`` (0 is the first).
+
+    ``cosine``: linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``total_steps``. DeepSpeed's schedules:
+    what its scheduler holds when step ``step`` is taken. DeepSpeed builds the scheduler before the first step (its
+    constructor writes the rate of iteration -1 into the optimizer) and steps it after every optimizer step, so step
+    ``step`` runs at the scheduler's iteration ``step - 1``; the formulas are ``deepspeed.runtime.lr_schedules``'s,
+    term for term, so the rates are equal to the last bit (``tests/test_deepspeed_config.py``).
+    """
+    if s.schedule == "cosine":
+        if step < s.warmup_steps:
+            return s.lr * (step + 1) / s.warmup_steps
+        span = max(1, s.total_steps - s.warmup_steps)
+        progress = min(1.0, (step - s.warmup_steps) / span)
+        return s.min_lr + 0.5 * (s.lr - s.min_lr) * (1 + math.cos(math.pi * progress))
+    iteration = step - 1
+    warmup = max(2, s.warmup_steps)  # as DeepSpeed: a log warm-up over fewer than 2 steps would divide by log(1)
+    total = s.total_steps if s.decay_steps is None else s.decay_steps
+    if s.schedule == "WarmupCosineLR":
+        if iteration < 0:
+            return 0.0
+        if iteration < warmup:
+            return s.lr * (s.warmup_min_ratio + _warmup_gamma(iteration, warmup, s.warmup_type) * (1.0 - s.warmup_min_ratio))
+        progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
+        return s.lr * max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ((1 + math.cos(math.pi * progress)) / 2))
+    if iteration < 0:
+        return s.warmup_min_lr
+    if iteration < warmup:
+        gamma = _warmup_gamma(iteration, warmup, s.warmup_type)
+    elif s.schedule == "WarmupDecayLR":
+        gamma = max(0.0, float(total - iteration) / float(max(1.0, total - warmup)))
+    else:  # WarmupLR
+        gamma = 1.0
+    return s.warmup_min_lr + ((s.lr - s.warmup_min_lr) * gamma)
 
 
-def layer_optimizer(layer: torch.nn.Module, s: OptimSettings) -> torch.optim.AdamW:
+def _warmup_gamma(iteration: int, warmup: int, kind: str) -> float:
+    """How far DeepSpeed's warm-up has come at ``iteration``: 0 at the start, towards 1 at ``warmup``."""
+    if kind == "log":
+        return 1.0 / math.log(warmup) * math.log(iteration + 1)
+    return iteration / warmup
+
+
+def layer_optimizer(layer: torch.nn.Module, s: OptimSettings) -> torch.optim.Optimizer:
     # The fused kernel is the fastest on CPU and GPU alike. Every layout groups parameters by layer in the same way,
-    # so every layout takes exactly the same optimizer steps.
-    return torch.optim.AdamW(
-        layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), weight_decay=s.weight_decay, fused=True
-    )
+    # so every layout takes exactly the same optimizer steps. Adam adds weight_decay * weight to the gradient (L2),
+    # AdamW shrinks the weight apart from it (decoupled): DeepSpeed offers both, under adam_w_mode.
+    kind = torch.optim.AdamW if s.optimizer == "adamw" else torch.optim.Adam
+    return kind(layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), eps=s.eps, weight_decay=s.weight_decay, fused=True)
 
 
 class StepUndo:
