@@ -93,7 +93,10 @@ def markdown_table(table: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> st
 
 
 def commit() -> str:
-    """The short hash of the checkout's HEAD, or "unknown" outside a git checkout."""
+    """The short hash of the checkout's HEAD; ``FTLAB_COMMIT`` where the tree is a copy without git (a GPU machine
+    lent for one run); "unknown" otherwise."""
+    if os.environ.get("FTLAB_COMMIT"):
+        return os.environ["FTLAB_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)  # fmt: skip
