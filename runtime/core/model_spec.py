@@ -7,17 +7,28 @@ real layers have and to the activations autograd really keeps.
 
 A model is an ordered list of layers: an embedding, ``num_blocks`` transformer blocks, and a head that computes the
 loss. The head's vocabulary projection is untied from the embedding (see ``runtime.training.model_families.Head``).
+
+Every model reduces to ``Dims``: the sizes its layers are made of and one of three layer structures (GPT-2's, Llama's,
+BERT's). The built-in families take them from their settings; ``family=hf`` (``model=hf``) from a Hugging Face
+``config.json`` (``runtime.core.hf_checkpoint``), whose sizes also fill in the settings, so everything that reads
+``model.hidden`` or ``model.num_blocks`` reads the checkpoint's.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-FAMILY_NAMES = ("gpt2", "llama", "bert")
+from ftlab.runtime.core import hf_checkpoint as hf
+
+FAMILY_NAMES = ("gpt2", "llama", "bert", "hf")
 FP32 = 4
 MODEL_CONF_DIR = Path(__file__).parents[2] / "conf" / "model"
+TEMPLATES = ("hf",)
+"""conf/model files that are not a model until given settings of their own (model=hf needs model.config)."""
 
 
 @dataclass
@@ -25,7 +36,7 @@ class ModelConfig:
     """Schema of the Hydra config group ``model``."""
 
     name: str = "gpt2-tiny"
-    family: str = "gpt2"  # "gpt2" | "llama" | "bert"
+    family: str = "gpt2"  # "gpt2" | "llama" | "bert" | "hf" (shape and architecture from model.config)
     num_blocks: int = 6
     hidden: int = 128
     heads: int = 4
@@ -33,14 +44,41 @@ class ModelConfig:
     seq_len: int = 64  # also the number of learned positions (gpt2, bert) and Llama's max positions
     ffn_hidden: int | None = None  # None: 4*hidden (gpt2, bert), 8/3*hidden rounded up to 256 (llama)
     kv_heads: int | None = None  # llama grouped-query attention; None: as many as heads
+    config: str | None = None  # family hf: a Hugging Face config.json, or the directory that holds it
+    weights: str | None = None  # family hf: a directory of safetensors to start from; None: initialised from the seed
+
+    def __post_init__(self) -> None:
+        """An HF model's shape settings left at the schema's defaults take the checkpoint's sizes; a setting given
+        otherwise is left for ``check`` to refuse. An unreadable config is ``check``'s to report too: composing a
+        job must not fail before its run can record why."""
+        if self.family != "hf" or not self.config:
+            return
+        self.config = os.path.abspath(self.config)
+        self.weights = os.path.abspath(self.weights) if self.weights else None
+        try:
+            shape = _hf_settings(self.config)
+        except hf.CheckpointError:
+            return
+        defaults = ModelConfig.__dataclass_fields__
+        for key, value in shape.items():
+            if getattr(self, key) == defaults[key].default:
+                setattr(self, key, value)
+        if self.name == "hf":
+            self.name = f"hf-{Path(hf.config_path(self.config)).parent.name}"
 
     def check(self) -> None:
         """Raise ValueError, naming the setting to change, unless the shape is one a model of the family can have."""
         if self.family not in FAMILY_NAMES:
             raise ValueError(f"model.family={self.family!r}: use one of {', '.join(FAMILY_NAMES)}")
+        if self.family == "hf":
+            self._check_hf()
+        elif self.config is not None or self.weights is not None:
+            raise ValueError(f"model.config and model.weights are for model=hf; remove them for {self.name}")
         for name in ("num_blocks", "hidden", "heads", "vocab_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)}: sizes must be at least 1")
+        if self.family == "hf":
+            return
         if self.hidden % self.heads:
             divisors = [h for h in range(1, self.hidden + 1) if self.hidden % h == 0 and abs(h - self.heads) <= 8]
             raise ValueError(
@@ -55,6 +93,79 @@ class ModelConfig:
                 raise ValueError(f"model.kv_heads is for family llama (grouped-query attention); remove it for {self.family}")
             if self.kv_heads < 1 or self.heads % self.kv_heads:
                 raise ValueError(f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads}")
+
+    def _check_hf(self) -> None:
+        """The checkpoint is readable and of a supported architecture, the settings agree with it, the sequence
+        fits its positions and its attention window, and the weights (if any) hold every layer's tensors in the
+        shapes the config makes them."""
+        if not self.config:
+            raise ValueError("model=hf needs model.config=<a Hugging Face model directory or its config.json>")
+        shape = _hf_settings(self.config)
+        for key, value in shape.items():
+            if getattr(self, key) != value:
+                raise ValueError(
+                    f"model.{key}={getattr(self, key)} but model.config={self.config} makes it {value}: remove "
+                    f"model.{key} (model=hf takes its shape from config.json)"
+                )
+        parsed = hf.read_config(self.config)
+        d = dims(self)
+        if d.positions and self.seq_len > d.positions:
+            raise ValueError(f"model.seq_len={self.seq_len} is longer than the {d.positions} learned positions of "
+                             f"model.config={self.config}: use model.seq_len<={d.positions}")  # fmt: skip
+        window = hf.sliding_window(parsed)
+        if window is not None and self.seq_len > window:
+            raise ValueError(
+                f"model.seq_len={self.seq_len} is longer than the sliding_window={window} of model.config="
+                f"{self.config}: ftlab's blocks attend to every earlier token, so use model.seq_len<={window}"
+            )
+        if self.weights:
+            for index in range(num_layers(self)):
+                kind = layer_kind(self, index)
+                hf.check_layer_weights(self.config, self.weights, index, kind, index - 1, parameter_shapes(d, kind))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes a model's layers are made of."""
+
+    structure: str  # "gpt2" | "llama" | "bert": which parameters a layer has, which activations it keeps
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    positions: int  # rows of the learned position table; 0: none (rotary)
+    biases: hf.Biases = (False, False, False)  # the "llama" structure's q/k/v, attention output, MLP biases
+
+
+def _hf_dims(config: str) -> Dims:
+    c, arch = hf.read_config(config), hf.architecture(config)
+    if arch.structure == "gpt2":
+        h = c["n_embd"]
+        return Dims("gpt2", h, c["n_head"], c["n_head"], h // c["n_head"], c.get("n_inner") or 4 * h,
+                    c["vocab_size"], c["n_positions"])  # fmt: skip
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    return Dims(
+        "llama", h, heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads,
+        c["intermediate_size"], c["vocab_size"], 0, tuple(bool(b) for b in arch.biases(c)),
+    )  # fmt: skip
+
+
+def _hf_settings(config: str) -> dict[str, Any]:
+    """The model.* settings an HF config fixes."""
+    d, c = _hf_dims(config), hf.read_config(config)
+    blocks = c["n_layer"] if d.structure == "gpt2" else c["num_hidden_layers"]
+    return {"num_blocks": blocks, "hidden": d.hidden, "heads": d.heads, "vocab_size": d.vocab, "ffn_hidden": d.ffn,
+            "kv_heads": d.kv_heads}  # fmt: skip
+
+
+def dims(cfg: ModelConfig) -> Dims:
+    if cfg.family == "hf":
+        return _hf_dims(cfg.config)
+    h, heads = cfg.hidden, cfg.heads
+    positions = 0 if cfg.family == "llama" else cfg.seq_len
+    return Dims(cfg.family, h, heads, kv_heads(cfg), h // heads, ffn_hidden(cfg), cfg.vocab_size, positions)
 
 
 @dataclass(frozen=True)
@@ -92,90 +203,121 @@ def kv_heads(cfg: ModelConfig) -> int:
     return cfg.kv_heads if cfg.kv_heads is not None else cfg.heads
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """One layer kind's parameters: all of them, and those a token is multiplied with (tables are looked up)."""
+# -- the parameters of a layer, by the names of the modules workers build (runtime.training.model_families) ----------
+Shapes = dict[str, tuple[int, ...]]
 
-    params: int
-    matmul: int
-    saved: int
-    """fp32 elements per token kept for backward."""
+
+def _linear(name: str, into: int, out: int, bias: bool) -> Shapes:
+    return {f"{name}.weight": (out, into), **({f"{name}.bias": (out,)} if bias else {})}
+
+
+def _norm(name: str, h: int, bias: bool = True) -> Shapes:
+    return {f"{name}.weight": (h,), **({f"{name}.bias": (h,)} if bias else {})}
+
+
+def _gpt2_params(d: Dims, kind: str) -> Shapes:
+    h, f, v = d.hidden, d.ffn, d.vocab
+    if kind == "embedding":
+        return {"tokens.weight": (v, h), "positions.weight": (d.positions, h)}
+    if kind == "head":
+        return {**_norm("norm", h), **_linear("lm_head", h, v, False)}
+
+    def conv(name: str, into: int, out: int) -> Shapes:  # GPT-2's Conv1D stores its weight as [in, out]
+        return {f"layer.{name}.weight": (into, out), f"layer.{name}.bias": (out,)}
+
+    return {**_norm("layer.ln_1", h), **conv("attn.c_attn", h, 3 * h), **conv("attn.c_proj", h, h),
+            **_norm("layer.ln_2", h), **conv("mlp.c_fc", h, f), **conv("mlp.c_proj", f, h)}  # fmt: skip
+
+
+def _llama_params(d: Dims, kind: str) -> Shapes:
+    h, f, v = d.hidden, d.ffn, d.vocab
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    if kind == "embedding":
+        return {"tokens.weight": (v, h)}
+    if kind == "head":
+        return {**_norm("norm", h, bias=False), **_linear("lm_head", h, v, False)}
+    qkv, out, mlp = d.biases
+    a, m = "layer.self_attn", "layer.mlp"
+    return {
+        **_linear(f"{a}.q_proj", h, q, qkv), **_linear(f"{a}.k_proj", h, kv, qkv), **_linear(f"{a}.v_proj", h, kv, qkv),
+        **_linear(f"{a}.o_proj", q, h, out), **_linear(f"{m}.gate_proj", h, f, mlp), **_linear(f"{m}.up_proj", h, f, mlp),
+        **_linear(f"{m}.down_proj", f, h, mlp),
+        **_norm("layer.input_layernorm", h, bias=False), **_norm("layer.post_attention_layernorm", h, bias=False),
+    }  # fmt: skip
+
+
+def _bert_params(d: Dims, kind: str) -> Shapes:
+    h, f, v = d.hidden, d.ffn, d.vocab
+    if kind == "embedding":
+        return {"tokens.weight": (v, h), "positions.weight": (d.positions, h), **_norm("norm", h)}
+    if kind == "head":  # BERT's prediction transform (dense, GELU, LayerNorm), then the projection with a bias
+        return {**_linear("norm.dense", h, h, True), **_norm("norm.LayerNorm", h), **_linear("lm_head", h, v, True)}
+    a = "layer.attention"
+    return {
+        **_linear(f"{a}.self.query", h, h, True), **_linear(f"{a}.self.key", h, h, True),
+        **_linear(f"{a}.self.value", h, h, True), **_linear(f"{a}.output.dense", h, h, True),
+        **_norm(f"{a}.output.LayerNorm", h), **_linear("layer.intermediate.dense", h, f, True),
+        **_linear("layer.output.dense", f, h, True), **_norm("layer.output.LayerNorm", h),
+    }  # fmt: skip
+
+
+_PARAMS = {"gpt2": _gpt2_params, "llama": _llama_params, "bert": _bert_params}
+
+
+def parameter_shapes(d: Dims, kind: str) -> Shapes:
+    """Every parameter of a layer of this kind, by its name in the module a worker builds, with its shape."""
+    return _PARAMS[d.structure](d, kind)
 
 
 # Activations kept for backward, in elements per token. These assume fused attention (flash or memory-efficient
 # sdpa, which keeps q, k, v, the output and a log-sum-exp per head rather than the [t, t] probabilities) and fused
 # element-wise activations, as on a GPU; per-token scalars of the norms are left out.
-
-
-def _gpt2(cfg: ModelConfig, kind: str) -> _Shape:
-    h, f, v, t = cfg.hidden, ffn_hidden(cfg), cfg.vocab_size, cfg.seq_len
-    if kind == "embedding":  # token and position tables
-        return _Shape(v * h + t * h, 0, 0)
-    if kind == "head":  # LayerNorm, untied projection without bias; LayerNorm in, lm_head in, log-softmax
-        return _Shape(2 * h + h * v, h * v, 2 * h + v)
-    matmul = h * 3 * h + h * h + 2 * h * f  # c_attn, attn.c_proj, c_fc, mlp.c_proj
-    biases_and_norms = 3 * h + h + f + h + 4 * h
-    # ln_1 in, c_attn in, q k v, attention out (= c_proj in) + lse, ln_2 in, c_fc in, gelu in, c_proj in
-    saved = h + h + 3 * h + h + cfg.heads + h + h + f + f
-    return _Shape(matmul + biases_and_norms, matmul, saved)
-
-
-def _llama(cfg: ModelConfig, kind: str) -> _Shape:
-    h, f, v = cfg.hidden, ffn_hidden(cfg), cfg.vocab_size
-    kv = kv_heads(cfg) * (h // cfg.heads)
-    if kind == "embedding":
-        return _Shape(v * h, 0, 0)
-    if kind == "head":  # RMSNorm, projection; RMSNorm in, normalised, out (= lm_head in), log-softmax
-        return _Shape(h + h * v, h * v, 3 * h + v)
-    matmul = 2 * h * h + 2 * h * kv + 3 * h * f  # q, o, k, v, gate, up, down; no biases
-    # LlamaRMSNorm is unfused: it keeps its input, the normalised input and its output (3h), before attention and
-    # before the MLP; q (rotated), k, v; attention out (= o_proj in) + lse; gate, up, silu out, down in.
-    saved = 3 * h + h + 2 * kv + h + cfg.heads + 3 * h + 4 * f
-    return _Shape(matmul + 2 * h, matmul, saved)
-
-
-def _bert(cfg: ModelConfig, kind: str) -> _Shape:
-    h, f, v, t = cfg.hidden, ffn_hidden(cfg), cfg.vocab_size, cfg.seq_len
-    if kind == "embedding":  # token and position tables, LayerNorm; the LayerNorm's input is kept
-        return _Shape(v * h + t * h + 2 * h, 0, h)
-    if kind == "head":  # prediction transform (dense, GELU, LayerNorm), projection with bias
-        # dense in, gelu in, LayerNorm in, lm_head in, log-softmax
-        return _Shape(h * h + h + 2 * h + h * v + v, h * h + h * v, 4 * h + v)
-    matmul = 4 * h * h + 2 * h * f  # q, k, v, attention output, intermediate, output
-    biases_and_norms = 4 * h + 2 * h + f + h + 2 * h
-    # qkv in, q k v, attention out (= dense in) + lse, LayerNorm in, intermediate in, gelu in, output in, LayerNorm in
-    saved = h + 3 * h + h + cfg.heads + h + h + f + f + h
-    return _Shape(matmul + biases_and_norms, matmul, saved)
-
-
-_FAMILY_SHAPES = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+def _saved(d: Dims, kind: str) -> int:
+    h, f, v, heads = d.hidden, d.ffn, d.vocab, d.heads
+    q, kv = heads * d.head_dim, d.kv_heads * d.head_dim
+    if d.structure == "gpt2":
+        # head: LayerNorm in, lm_head in, log-softmax. block: ln_1 in, c_attn in, q k v, attention out (= c_proj
+        # in) + lse, ln_2 in, c_fc in, gelu in, c_proj in
+        return {"embedding": 0, "head": 2 * h + v, "block": h + h + 3 * h + h + heads + h + h + f + f}[kind]
+    if d.structure == "llama":
+        # The RMSNorm is unfused: it keeps its input, the normalised input and its output (3h), before attention,
+        # before the MLP and in the head; q (rotated), k, v; attention out (= o_proj in) + lse; gate, up, silu out,
+        # down in. head: RMSNorm, lm_head in, log-softmax.
+        return {"embedding": 0, "head": 3 * h + v, "block": 3 * h + q + 2 * kv + q + heads + 3 * h + 4 * f}[kind]
+    # bert. embedding: the LayerNorm's input. head: dense in, gelu in, LayerNorm in, lm_head in, log-softmax.
+    # block: qkv in, q k v, attention out (= dense in) + lse, LayerNorm in, intermediate in, gelu in, output in,
+    # LayerNorm in
+    return {"embedding": h, "head": 4 * h + v, "block": h + 3 * h + h + heads + h + h + f + f + h}[kind]
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
-    """Sizes and costs of every layer, from the config alone."""
+    """Sizes and costs of every layer, from the config alone. A token is multiplied with every matrix of a block
+    or the head; the embedding's tables are looked up."""
     cfg.check()
-    shape = _FAMILY_SHAPES[cfg.family]
-    # QK^T and AV over the full [t, t] square, forward: 2 * 2 * seq_len * hidden per token.
-    attention_flops = 4 * cfg.seq_len * cfg.hidden
+    d = dims(cfg)
+    # QK^T and AV over the full [t, t] square, forward: 2 * 2 * seq_len * (heads * head_dim) per token.
+    attention_flops = 4 * cfg.seq_len * d.heads * d.head_dim
     specs = []
     for index in range(num_layers(cfg)):
         kind = layer_kind(cfg, index)
-        s = shape(cfg, kind)
+        shapes = parameter_shapes(d, kind).values()
+        matmul = 0 if kind == "embedding" else sum(math.prod(s) for s in shapes if len(s) == 2)
         specs.append(
             LayerSpec(
                 index=index,
                 kind=kind,
-                params=s.params,
-                fwd_flops_per_token=float(2 * s.matmul + (attention_flops if kind == "block" else 0)),
+                params=sum(math.prod(s) for s in shapes),
+                fwd_flops_per_token=float(2 * matmul + (attention_flops if kind == "block" else 0)),
                 output_bytes_per_token=0 if kind == "head" else FP32 * cfg.hidden,
-                saved_bytes_per_token=FP32 * s.saved,
+                saved_bytes_per_token=FP32 * _saved(d, kind),
             )
         )
     return specs
 
 
 def available_models() -> list[str]:
-    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml"))
+    """The models ready to run by name alone."""
+    return sorted(path.stem for path in MODEL_CONF_DIR.glob("*.yaml") if path.stem not in TEMPLATES)
 
 
 def load_model_config(name: str) -> ModelConfig:

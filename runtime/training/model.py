@@ -3,7 +3,8 @@
 A pipeline stage holds a contiguous range of layers. Policies and the simulator reason about layers through
 ``runtime.core.model_spec`` (sizes and costs from the config alone); workers build the real layers with `build_layer`,
 whose weights depend on (config, seed, layer index) alone, so every pipeline layout starts from the same model and
-trains identically.
+trains identically. An HF model with ``model.weights`` starts from the checkpoint's tensors instead
+(``runtime.training.hf_weights``), which depend on the layer index alone.
 """
 
 from __future__ import annotations
@@ -14,21 +15,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from ftlab.runtime.training.model_families import FAMILIES
 from ftlab.runtime.core.model_spec import ModelConfig, layer_kind, num_layers
+from ftlab.runtime.training.hf_weights import load_layer
+from ftlab.runtime.training.model_families import FAMILIES, hf_config
 
 INIT_STD = 0.02  # GPT-2's initialisation, used for every family
 
 
 def _construct(cfg: ModelConfig, index: int) -> nn.Module:
     """The layer's module with `torch.nn` default initialisation, on the current default device."""
-    family = FAMILIES[cfg.family]
-    hf = family.hf_config(cfg)
+    hf = hf_config(cfg)
+    family = FAMILIES[hf.model_type]
     kind = layer_kind(cfg, index)
     if kind == "embedding":
-        return family.embedding(cfg, hf)
+        return family.embedding(hf)
     if kind == "head":
-        return family.head(cfg, hf)
+        return family.head(hf)
     return family.block(hf, index - 1)
 
 
@@ -41,7 +43,7 @@ def _layer_generator(seed: int, index: int) -> torch.Generator:
 def _initialise(cfg: ModelConfig, module: nn.Module, generator: torch.Generator) -> None:
     """GPT-2's initialisation: N(0, 0.02) matrices and tables, residual output projections scaled down by
     sqrt(2 * num_blocks), zero biases, unit norm weights (the only one-dimensional weights)."""
-    residual = FAMILIES[cfg.family].residual_projections
+    residual = FAMILIES[hf_config(cfg).model_type].residual_projections
     with torch.no_grad():
         for name, param in module.named_parameters():
             if param.ndim >= 2:
@@ -56,7 +58,8 @@ def _initialise(cfg: ModelConfig, module: nn.Module, generator: torch.Generator)
 
 
 def build_layer(cfg: ModelConfig, index: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """Layer `index` with weights that depend on (cfg, seed, index) only.
+    """Layer `index` with weights that depend on (cfg, seed, index) only: read from ``cfg.weights`` if it names
+    a checkpoint, else drawn from the seed.
 
     Weights are drawn on the CPU from a generator of their own, then moved, so they are the same on every device
     and whatever else the process has built or drawn before.
@@ -64,7 +67,10 @@ def build_layer(cfg: ModelConfig, index: int, seed: int, device: str | torch.dev
     # Default initialisation would draw from the global generator: keep the caller's random stream untouched.
     with torch.random.fork_rng(devices=[]):
         module = _construct(cfg, index)
-    _initialise(cfg, module, _layer_generator(seed, index))
+    if cfg.weights:
+        load_layer(cfg, index, module)
+    else:
+        _initialise(cfg, module, _layer_generator(seed, index))
     return module.to(device=device, dtype=torch.float32)
 
 

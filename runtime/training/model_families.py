@@ -1,34 +1,44 @@
-"""The three model families as layers: an embedding, transformer blocks from `transformers`, and a loss head.
+"""Every model as layers: an embedding, transformer blocks from `transformers`, and a loss head.
 
-Each block wraps one `transformers` layer (GPT2Block, LlamaDecoderLayer, BertLayer) so that it runs on its own: the
+One table (``FAMILIES``) says, per architecture, how its layers are made from its `transformers` config: which of
+the architecture's own decoder-layer classes a block wraps, the final norm, rotary embeddings or learned positions.
+The built-in families (gpt2, llama, bert) make that config from ftlab's settings (``_BUILT_IN``); ``model=hf`` reads
+it from the checkpoint's ``config.json`` (``hf_config``), so a Mistral or a Qwen2 is an entry, not code.
+
+Each block wraps one `transformers` layer (GPT2Block, LlamaDecoderLayer, ...) so that it runs on its own: the
 `transformers` models build the causal mask and the rotary position embeddings once at model level, which a pipeline
 stage holding a few blocks does not have. Every block therefore runs with the ``sdpa`` attention implementation and
 ``is_causal=True`` and no mask (the default ``eager`` implementation would ignore ``is_causal`` and attend to the
-future), and a Llama block computes its own rotary embeddings per forward.
+future), and a rotary block computes its own rotary embeddings per forward. The decoder layers of the table share that
+call: ``layer(hidden_states, is_causal=True[, position_embeddings=(cos, sin)])``.
 
 BERT is trained with the same next-token objective as the decoders so that every model shares one data and loss
 contract: its self-attention is made causal too (a bidirectional block would see the label it must predict), and
 its head is BERT's MLM prediction head (dense, GELU, LayerNorm, vocabulary projection) applied to every position.
 Parameter count, FLOPs and activation memory are those of BERT-large.
 
-Dropout is zero everywhere: a micro-batch must produce the same numbers whichever worker runs it.
+Dropout is zero everywhere, an HF config's too: a micro-batch must produce the same numbers whichever worker runs it.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-from transformers import BertConfig, GPT2Config, LlamaConfig, PreTrainedConfig
-from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+# model=hf reads local files only; nothing is ever fetched from the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from ftlab.runtime.core.model_spec import ModelConfig, ffn_hidden, kv_heads
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import CONFIG_MAPPING, BertConfig, GPT2Config, LlamaConfig, PreTrainedConfig  # noqa: E402
+from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform  # noqa: E402
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
+from ftlab.runtime.core import hf_checkpoint  # noqa: E402
+from ftlab.runtime.core.model_spec import ModelConfig, ffn_hidden, kv_heads  # noqa: E402
 
 # One attention implementation for all: sdpa honours is_causal without a mask, and dispatches to fused kernels.
 ATTENTION = "sdpa"
@@ -53,9 +63,9 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """One `transformers` layer, run causally without a mask; Llama's gets its rotary embeddings here."""
+    """One `transformers` decoder layer, run causally without a mask; a rotary one gets its embeddings here."""
 
-    def __init__(self, layer: nn.Module, rotary: LlamaRotaryEmbedding | None = None) -> None:
+    def __init__(self, layer: nn.Module, rotary: nn.Module | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = rotary
@@ -73,7 +83,7 @@ class Head(nn.Module):
 
     The projection is not tied to the token embedding: tying would put one parameter in the first and the last
     pipeline stage, whose gradients would need a reduction across stages. Untied, every parameter lives in
-    exactly one layer.
+    exactly one layer; a checkpoint that ties them starts both from its one table (``hf_checkpoint.tensor_name``).
     """
 
     def __init__(self, norm: nn.Module, hidden: int, vocab_size: int, bias: bool) -> None:
@@ -88,12 +98,47 @@ class Head(nn.Module):
 
 @dataclass(frozen=True)
 class Family:
-    hf_config: Callable[[ModelConfig], PreTrainedConfig]
-    embedding: Callable[[ModelConfig, PreTrainedConfig], nn.Module]
+    embedding: Callable[[PreTrainedConfig], nn.Module]
     block: Callable[[PreTrainedConfig, int], nn.Module]  # (config, block number from 0)
-    head: Callable[[ModelConfig, PreTrainedConfig], nn.Module]
+    head: Callable[[PreTrainedConfig], nn.Module]
     # Output projections of the residual branches: GPT-2 initialises them with std / sqrt(2 * num_blocks).
     residual_projections: tuple[str, ...]
+
+
+def _modeling(model_type: str, name: str) -> type[nn.Module]:
+    """A class of `transformers`' modeling module of ``model_type``, imported when a layer of it is first built."""
+    return getattr(importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}"), name)
+
+
+def _rotary(model_type: str, prefix: str) -> Family:
+    """A Llama-shaped decoder (Llama, Mistral, Qwen2): pre-norm blocks with rotary positions, an RMSNorm head."""
+    return Family(
+        embedding=lambda hf: Embedding(hf.vocab_size, hf.hidden_size, None, None),
+        block=lambda hf, i: Block(_modeling(model_type, f"{prefix}DecoderLayer")(hf, layer_idx=i),
+                                  _modeling(model_type, f"{prefix}RotaryEmbedding")(hf)),  # fmt: skip
+        head=lambda hf: Head(_modeling(model_type, f"{prefix}RMSNorm")(hf.hidden_size, eps=hf.rms_norm_eps),
+                             hf.hidden_size, hf.vocab_size, False),  # fmt: skip
+        residual_projections=("self_attn.o_proj", "mlp.down_proj"),
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family(
+        embedding=lambda hf: Embedding(hf.vocab_size, hf.n_embd, hf.n_positions, None),
+        block=lambda hf, i: Block(GPT2Block(hf, layer_idx=i)),
+        head=lambda hf: Head(nn.LayerNorm(hf.n_embd, hf.layer_norm_epsilon), hf.n_embd, hf.vocab_size, False),
+        residual_projections=("attn.c_proj", "mlp.c_proj"),
+    ),
+    "llama": _rotary("llama", "Llama"),
+    "mistral": _rotary("mistral", "Mistral"),
+    "qwen2": _rotary("qwen2", "Qwen2"),
+    "bert": Family(
+        embedding=lambda hf: Embedding(hf.vocab_size, hf.hidden_size, hf.max_position_embeddings, hf.layer_norm_eps),
+        block=lambda hf, i: Block(BertLayer(hf, layer_idx=i)),
+        head=lambda hf: Head(BertPredictionHeadTransform(hf), hf.hidden_size, hf.vocab_size, True),
+        residual_projections=("attention.output.dense", "layer.output.dense"),
+    ),
+}
 
 
 def _gpt2_config(cfg: ModelConfig) -> GPT2Config:
@@ -144,26 +189,20 @@ def _bert_config(cfg: ModelConfig) -> BertConfig:
     )
 
 
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(
-        hf_config=_gpt2_config,
-        embedding=lambda cfg, hf: Embedding(cfg.vocab_size, cfg.hidden, cfg.seq_len, None),
-        block=lambda hf, i: Block(GPT2Block(hf, layer_idx=i)),
-        head=lambda cfg, hf: Head(nn.LayerNorm(cfg.hidden, hf.layer_norm_epsilon), cfg.hidden, cfg.vocab_size, False),
-        residual_projections=("attn.c_proj", "mlp.c_proj"),
-    ),
-    "llama": Family(
-        hf_config=_llama_config,
-        embedding=lambda cfg, hf: Embedding(cfg.vocab_size, cfg.hidden, None, None),
-        block=lambda hf, i: Block(LlamaDecoderLayer(hf, layer_idx=i), LlamaRotaryEmbedding(hf)),
-        head=lambda cfg, hf: Head(LlamaRMSNorm(cfg.hidden, eps=hf.rms_norm_eps), cfg.hidden, cfg.vocab_size, False),
-        residual_projections=("self_attn.o_proj", "mlp.down_proj"),
-    ),
-    "bert": Family(
-        hf_config=_bert_config,
-        embedding=lambda cfg, hf: Embedding(cfg.vocab_size, cfg.hidden, cfg.seq_len, hf.layer_norm_eps),
-        block=lambda hf, i: Block(BertLayer(hf, layer_idx=i)),
-        head=lambda cfg, hf: Head(BertPredictionHeadTransform(hf), cfg.hidden, cfg.vocab_size, True),
-        residual_projections=("attention.output.dense", "layer.output.dense"),
-    ),
-}
+_BUILT_IN: dict[str, Callable[[ModelConfig], PreTrainedConfig]] = {
+    "gpt2": _gpt2_config, "llama": _llama_config, "bert": _bert_config,
+}  # fmt: skip
+
+
+def _is_dropout(key: str, value: object) -> bool:
+    return isinstance(value, float) and ("dropout" in key or key.endswith("pdrop"))
+
+
+def hf_config(cfg: ModelConfig) -> PreTrainedConfig:
+    """The `transformers` config of the model: a built-in family's from its settings, an HF model's from its
+    config.json (read locally by its config class, never fetched), with every dropout at zero."""
+    if cfg.family in _BUILT_IN:
+        return _BUILT_IN[cfg.family](cfg)
+    settings = dict(hf_checkpoint.read_config(cfg.config))
+    settings.update({key: 0.0 for key, value in settings.items() if _is_dropout(key, value)})
+    return CONFIG_MAPPING[settings["model_type"]].from_dict(settings, attn_implementation=ATTENTION)
