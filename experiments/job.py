@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from ftlab.experiments.config import JobConfig, build, register
 from ftlab.faults.injector import Injector
 from ftlab.faults.schedules import (
-    ClusterShape, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
+    ClusterShape, FaultConfigError, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
 )
 from ftlab.runtime.state import checkpoint
 from ftlab.runtime.control import events as ev
@@ -452,14 +452,55 @@ def describe(cfg: JobConfig, summary: dict[str, float] | None = None) -> str:
     )
 
 
-def run_job(dict_cfg: DictConfig) -> JobResult:
-    return tracked(dict_cfg, _run, backend="local")
+REFUSALS = (ConfigError, FaultConfigError, FileNotFoundError)
+"""What a job's checks raise: their message says what to change."""
 
 
-def tracked(dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult], backend: str) -> JobResult:
-    """Run ``body`` inside one MLflow run tagged ``backend``: FINISHED with its result, FAILED with the reason
-    otherwise. A job the policy stopped is FAILED too, after its summary is logged."""
+class Refused(Exception):
+    """A job its checks refused before its MLflow run was opened: ``error`` says why. The caller shows the message,
+    then records the FAILED run (``failed_run``), so a refusal does not wait for MLflow to load and open its store."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def refusal(dict_cfg: DictConfig, error: Exception, defer: bool) -> Exception:
+    """What to raise for a job refused before its run opened: ``Refused`` for a caller that says so first and then
+    records it (``defer``), else ``error`` itself, its FAILED run recorded."""
+    if defer:
+        return Refused(error)
+    failed_run(dict_cfg, error)
+    return error
+
+
+def run_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult:
+    return tracked(dict_cfg, _run, backend="local", check=check_real, defer_refusal=defer_refusal)
+
+
+def check_real(cfg: JobConfig) -> None:
+    """What a real job's config alone can be refused for, before MLflow, torch or a corpus load: ``check_job`` and
+    the folders it writes."""
+    check_job(cfg)
+    writable_dir(Path(cfg.train.checkpoint_dir), "train.checkpoint_dir")
+    writable_dir(Path(cfg.train.cache_dir), "train.cache_dir")
+
+
+def tracked(
+    dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult], backend: str,
+    check: Callable[[JobConfig], object], defer_refusal: bool = False,
+) -> JobResult:  # fmt: skip
+    """Check the job (``check``: before MLflow loads), then run ``body`` inside one MLflow run tagged ``backend``:
+    FINISHED with its result, FAILED with the reason otherwise. A job the policy stopped is FAILED too, after its
+    summary is logged. A job ``check`` refuses gets a FAILED run of its own, or with ``defer_refusal`` raises
+    ``Refused`` for the caller to say so first and record it after. ``body`` checks the job again where its
+    checkpoints go (``<train.checkpoint_dir>/<run id>``, known once the run is open): milliseconds for a job on this
+    machine, under a second for a simulated thousand GPUs."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        check(cfg)
+    except REFUSALS as exc:
+        raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
         OmegaConf.to_container(dict_cfg, resolve=True), {**run_tags(cfg), "backend": backend},
@@ -481,13 +522,13 @@ def tracked(dict_cfg: DictConfig, body: Callable[[JobConfig, Tracker], JobResult
 
 
 def failed_run(dict_cfg: DictConfig, error: Exception) -> str:
-    """A FAILED run for a job refused before it could open one (an unknown mode), so every job of a sweep has its
-    run; its id."""
+    """A FAILED run for a job refused before it opened one (by its checks, or an unknown mode), so every job of a
+    sweep has its run; its id."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
         OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
-        describe(cfg),
+        f"{describe(cfg)} **Failed**: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
     )  # fmt: skip
     tracker.finish(failure=f"{type(error).__name__}: {error}")
     return run_id

@@ -1,7 +1,8 @@
 """``ftlab``: the Hydra app that runs one job (or, with ``-m``, a sweep of jobs) from the composed config.
 
-Composition and the checks before any worker starts import no torch, transformers or DeepSpeed: a typo or an
-impossible setting is answered in seconds. The training machinery loads only for a job that passed them.
+Composition and the checks before any worker starts import no torch, transformers, DeepSpeed or MLflow: a typo or
+an impossible setting is answered in seconds, its message printed first and its FAILED run recorded after it (MLflow
+and its store take seconds more). The training machinery loads only for a job that passed them.
 
 A single job that fails prints its message (no traceback for a user error) and exits non-zero. In a sweep a failing
 job never ends the sweep: its failure is recorded (its MLflow run is FAILED with the reason, and its outcome goes
@@ -31,7 +32,7 @@ from ftlab.runtime.control.backend import WorkerCrashed
 from ftlab.runtime.core.contract import ConfigError
 
 if TYPE_CHECKING:
-    from ftlab.experiments.job import JobResult
+    from ftlab.experiments.job import JobResult, Refused
 
 register()
 
@@ -69,33 +70,41 @@ def report(result: JobResult, tracking_uri: str) -> None:
 
 
 def run(cfg: DictConfig) -> str:
-    """Run (or plan) the job; its MLflow run id."""
-    if cfg.mode not in MODES:
-        from ftlab.experiments.job import failed_run
+    """Run (or plan) the job; its MLflow run id. A job its checks refuse raises ``Refused`` before MLflow loads."""
+    from ftlab.experiments.job import Refused
 
-        error = ConfigError(
+    if cfg.mode not in MODES:
+        raise Refused(ConfigError(
             f"mode={cfg.mode}: use mode=train (run the job), mode=plan (show its plan) or mode=simulate (run it on "
             f"a simulated cluster)"
-        )
-        failed_run(cfg, error)
-        raise error
+        ))  # fmt: skip
     if cfg.mode == "plan":
         from ftlab.experiments.plan_report import plan_job
 
-        planned = plan_job(cfg)
+        planned = plan_job(cfg, defer_refusal=True)
         print(planned.text, end="")
         print(f"MLflow run {planned.run_id}: mlflow ui --backend-store-uri {cfg.tracking.uri}")
         return planned.run_id
     if cfg.mode == "simulate":
         from ftlab.experiments.simulate import simulate_job
 
-        result = simulate_job(cfg)
+        result = simulate_job(cfg, defer_refusal=True)
     else:
         from ftlab.experiments.job import run_job
 
-        result = run_job(cfg)
+        result = run_job(cfg, defer_refusal=True)
     report(result, cfg.tracking.uri)
     return result.run_id
+
+
+def record_refusal(cfg: DictConfig, refused: Refused) -> None:
+    """The refused job's FAILED run, recorded once its message is out; a store that cannot take it is said too."""
+    from ftlab.experiments.job import failed_run
+
+    try:
+        failed_run(cfg, refused.error)
+    except user_errors() as exc:
+        print(f"ftlab: the refusal is not recorded: {exc}", file=sys.stderr)
 
 
 def parallel_jobs() -> int:
@@ -122,9 +131,15 @@ def join_sweep(cfg: DictConfig, context: sweep.SweepContext) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     context = sweep.current_sweep() if HydraConfig.get().mode == RunMode.MULTIRUN else None
+    from ftlab.experiments.job import Refused
+
     if context is None:
         try:
             run(cfg)
+        except Refused as refused:
+            print(f"ftlab: {refused}", file=sys.stderr, flush=True)
+            record_refusal(cfg, refused)
+            sys.exit(1)
         except user_errors() as exc:
             print(f"ftlab: {exc}", file=sys.stderr)
             sys.exit(1)
@@ -136,10 +151,13 @@ def main(cfg: DictConfig) -> None:
     try:
         run_id = run(cfg)
     except Exception as exc:  # noqa: BLE001 - every failure is the job's, recorded, and the sweep goes on
-        if not isinstance(exc, user_errors()):
+        error = exc.error if isinstance(exc, Refused) else exc
+        if not isinstance(error, user_errors()):
             traceback.print_exc()
-        print(f"ftlab: job {num} failed: {exc}", file=sys.stderr)
-        sweep.job_ended(context, sweep.JobOutcome(num, overrides, "FAILED", f"{type(exc).__name__}: {exc}"))
+        print(f"ftlab: job {num} failed: {error}", file=sys.stderr, flush=True)
+        if isinstance(exc, Refused):
+            record_refusal(cfg, exc)
+        sweep.job_ended(context, sweep.JobOutcome(num, overrides, "FAILED", f"{type(error).__name__}: {error}"))
         return
     sweep.job_ended(context, sweep.JobOutcome(num, overrides, "FINISHED", run_id=run_id))
 

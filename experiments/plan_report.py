@@ -42,8 +42,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import (
-    check_device, check_memory, check_settings, components, everyone, job_factory, job_profile, run_tags,
-    describe, run_name,
+    REFUSALS, check_device, check_memory, check_settings, components, everyone, job_factory, job_profile, refusal,
+    run_tags, describe, run_name,
 )  # fmt: skip
 from ftlab.policies.oobleck.policy import Oobleck
 from ftlab.policies.oobleck.templates import PipelineTemplate
@@ -81,9 +81,14 @@ class PlanReport:
 # ------------------------------------------------------------------------------------------------------ entry points
 
 
-def plan_job(dict_cfg: DictConfig) -> PlanReport:
-    """``ftlab mode=plan``: one MLflow run holding the report; FAILED with the reason when the job cannot plan."""
+def plan_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> PlanReport:
+    """``ftlab mode=plan``: one MLflow run holding the report; FAILED with the reason when the job cannot plan.
+    Settings wrong whatever the plan are refused before MLflow loads (``job.tracked`` says how)."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        _check_shape(cfg)
+    except REFUSALS as exc:
+        raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
     tracker = Tracker(cfg.tracking)
     tags = {**run_tags(cfg), "mode": "plan", "device": cfg.cluster.device}
     run_id = tracker.start(

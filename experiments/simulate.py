@@ -38,9 +38,16 @@ class Simulated:
     """Distinct plan components the simulator executed (every other pipeline reused one of them)."""
 
 
-def simulate_job(dict_cfg: DictConfig) -> JobResult:
-    """One simulated job as its own MLflow run (tag ``backend=sim``)."""
-    return tracked(dict_cfg, lambda cfg, tracker: simulate(cfg, tracker).result, backend="sim")
+def simulate_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult:
+    """One simulated job as its own MLflow run (tag ``backend=sim``); a refused one as ``job.tracked`` says."""
+    return tracked(dict_cfg, lambda cfg, tracker: simulate(cfg, tracker).result, backend="sim",
+                   check=check_simulation, defer_refusal=defer_refusal)  # fmt: skip
+
+
+def check_simulation(cfg: JobConfig) -> None:
+    """Everything a simulation is checked for (``simulate`` checks the same, in the run's folder)."""
+    check_sim(cfg)
+    check_job(cfg)
 
 
 def check_sim(cfg: JobConfig) -> None:

@@ -4,18 +4,27 @@
 plan with every worker's program and the predicted iteration time out. The parts: ``normalization`` (Algorithm 1,
 how failures should spread over stages), ``problem`` (rerouting, the operations and their dependencies, programs),
 ``heuristic`` (list scheduling), ``milp`` (the adaptive-schedule MILP), ``planner`` (choosing and checking).
+
+The names below load on first use: the policy catalog imports this package for its config alone, and the planner
+brings Pyomo, which a refused or unrelated job must not wait for.
 """
 
-from ftlab.policies.recycle.normalization import Normalization, NormalizationError, normalize_failures
-from ftlab.policies.recycle.planner import ReCyclePlan, plan_recycle
-from ftlab.policies.recycle.problem import ReCycleError, StageCosts
+import importlib
+from typing import Any
 
-__all__ = [
-    "Normalization",
-    "NormalizationError",
-    "ReCycleError",
-    "ReCyclePlan",
-    "StageCosts",
-    "normalize_failures",
-    "plan_recycle",
-]
+_HOMES = {
+    "Normalization": "normalization",
+    "NormalizationError": "normalization",
+    "normalize_failures": "normalization",
+    "ReCyclePlan": "planner",
+    "plan_recycle": "planner",
+    "ReCycleError": "problem",
+    "StageCosts": "problem",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:  # noqa: ANN401 - whichever name was asked for
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)

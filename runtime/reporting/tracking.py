@@ -6,6 +6,8 @@ job's event stream into the run's record: per-step and per-fault metrics, and th
 written locally as the job goes, so a crash still leaves a complete audit trail, and uploaded when the run closes).
 
 A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts``), not in the working directory.
+MLflow loads when a store is first opened, not when this module is imported: a job refused by its checks is
+answered before the seconds MLflow's import takes (``experiments/main.py``).
 
 The experiment is made to open on its runs, in MLflow's model-training navigation. MLflow's UI (3.17) takes an
 experiment's kind from its workflow switch ("GenAI" or "Model training"): the address's ``workflowType`` parameter,
@@ -30,17 +32,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
-
-import mlflow
-from mlflow.entities import Metric, RunStatus
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING, Any
 
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.core.config import TrackingConfig
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.reporting.held_signals import store_access
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -164,6 +165,9 @@ def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
     unanswered = _server_silent(uri)
     if unanswered:
         raise ConfigError(f"tracking.uri={uri}: no server answers there ({unanswered}); start it, or {advice}")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
     try:
         client = MlflowClient(tracking_uri=uri)
         return client, ensure_experiment(client, experiment, uri)
@@ -211,10 +215,12 @@ class Tracker:
             tags[NOTE_TAG] = note
         run = self.client.create_run(self.experiment_id, run_name=self.cfg.run_name or name, tags=tags)
         self.run_id = run.info.run_id
+        from mlflow.entities import Param
+
         params = {k: str(v)[:6000] for k, v in flatten(config).items()}
         items = list(params.items())
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
         self.log_text("config.yaml", config_yaml)
         return self.run_id
 
@@ -225,6 +231,8 @@ class Tracker:
         iteration. MLflow's asynchronous logging would write from its own thread at any moment, for instance just
         when the workers report and the coordinator should answer them.
         """
+        from mlflow.entities import Metric
+
         assert self.run_id is not None
         now = int(time.time() * 1000)
         self._metrics += [Metric(k, float(v), now, step) for k, v in metrics.items()]
@@ -275,6 +283,8 @@ class Tracker:
     def finish(self, failure: str | None = None) -> None:
         if self.run_id is None:
             return
+        from mlflow.entities import RunStatus
+
         self.flush()
         if self.events_path.exists():
             self.log_file(self.events_path)
