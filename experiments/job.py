@@ -14,6 +14,7 @@ same run and tags (``tracked``), the same subscribers (``observe``) and the same
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -43,6 +44,8 @@ from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES
 from ftlab.runtime.reporting.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.core.precision import needs_norms, numerics_problems
+from ftlab.runtime.control.update import UpdateRule, scaler_from_manifest
 from ftlab.runtime.processes.launchers import launch_problems, make_launcher
 from ftlab.runtime.processes.placement import choose_backend
 from ftlab.runtime.core.model_spec import layer_specs, num_layers
@@ -181,7 +184,7 @@ def check_settings(cfg: JobConfig) -> None:
             f"train.global_batch={t.global_batch} does not split into micro-batches of train.micro_batch="
             f"{t.micro_batch}: set train.global_batch to a multiple of train.micro_batch"
         )
-    if not t.lr > 0 or not 0 <= t.min_lr <= t.lr:
+    if not t.lr > 0 or (t.lr_schedule == "cosine" and not 0 <= t.min_lr <= t.lr):  # DeepSpeed's read no min_lr
         raise ConfigError(
             f"train.lr={t.lr}, train.min_lr={t.min_lr}: the learning rate must be positive and the minimum between "
             f"0 and it"
@@ -668,7 +671,8 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
         backend = LocalBackend(cluster, seen.bus, setup, c.heartbeat_timeout_s)
         injector = Injector(checked.faults, backend, seen.bus)
         coordinator = Coordinator(
-            backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir
+            backend, checked.policy, checked.protection, checked.make_job, seen.bus, t.steps, t.checkpoint_dir,
+            update_rule(cfg, checked.decision),
         )
         coordinator.run(checked.decision)
     except JobStopped as exc:
@@ -688,6 +692,15 @@ def worker_threads(c: ClusterConfig) -> int:
         return c.threads_per_worker
     cpus = len(os.sched_getaffinity(0))
     return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
+
+def update_rule(cfg: JobConfig, first: Decision) -> UpdateRule:
+    """The coordinator's rule for each update (clipping, fp16's loss scale), from the loss scaler a resumed
+    checkpoint recorded if there is one."""
+    start = None
+    if cfg.train.resume_from is not None and isinstance(first.restore, StorageSource):
+        start = scaler_from_manifest(json.loads((Path(first.restore.directory) / checkpoint.MANIFEST).read_text()))
+    return UpdateRule(cfg.train, first.plan.step, start)
+
 
 
 PHASE_TAKERS = {

@@ -30,6 +30,9 @@ Choices the paper leaves open:
   answer is ``Stop`` (adaptive then takes another candidate's answer).
 - The memory limit of the schedule (micro-batches a worker holds at once) is what the device memory allows, at most
   twice the number of stages (``policy.memory_limit`` overrides it).
+- The staggered optimizer (``policy.staggered_optimizer``) steps before the coordinator's commit, which is where the
+  global gradient norm comes back: with ``train.grad_clip`` or fp16 (whose commit may skip the step) it would have
+  to wait for the commit and gain nothing, so the pair is refused, naming both ways out.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from ftlab.runtime.core.contract import (
     Stop,
 )
 from ftlab.runtime.core.plan import Pipeline, Plan, PlanError, Stage
+from ftlab.runtime.core.precision import needs_norms
 from ftlab.runtime.core.program_check import simulate
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -92,6 +96,12 @@ class ReCycle(Policy):
 
     # -- the first plan --------------------------------------------------------------------------------------------
     def plan(self, job: Job, protection: Protection) -> Decision:
+        if self.settings.staggered_optimizer and needs_norms(job.train):
+            raise ConfigError(
+                f"policy.staggered_optimizer=true steps before the commit, which carries the global gradient norm "
+                f"that train.grad_clip={job.train.grad_clip} with train.precision={job.train.precision} needs: use "
+                f"policy.staggered_optimizer=false, or train.grad_clip=0 with bf16 or fp32"
+            )
         layout = grid(job.workers, job, generation=0, step=job.start_step)
         # The costs are needed at the first failure; measuring them then would lengthen the recovery.
         StageCosts.of_grid(job.costs, layout)

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ftlab.runtime.control.update import Piece, Update
 from ftlab.runtime.core.contract import Action, MemoryRecord, Source, TakeSnapshot
 from ftlab.runtime.core.instructions import Program
 from ftlab.runtime.core.plan import Plan
@@ -61,6 +62,9 @@ class StepReport:
     """The busiest worker's forward and backward time."""
     snapshot_s: float | None = None
     """The longest time a worker's training thread spent on a snapshot in this iteration (None: none was taken)."""
+    grad_sq: dict[Piece, float] | None = None
+    """The squared L2 norm of the reduced gradient of each piece of the model (``runtime.control.update``), where
+    the job clips or runs fp16; None where nobody computes them (not asked for, or the simulator)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class SaveReport:
     pending: bool = False
     """An asynchronous action (a snapshot): the writers copy on while training goes on, and each one's completion
     comes later from ``completed_saves``."""
+    failed: str | None = None
+    """Why the save was abandoned (storage refused a write): nothing of it is left, the previous saved state stays
+    the newest, and training goes on."""
 
 
 @dataclass(frozen=True)
@@ -143,16 +150,17 @@ class Backend(ABC):
         is intact (a record that fails its checksum is left out), or why it cannot be loaded."""
 
     @abstractmethod
-    def begin_step(self, plan: Plan, step: int) -> None:
-        """Start iteration ``step`` on every worker of ``plan`` (it runs while the coordinator reports the last)."""
+    def begin_step(self, plan: Plan, step: int, loss_scale: float = 1.0) -> None:
+        """Start iteration ``step`` on every worker of ``plan`` (it runs while the coordinator reports the last), its
+        loss multiplied by ``loss_scale`` before the backward (fp16)."""
 
     @abstractmethod
     def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
         """Wait until every worker has reduced its gradients and is ready to commit."""
 
     @abstractmethod
-    def commit(self, plan: Plan, step: int) -> None:
-        """Every worker steps its optimizers: ``step`` is committed."""
+    def commit(self, plan: Plan, step: int, update: Update = Update()) -> None:
+        """Every worker steps its optimizers as ``update`` says: ``step`` is committed."""
 
     @abstractmethod
     def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
@@ -160,9 +168,13 @@ class Backend(ABC):
         ``committed``. Members that die meanwhile are added to ``failure``."""
 
     @abstractmethod
-    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+    def save(
+        self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int,
+        manifest: Mapping[str, object] | None = None,
+    ) -> SaveReport | Failure:  # fmt: skip
         """Carry out a protection's action for committed ``step``: ``writers`` says which worker saves which layers
-        (a snapshot names its own writers)."""
+        (a snapshot names its own writers). ``manifest``: what a storage checkpoint records beside the layers (the
+        loss scaler's state)."""
 
     @abstractmethod
     def completed_saves(self) -> list[SaveProgress]:

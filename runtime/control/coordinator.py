@@ -11,15 +11,21 @@ reviews: a switch without a failure, carried out as a join's answer is). A failu
 (a node lost during a restart or a layer copy) is recovered from in turn, from the last plan every worker was
 configured for. What the machines do is the backend's business (``runtime.control.backend``); what happened is published
 as events (``runtime.control.events``).
+
+The update itself (the global gradient norm, clipping, fp16's loss scale) is decided between Ready and Commit by the
+job's ``UpdateRule`` (``runtime.control.update``) and travels in the Commit, so it is part of the two-phase commit:
+a decision that resumes from a committed step rewinds the rule to that step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NoReturn
 
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Backend, Failure, Membership
+from ftlab.runtime.control.update import UpdateRule, UpdateStopped
 from ftlab.runtime.core.contract import (
     Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, SaveCheckpoint, Stop,
 )  # fmt: skip
@@ -41,6 +47,7 @@ class Coordinator:
         bus: ev.EventBus,
         steps: int,
         stop_directory: str,
+        update_rule: UpdateRule | None = None,
     ) -> None:
         self.backend = backend
         self.policy = policy
@@ -56,6 +63,8 @@ class Coordinator:
         """The newest generation any plan was tried with."""
         self._change: Change | None = None
         """The change the current decision answers (asked again if its restore source cannot be loaded)."""
+        self.update_rule = update_rule
+        """None: every update as the gradients are (no clipping, no loss scale), and nothing to report."""
 
     def job(self) -> Job:
         return self.make_job(self.backend.membership())
@@ -70,6 +79,8 @@ class Coordinator:
                 decision, step = self._recover(loadable, self.confirmed or decision.plan, step)
                 continue
             decision = loadable
+            if self.update_rule is not None:
+                self.update_rule.rewind(decision.plan.step)
             failure = self._carry_out(decision)
             if failure:
                 decision, step = self._recover(failure, decision.plan, step)
@@ -116,14 +127,15 @@ class Coordinator:
                 return switch, switch.plan.step
             self._publish(ev.StepStarting, step=step)
             started = self.backend.clock()
-            self.backend.begin_step(plan, step)
+            rule = self.update_rule
+            self.backend.begin_step(plan, step, rule.loss_scale(step) if rule else 1.0)
             self._report(unreported)
             unreported = None
             result = self.backend.finish_step(plan, step)
             if isinstance(result, Failure):
                 return self._recover(result, plan, step)
             self._absorb_saves()
-            self.backend.commit(plan, step)
+            self._commit(plan, step, result.grad_sq)
             step += 1
             committed_at = self.backend.clock()
             unreported = ev.StepCommitted(
@@ -141,6 +153,28 @@ class Coordinator:
                     return self._recover(failure, plan, step)
         self._report(unreported)
         return None, step
+
+    def _commit(self, plan: Plan, step: int, grad_sq: dict[tuple[int, int], float] | None) -> None:
+        """Commit ``step`` with the update the rule decides from the workers' gradient norms; a rule that cannot go
+        on stops the job (after the commit when it is the committed step that says so: too many skipped steps)."""
+        rule = self.update_rule
+        if rule is None:
+            self.backend.commit(plan, step)
+            return
+        try:
+            update = rule.decide(step, grad_sq)
+        except UpdateStopped as exc:
+            self.backend.abort(plan, Failure(), step)
+            self._halt(str(exc))
+        self.backend.commit(plan, step, update)
+        try:
+            rule.committed(step)
+        except UpdateStopped as exc:
+            self._halt(str(exc))
+
+    def _halt(self, reason: str) -> NoReturn:
+        self._publish(ev.JobStoppedEvent, reason=reason)
+        raise JobStopped(reason)
 
     def _report(self, committed: ev.StepCommitted | None) -> None:
         if committed is not None:
@@ -183,9 +217,15 @@ class Coordinator:
 
     def _save(self, step: int, action: Action, writers: dict[int, tuple[int, ...]], num_layers: int) -> Failure | None:
         started = self.backend.clock()
-        report = self.backend.save(step, action, writers, num_layers)
+        report = self.backend.save(step, action, writers, num_layers, self._manifest(step))
         if isinstance(report, Failure):
             return report
+        if report.failed is not None:  # a storage error, not a failed member: training goes on without this save
+            self._publish(ev.SaveFailed, step=step, reason=report.failed, location=report.location)
+            stop = self.protection.unsaved(action, step, report.failed)
+            if stop is not None:
+                self._halt(stop)
+            return None
         if report.pending:
             return None  # its parts complete later (_absorb_saves)
         self.protection.saved(action, step)
@@ -270,9 +310,7 @@ class Coordinator:
         return decision
 
     def _stop(self, stop: Stop, step: int, holdings: dict[int, tuple[int, ...]]) -> None:
-        message = stop.reason + self._save_survivors(step, holdings)
-        self._publish(ev.JobStoppedEvent, reason=message)
-        raise JobStopped(message)
+        self._halt(stop.reason + self._save_survivors(step, holdings))
 
     def _save_survivors(self, step: int, holdings: dict[int, tuple[int, ...]]) -> str:
         """Before stopping: a checkpoint of the last committed step from the survivors, if they hold every layer."""
@@ -281,10 +319,16 @@ class Coordinator:
         missing = sorted(set(range(num_layers)) - {layer for layers in writers.values() for layer in layers})
         if missing:
             return f". Layers {missing} have no live replica, so no checkpoint of step {step} could be written."
-        report = self.backend.save(step, SaveCheckpoint(self.stop_directory, keep=0), writers, num_layers)
+        report = self.backend.save(step, SaveCheckpoint(self.stop_directory, keep=0), writers, num_layers,
+                                   self._manifest(step))
         if isinstance(report, Failure):
             return f". A further failure stopped the checkpoint of step {step}."
+        if report.failed is not None:
+            return f". The survivors' checkpoint of step {step} could not be written: {report.failed}."
         return f". The survivors saved step {step} to {report.location}: resume with train.resume_from={report.location}"
+
+    def _manifest(self, step: int) -> dict[str, object]:
+        return self.update_rule.manifest(step) if self.update_rule is not None else {}
 
     def _publish(self, kind: type[ev.Event], **fields: object) -> None:
         self.bus.publish(kind(at=self.backend.clock(), **fields))

@@ -105,6 +105,22 @@ class TrainConfig:
     checkpoint_dir: str = ".ftlab/checkpoints"
     """Each run writes its checkpoints (its protection's, and the survivors' when a job stops) under
     <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's."""
+    # Numerics of the update (``runtime.core.precision``; the names are DeepSpeed's, which ds_config keys map onto).
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16: the compute precision. Weights, gradients and AdamW's moments stay fp32 in every case."""
+    grad_clip: float = 0.0
+    """Max global L2 norm of the gradient over every layer of the model; 0: no clipping."""
+    loss_scale: float = 0.0
+    """fp16: 0 = dynamic loss scaling, > 0 a static scale."""
+    initial_scale_power: int = 16
+    """fp16 dynamic: the first scale is 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16 dynamic: the scale doubles after this many steps without an overflow."""
+    hysteresis: int = 2
+    """fp16 dynamic: overflows tolerated before the scale is halved."""
+    min_loss_scale: float = 1.0
+    max_skipped_steps: int = 20
+    """fp16: consecutive steps skipped for an overflow after which the job stops with the reason."""
 
 
 @dataclass

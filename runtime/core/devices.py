@@ -47,6 +47,8 @@ class DeviceSpec:
     latency_s: float
     """Per message across nodes: the network's small-message latency (InfiniBand about 2 us end to end, 25 Gb/s
     Ethernet with TCP some 20 us), plus a few microseconds of launching the collective or send."""
+    bf16: bool = True
+    """Whether its tensor cores compute bf16 (Volta has fp16 only): ``train.precision=bf16`` is refused otherwise."""
 
     @property
     def effective_flops(self) -> float:
@@ -59,7 +61,7 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("A40", 149.7e12, 48 * GIB, 696 * GB_S, 32 * GB_S, 200 * GBIT_S, 10e-6),
         DeviceSpec("A100-40GB", 312e12, 40 * GIB, 1555 * GB_S, 300 * GB_S, 200 * GBIT_S, 10e-6),
         DeviceSpec("A100-80GB", 312e12, 80 * GIB, 2039 * GB_S, 300 * GB_S, 200 * GBIT_S, 10e-6),
-        DeviceSpec("V100-16GB", 125e12, 16 * GIB, 900 * GB_S, 150 * GB_S, 25 * GBIT_S / 8, 30e-6),
+        DeviceSpec("V100-16GB", 125e12, 16 * GIB, 900 * GB_S, 150 * GB_S, 25 * GBIT_S / 8, 30e-6, bf16=False),
         DeviceSpec("H100-80GB", 989e12, 80 * GIB, 3350 * GB_S, 450 * GB_S, 400 * GBIT_S, 10e-6),
         DeviceSpec("H200-141GB", 989e12, 140 * GIB, 4800 * GB_S, 450 * GB_S, 400 * GBIT_S, 10e-6),
     )

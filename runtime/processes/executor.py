@@ -5,6 +5,9 @@ sum over every micro-batch of every pipeline is the mean loss over the global ba
 over replicas (``ReduceGrads``) is its gradient, whatever the layout.
 
 With activation checkpointing (``runtime.training.passes``) a stage keeps only its inputs between forward and backward.
+
+With ``train.precision`` bf16 or fp16 the whole iteration runs in one autocast region (``runtime.training.mixed``),
+and activations and their gradients cross stages in the compute precision: receive buffers are posted in it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.processes.comm import Aborted, GenerationComm, PostedRecv
 from ftlab.runtime.training.data import Batches
+from ftlab.runtime.training.mixed import DTYPES, autocast
 from ftlab.runtime.training.model import StageModule
 from ftlab.runtime.training.passes import MicroBatch, StagePasses
 
@@ -55,11 +59,12 @@ class _Receives:
     """The iteration's activation and gradient receives, in program order, each posted ``_RECEIVES_AHEAD`` receives
     before the instruction that needs it."""
 
-    def __init__(self, comm: GenerationComm, program: ins.Program, shape: tuple[int, ...]) -> None:
+    def __init__(self, comm: GenerationComm, program: ins.Program, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.comm = comm
         self.shape = shape
         self.upcoming = deque(i for i in program if isinstance(i, (ins.RecvActivation, ins.RecvGrad)))
         self.posted: dict[tuple[int, int], PostedRecv] = {}
+        self.dtype = dtype
         self._post_ahead()
 
     def take(self, instruction: ins.RecvActivation | ins.RecvGrad) -> torch.Tensor:
@@ -71,7 +76,7 @@ class _Receives:
         while self.upcoming and len(self.posted) <= _RECEIVES_AHEAD:
             instruction = self.upcoming.popleft()
             tag = _key(instruction)
-            self.posted[tag] = self.comm.post_recv(self.shape, torch.float32, instruction.peer, _tag(*tag))
+            self.posted[tag] = self.comm.post_recv(self.shape, self.dtype, instruction.peer, _tag(*tag))
 
 
 def _key(instruction: ins.RecvActivation | ins.RecvGrad) -> tuple[int, int]:
@@ -91,19 +96,27 @@ class Executor:
         checkpointing: bool = False,
     ) -> None:
         self.stage = stage
+        precision: str = "fp32",
         self.first = stage.start == 0
         self.last = stage.stop == num_layers
         self.comm = comm
         self.batches = batches
         self.on_phase = on_phase
         plan = comm.plan
-        self.passes = StagePasses(stage, plan.micro_batch / plan.global_batch, checkpointing)
+        self.precision = precision
+        self.passes = StagePasses(stage, plan.micro_batch / plan.global_batch, checkpointing, DTYPES[precision])
         self.activation_shape = (plan.micro_batch, batches.seq_len, hidden)
 
-    def run(self, program: ins.Program, step: int) -> StepResult:
-        """Everything up to and including ReduceGrads; OptimizerStep is the caller's commit point."""
+    def run(self, program: ins.Program, step: int, loss_scale: float = 1.0) -> StepResult:
+        """Everything up to and including ReduceGrads; OptimizerStep is the caller's commit point. ``loss_scale``:
+        fp16's, which the gradients are multiplied by (the reported loss is not)."""
+        self.passes.loss_seed = loss_scale
+        with autocast(self.precision, self.comm.device):
+            return self._run(program, step)
+
+    def _run(self, program: ins.Program, step: int) -> StepResult:
         buffers = _Buffers()
-        receives = _Receives(self.comm, program, self.activation_shape)
+        receives = _Receives(self.comm, program, self.activation_shape, DTYPES[self.precision])
         loss = 0.0
         compute = 0.0
         phase = ""

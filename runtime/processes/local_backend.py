@@ -37,6 +37,7 @@ from ftlab.runtime.control.backend import (
     WorkerCrashed,
 )  # fmt: skip
 from ftlab.runtime.processes.cluster import ClusterEvent, LocalCluster, NodeLost
+from ftlab.runtime.control.update import Update
 from ftlab.runtime.core.contract import Action, MemorySource, SaveCheckpoint, Source, TakeSnapshot
 from ftlab.runtime.core.snapshot_layout import lost_shards, records_to_write
 from ftlab.runtime.core.instructions import Program
@@ -133,10 +134,10 @@ class LocalBackend(Backend, FaultTarget):
             return f"the records left in memory cannot rebuild {'; '.join(lost)}"
         return dataclasses.replace(source, records=tuple(intact))
 
-    def begin_step(self, plan: Plan, step: int) -> None:
+    def begin_step(self, plan: Plan, step: int, loss_scale: float = 1.0) -> None:
         hold(step_point(step))  # where a test holds training at a step (``runtime.processes.hold``)
         for worker in plan.workers:
-            self.cluster.send(worker, msg.RunStep(step))
+            self.cluster.send(worker, msg.RunStep(step, loss_scale))
 
     def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
         ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
@@ -147,11 +148,12 @@ class LocalBackend(Backend, FaultTarget):
             loss=sum(r.loss for r in ready.values()),
             compute_s=max(r.compute_s for r in ready.values()),
             snapshot_s=max(snapshot) if snapshot else None,
+            grad_sq=_pieces(ready),
         )
 
-    def commit(self, plan: Plan, step: int) -> None:
+    def commit(self, plan: Plan, step: int, update: Update = Update()) -> None:
         for worker in plan.workers:
-            self.cluster.send(worker, msg.Commit(step))
+            self.cluster.send(worker, msg.Commit(step, update))
 
     def abort(self, plan: Plan, failure: Failure, committed: int) -> dict[int, tuple[int, ...]]:
         survivors = {*plan.workers, *self._helpers.get(plan.generation, ())} & set(self.cluster.alive_workers())
@@ -172,7 +174,10 @@ class LocalBackend(Backend, FaultTarget):
         assert not behind, f"workers {behind} are not at the committed step {committed}"
         return {w: m.layers for w, m in done.items()}
 
-    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+    def save(
+        self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int,
+        manifest: Mapping[str, object] | None = None,
+    ) -> SaveReport | Failure:  # fmt: skip
         if isinstance(action, TakeSnapshot):
             return self._snapshot(step, action)
         assert isinstance(action, SaveCheckpoint), f"the local backend cannot carry out {action!r}"
@@ -187,10 +192,21 @@ class LocalBackend(Backend, FaultTarget):
         saved = self._collect(set(writers), msg.Saved, lambda m: m.step == step)
         if isinstance(saved, Failure):
             return saved
-        directory = checkpoint.write_manifest(action.directory, step, num_layers, {})
+        nbytes = sum(s.nbytes for s in saved.values())
+        errors = [s.error for s in saved.values() if s.error is not None]
+        if not errors:
+            try:
+                directory = checkpoint.write_manifest(action.directory, step, num_layers, dict(manifest or {}))
+            except OSError as exc:
+                errors = [checkpoint.write_error(exc, checkpoint.step_dir(action.directory, step) / checkpoint.MANIFEST)]
+        if errors:  # every writer has stopped: what they wrote goes, so the failed save holds no space
+            checkpoint.abandon(action.directory, step)
+            free = checkpoint.free_bytes(action.directory) / 2**20
+            return SaveReport(nbytes, str(checkpoint.step_dir(action.directory, step)),
+                              failed=f"{errors[0]} ({free:.1f} MiB free there)")  # fmt: skip
         if action.keep:
             checkpoint.prune(action.directory, action.keep)
-        return SaveReport(sum(s.nbytes for s in saved.values()), str(directory))
+        return SaveReport(nbytes, str(directory))
 
     def _snapshot(self, step: int, action: TakeSnapshot) -> SaveReport:
         records = records_to_write(action.plan, action.mode, action.workers_per_node)
@@ -442,3 +458,14 @@ class LocalBackend(Backend, FaultTarget):
 
     def _publish(self, kind: type[ev.Event], **fields: object) -> None:
         self.bus.publish(kind(at=self.clock(), **fields))
+
+
+def _pieces(ready: Mapping[int, msg.Ready]) -> dict[tuple[int, int], float] | None:
+    """Every piece's squared gradient norm, from the lowest-numbered worker that holds it (replicas agree)."""
+    if all(r.grad_sq is None for r in ready.values()):
+        return None
+    pieces: dict[tuple[int, int], float] = {}
+    for _, report in sorted(ready.items()):
+        for piece, value in (report.grad_sq or {}).items():
+            pieces.setdefault(piece, value)
+    return pieces

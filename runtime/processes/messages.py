@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ftlab.runtime.control.update import Update
 from ftlab.runtime.core.contract import MemoryRecord, Source
 from ftlab.runtime.core.instructions import Instruction
 
@@ -222,6 +223,9 @@ class Ready:
     compute_s: float
     snapshot_s: float | None = None
     """Time this iteration's thread spent on a snapshot (starting its copy, waiting for it); None: no snapshot."""
+    grad_sq: dict[tuple[int, int], float] | None = None
+    """The squared norm of each piece of the model this worker holds, its gradients reduced
+    (``runtime.control.update``); None where the job neither clips nor runs fp16."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,8 @@ class AtPhase:
 class Saved:
     step: int
     nbytes: int
+    error: str | None = None
+    """Why this worker's part of the checkpoint could not be written (a storage error): the save is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -303,11 +309,15 @@ class Configure:
 @dataclass(frozen=True)
 class RunStep:
     step: int
+    loss_scale: float = 1.0
+    """fp16: the loss is multiplied by this before the backward."""
 
 
 @dataclass(frozen=True)
 class Commit:
     step: int
+    update: Update = Update()
+    """What to do with the reduced gradients: multiply them by a factor, or skip the step."""
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ for the other stages and sends the commit, with the state from before the step c
 a Commit keeps the step, an Abort puts the copy back, so every survivor reports the committed step after an abort.
 Why undo rather than computing the update into a buffer applied on Commit: the fused AdamW kernel updates in place,
 so a buffer costs the same copy plus a second pass on Commit, on the path this is meant to shorten; aborts are rare.
+
+Global clipping and fp16 (``runtime.core.precision``): the Ready carries the squared norms of the worker's reduced
+gradients, and the Commit says what to do with them (``runtime.control.update.Update``): multiply them by a factor
+before stepping, or skip the step. The staggered optimizer steps before that answer, so it is refused with either.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from ftlab.runtime.core.instructions import Instruction
 from ftlab.runtime.training.layer_state import decode, encode, layer_state
 from ftlab.runtime.training.model import StageModule, build_layer
 from ftlab.runtime.core.model_spec import ModelConfig, num_layers
+from ftlab.runtime.training.mixed import grad_sq, scale_gradients
+from ftlab.runtime.control.update import Update
 from ftlab.runtime.training.optim import StepUndo, layer_optimizer, lr_at, step_all
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.state.snapshot import (
@@ -154,7 +160,7 @@ class Worker:
             if isinstance(message, msg.Configure):
                 self._configure(message)
             elif isinstance(message, msg.RunStep):
-                self._run_step(message.step)
+                self._run_step(message.step, message.loss_scale)
             elif isinstance(message, msg.Abort):
                 self._abort(message.generation)
             elif isinstance(message, msg.ArmFault):
@@ -223,7 +229,7 @@ class Worker:
         self._shard_optimizers(plan, comm)
         self.executor = Executor(
             stage_module, num_layers(model), model.hidden, comm, batches, self._phase,
-            checkpointing=self.setup["activation_checkpointing"],
+            checkpointing=self.setup["activation_checkpointing"], precision=self.setup["precision"],
         )  # fmt: skip
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
@@ -304,11 +310,11 @@ class Worker:
         for index in [i for i in self.layers if not self.executor.stage.start <= i < self.executor.stage.stop]:
             del self.layers[index], self.optimizers[index]
 
-    def _run_step(self, step: int) -> None:
+    def _run_step(self, step: int, loss_scale: float) -> None:
         assert self.executor is not None, "RunStep before Configure"
         self._drop_stale_layers()
         try:
-            result = self.executor.run(self.program, step)
+            result = self.executor.run(self.program, step, loss_scale)
         except Aborted:
             return  # the main loop acknowledges the Abort that follows on the control channel
         except CommError as exc:
@@ -316,7 +322,7 @@ class Worker:
             return
         self._finish_snapshot()
         snapshot_s, self._snapshot_s = self._snapshot_s, None
-        self.channel.send(msg.Ready(step, result.loss, result.compute_s, snapshot_s))
+        self.channel.send(msg.Ready(step, result.loss, result.compute_s, snapshot_s, self._grad_sq()))
         early = isinstance(self.program[-1], ins.OptimizerStep) and self.program[-1].early
         if early:  # the staggered optimizer: step while the coordinator collects the iteration; undo on Abort
             self._phase(step, "optimizer")
@@ -329,7 +335,7 @@ class Worker:
             else:
                 self._phase(step, "optimizer")
                 try:
-                    self._step_optimizers(step)
+                    self._step_optimizers(step, decision.update)
                 except (Aborted, CommError) as exc:
                     # ZeRO-1's all-gather failed: this member's chunk stepped, others' never arrived. Nothing here
                     # is at one step any more; the restart that follows restores saved state.
@@ -343,11 +349,17 @@ class Worker:
         else:
             raise RuntimeError(f"expected Commit({step}) or Abort, got {decision!r}")
 
-    def _step_optimizers(self, step: int) -> None:
+    def _step_optimizers(self, step: int, update: Update) -> None:
         zero_layers = {index for layers in self.zero for index in layers}
-        step_all({i: o for i, o in self.optimizers.items() if i not in zero_layers}, step, self.setup["optim"])
+        whole = {i: o for i, o in self.optimizers.items() if i not in zero_layers}
+        if update.skip:  # an fp16 overflow: the step commits with no update
+            for opt in whole.values():
+                opt.zero_grad(set_to_none=False)
+        else:
+            scale_gradients(whole, update.factor)
+            step_all(whole, step, self.setup["optim"])
         for group in self.zero.values():
-            recompute = group.step(lr_at(step, self.setup["optim"]))
+            recompute = group.step(lr_at(step, self.setup["optim"]), update)
             if recompute is not None:
                 self._recomputing.append(self.host.submit(recompute))
 
@@ -363,6 +375,14 @@ class Worker:
             self.undo.restore()  # an early optimizer step of the abandoned iteration
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
+    def _grad_sq(self) -> dict[tuple[int, int], float] | None:
+        """The squared norm of every piece of the model this worker holds, where the job asks for them."""
+        if not self.setup["norms"]:
+            return None
+        zero_layers = {index for layers in self.zero for index in layers}
+        whole = {i: layer for i, layer in self.layers.items() if i not in zero_layers}
+        return grad_sq(whole, {layers[0]: (g.member, g.param.grad) for layers, g in self.zero.items()})
+
         self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
 
     def _phase(self, step: int, phase: str) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ftlab.runtime.control.update import Update
 from ftlab.runtime.processes.comm import GenerationComm
 from ftlab.runtime.core.model_spec import ModelConfig
 from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
@@ -90,11 +91,19 @@ class ZeroGroup:
         self._received ^= 1
         return self._peer_grads[self._received]
 
-    def step(self, lr: float) -> Callable[[], None] | None:
-        """The commit: step this member's chunk and all-gather the parameters; the AOR recomputation to run off the
-        critical path, if any."""
+    def step(self, lr: float, update: Update = Update()) -> Callable[[], None] | None:
+        """The commit: step this member's chunk (its gradient multiplied by the update's factor) and all-gather the
+        parameters; the AOR recomputation to run off the critical path, if any. A skipped step (every member skips
+        it) changes nothing but the gradients, which are zeroed."""
         c = self.geometry.chunk
         recompute = None
+        if update.skip:
+            self.comm.gradient_bucket(self.group.layers).zero_()
+            return None
+        if update.factor != 1.0:
+            self.param.grad.mul_(update.factor)
+            if self.peer is not None:  # the next member scales its chunk by the same factor: AOR stays exact
+                self._peer_grads[self._received].mul_(update.factor)
         if self.peer is not None:
             before = self.flat[self.peer * c : (self.peer + 1) * c].clone()
             grad = self._peer_grads[self._received]

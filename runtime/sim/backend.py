@@ -45,6 +45,7 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import (
     Backend, ConfigureReport, Failure, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
 )
+from ftlab.runtime.control.update import Update
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.contract import Action, MemorySource, SaveCheckpoint, Source, TakeSnapshot
 from ftlab.runtime.core.plan import Plan
@@ -185,6 +186,8 @@ class SimBackend(Backend):
             return failure
         for worker in cost.gaining:  # the others hold their stage already
             cluster.held.setdefault(worker, set()).update(range(*ranges[worker]))
+        for worker, layers in cost.received.items():  # a copy kept beside the stage (Bamboo) is held too
+            cluster.held.setdefault(worker, set()).update(layers)
         self._configured = _Configured(plan.generation, timing, needs, plan, programs)
         self._overlapped = None
         self.memory.forget_reductions()
@@ -200,7 +203,7 @@ class SimBackend(Backend):
         """Simulated saved state is never corrupt, but memory is lost with its node and slots are overwritten."""
         return self.memory.verify(source, self.cluster.nodes)
 
-    def begin_step(self, plan: Plan, step: int) -> None:
+    def begin_step(self, plan: Plan, step: int, loss_scale: float = 1.0) -> None:
         timing = self._running(plan).timing
         overlapped, self._overlapped = self._overlapped, None
         if overlapped is not None and overlapped[0] == plan.generation:
@@ -211,12 +214,13 @@ class SimBackend(Backend):
         self._launched, self._launch_s = (self._launch_s if self._launch_s else None), 0.0
         self._step_started = self.time.now + (self._launched or 0.0)
         if not self._layers_dropped:  # a plan's first step drops the layers it no longer runs
+            programs = self._running(plan).programs
             for worker, (start, stop) in plan.layer_ranges().items():
                 held = self.cluster.held.get(worker)
                 # Configured, a worker holds its stage and maybe more (or nothing, restarted since): it holds more
                 # than its stage exactly when it holds more layers.
                 if held is not None and len(held) > stop - start:
-                    held.intersection_update(range(start, stop))
+                    held.intersection_update({*range(start, stop), *(ins.kept_copy(programs[worker]) or ())})
             self._layers_dropped = True
         for worker, (armed_step, phase) in list(self.cluster.armed.items()):
             at = timing.phase_at(worker, phase) if armed_step == step and worker in timing.reduce_end else None
@@ -238,7 +242,8 @@ class SimBackend(Backend):
             snapshot_s = (self._launched or 0.0) + (longest or 0.0)
         return StepReport(loss=math.nan, compute_s=timing.compute_s, snapshot_s=snapshot_s)
 
-    def commit(self, plan: Plan, step: int) -> None:
+    def commit(self, plan: Plan, step: int, update: Update = Update()) -> None:
+        """The simulator computes no gradients, so no norm is ever reported and every update is the plain one."""
         for worker, (armed_step, phase) in list(self.cluster.armed.items()):
             if armed_step == step and phase == "optimizer" and worker in self._running(plan).workers:
                 self._at_phase(worker, step, phase)()
@@ -270,7 +275,10 @@ class SimBackend(Backend):
                 holdings[worker] = stages[(start, stop)] if exact else tuple(sorted(held))
         return holdings
 
-    def save(self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int) -> SaveReport | Failure:
+    def save(
+        self, step: int, action: Action, writers: Mapping[int, tuple[int, ...]], num_layers: int,
+        manifest: Mapping[str, object] | None = None,
+    ) -> SaveReport | Failure:  # fmt: skip
         if isinstance(action, TakeSnapshot):
             return self._snapshot(step, action)
         cost = _ACTIONS.get(type(action))

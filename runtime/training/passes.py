@@ -24,6 +24,10 @@ With activation checkpointing (``train.activation_checkpointing``) the stage's f
 ``torch.utils.checkpoint`` (non-reentrant): only its input is kept, and the backward recomputes the forward first.
 Recomputation replays the same operations on the same inputs (and the same random state), so losses and gradients
 are those without it; the noted outputs stay in the graph, so a decoupled backward works alike.
+
+Mixed precision (``runtime.training.mixed``): every layer's output but the head's leaves in the compute precision
+(``dtype``), and on the last stage the backward starts from ``loss_seed`` (fp16's loss scale) instead of 1, so the
+gradients are scaled by it while the reported loss is not.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ftlab.runtime.training.mixed import layer_outputs_cast
 from ftlab.runtime.training.model import StageModule
 
 
@@ -55,10 +60,18 @@ class MicroBatch:
 
 
 class StagePasses:
-    def __init__(self, stage: StageModule, loss_scale: float, checkpointing: bool = False) -> None:
+    def __init__(
+        self, stage: StageModule, loss_scale: float, checkpointing: bool = False, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.stage = stage
         self.loss_scale = loss_scale
         self.checkpointing = checkpointing
+        self.dtype = dtype
+        self.loss_seed = 1.0
+        """The gradient the last stage's backward starts from: fp16's loss scale of the step, else 1."""
+        body = range(stage.start, stage.stop - 1 if stage.is_last else stage.stop)
+        self._body = [stage.layer(index) for index in body]
+        """The layers whose output crosses a layer boundary (every one but the head, which returns the loss)."""
         self._owners = {
             module: own for module in stage.modules() if (own := list(module.parameters(recurse=False)))
         }
@@ -73,19 +86,24 @@ class StagePasses:
         handles = [module.register_forward_hook(note) for module in self._owners]
         try:
             if self.checkpointing:
-                out = checkpoint(self.stage, x, labels, use_reentrant=False)
+                out = checkpoint(self._run, x, labels, use_reentrant=False)
             else:
-                out = self.stage(x, labels)
+                out = self._run(x, labels)
         finally:
             for handle in handles:
                 handle.remove()
         result = out * self.loss_scale if self.stage.is_last else out
         return MicroBatch(x, result, noted)
 
+    def _run(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The stage's forward, its layer outputs cast (again when a checkpointed forward is recomputed)."""
+        with layer_outputs_cast(self._body, self.dtype):
+            return self.stage(x, labels)
+
     def backward(self, mb: MicroBatch) -> torch.Tensor | None:
         """Input and weight gradients in one walk; returns the input gradient (None on the first stage)."""
         mb.noted.clear()
-        torch.autograd.backward(mb.result, grad_tensors=mb.grad)
+        torch.autograd.backward(mb.result, grad_tensors=self._output_grad(mb))
         return mb.input.grad if mb.input.requires_grad else None
 
     def backward_input(self, mb: MicroBatch) -> torch.Tensor | None:
@@ -93,11 +111,17 @@ class StagePasses:
         wants_input = mb.input.requires_grad
         wrt = ([mb.input] if wants_input else []) + [t for t, _ in mb.noted]
         grads = list(
-            torch.autograd.grad(mb.result, wrt, grad_outputs=mb.grad, retain_graph=True, allow_unused=True)
+            torch.autograd.grad(mb.result, wrt, grad_outputs=self._output_grad(mb), retain_graph=True, allow_unused=True)
         )
         input_grad = grads.pop(0) if wants_input else None
         mb.noted_grads = grads
         return input_grad
+
+    def _output_grad(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The received gradient, or on the last stage the loss seed (None: autograd's implicit 1)."""
+        if mb.grad is not None or self.loss_seed == 1.0:
+            return mb.grad
+        return torch.full_like(mb.result, self.loss_seed)
 
     def backward_weight(self, mb: MicroBatch) -> None:
         """Every module's weight gradients from its output's gradient; frees the micro-batch's graph."""
