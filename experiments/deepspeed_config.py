@@ -211,10 +211,11 @@ def _deepspeed_config(ds: dict[str, Any], width: int, name: str) -> Any:
         config._configure_train_batch_size()
         config._do_sanity_check()
     except (AssertionError, ValueError, TypeError, KeyError) as exc:  # DeepSpeed's own refusals (pydantic's too)
-        raise ConfigError(
-            f"{name}: DeepSpeed refuses it: {' '.join(str(exc).split())} (its world size here is the data-parallel "
-            f"width of ftlab's grid, cluster.nodes x cluster.workers_per_node // train.stages = {width})"
-        ) from None
+        why = " ".join(str(exc).split())
+        if "batch" in why.lower():
+            why += (f" (DeepSpeed's world size is the data-parallel width of ftlab's grid, cluster.nodes x "
+                    f"cluster.workers_per_node // train.stages = {width})")  # fmt: skip
+        raise ConfigError(f"{name}: DeepSpeed refuses it: {why}") from None
     return config
 
 

@@ -30,6 +30,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig, build, register
+from ftlab.experiments.deepspeed_config import apply as apply_deepspeed_config
 from ftlab.faults.injector import Injector
 from ftlab.faults.schedules import (
     ClusterShape, FaultConfigError, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
@@ -498,15 +499,17 @@ def tracked(
     summary is logged. A job ``check`` refuses gets a FAILED run of its own, or with ``defer_refusal`` raises
     ``Refused`` for the caller to say so first and record it after. ``body`` checks the job again where its
     checkpoints go (``<train.checkpoint_dir>/<run id>``, known once the run is open): milliseconds for a job on this
-    machine, under a second for a simulated thousand GPUs."""
-    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
+    machine, under a second for a simulated thousand GPUs. A ``train.deepspeed_config`` becomes the job's
+    ``train.*`` settings first (``experiments.deepspeed_config``; DeepSpeed's config code loads torch)."""
     try:
+        dict_cfg, deepspeed = apply_deepspeed_config(dict_cfg)
+        cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         check(cfg)
     except REFUSALS as exc:
         raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
-        OmegaConf.to_container(dict_cfg, resolve=True), {**run_tags(cfg), "backend": backend},
+        {**OmegaConf.to_container(dict_cfg, resolve=True), **deepspeed}, {**run_tags(cfg), "backend": backend},
         OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg),
     )  # fmt: skip
     try:

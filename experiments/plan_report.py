@@ -41,6 +41,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from ftlab.experiments.config import JobConfig
+from ftlab.experiments.deepspeed_config import apply as apply_deepspeed_config
 from ftlab.experiments.job import (
     REFUSALS, check_device, check_memory, check_settings, components, everyone, job_factory, job_profile, refusal,
     run_tags, describe, run_name,
@@ -84,15 +85,17 @@ class PlanReport:
 def plan_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> PlanReport:
     """``ftlab mode=plan``: one MLflow run holding the report; FAILED with the reason when the job cannot plan.
     Settings wrong whatever the plan are refused before MLflow loads (``job.tracked`` says how)."""
-    cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     try:
+        dict_cfg, deepspeed = apply_deepspeed_config(dict_cfg)
+        cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         _check_shape(cfg)
     except REFUSALS as exc:
         raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
     tracker = Tracker(cfg.tracking)
     tags = {**run_tags(cfg), "mode": "plan", "device": cfg.cluster.device}
     run_id = tracker.start(
-        OmegaConf.to_container(dict_cfg, resolve=True), tags, OmegaConf.to_yaml(dict_cfg), f"plan-{run_name(cfg)}",
+        {**OmegaConf.to_container(dict_cfg, resolve=True), **deepspeed}, tags, OmegaConf.to_yaml(dict_cfg),
+        f"plan-{run_name(cfg)}",
         describe(cfg),
     )  # fmt: skip
     try:
