@@ -192,6 +192,9 @@ def check_settings(cfg: JobConfig) -> None:
         )
     if t.zero not in (0, 1):
         raise ConfigError(f"train.zero={t.zero}: use 0 (no optimizer sharding) or 1 (ZeRO-1)")
+    numerics = numerics_problems(t, DEVICES.get(cfg.cluster.device))
+    if numerics:
+        raise ConfigError("; ".join(numerics))
     if t.warmup_steps < 0 or t.weight_decay < 0 or not (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1):
         raise ConfigError(
             "train.warmup_steps and train.weight_decay must be >= 0, and train.beta1, train.beta2 in [0, 1)"
@@ -640,6 +643,8 @@ def worker_setup(cfg: JobConfig, checked: Preflight) -> dict[str, Any]:
         "comm_timeout_s": c.comm_timeout_s,
         "activation_checkpointing": t.activation_checkpointing,
         "zero": t.zero,
+        "precision": t.precision,
+        "norms": needs_norms(t),
         "aor": False,
         **checked.protection.runtime_options(),
     }
@@ -696,6 +701,7 @@ def worker_threads(c: ClusterConfig) -> int:
     cpus = len(os.sched_getaffinity(0))
     return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
 
+
 def update_rule(cfg: JobConfig, first: Decision) -> UpdateRule:
     """The coordinator's rule for each update (clipping, fp16's loss scale), from the loss scaler a resumed
     checkpoint recorded if there is one."""
@@ -703,7 +709,6 @@ def update_rule(cfg: JobConfig, first: Decision) -> UpdateRule:
     if cfg.train.resume_from is not None and isinstance(first.restore, StorageSource):
         start = scaler_from_manifest(json.loads((Path(first.restore.directory) / checkpoint.MANIFEST).read_text()))
     return UpdateRule(cfg.train, first.plan.step, start)
-
 
 
 PHASE_TAKERS = {

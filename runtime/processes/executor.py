@@ -62,9 +62,9 @@ class _Receives:
     def __init__(self, comm: GenerationComm, program: ins.Program, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.comm = comm
         self.shape = shape
+        self.dtype = dtype
         self.upcoming = deque(i for i in program if isinstance(i, (ins.RecvActivation, ins.RecvGrad)))
         self.posted: dict[tuple[int, int], PostedRecv] = {}
-        self.dtype = dtype
         self._post_ahead()
 
     def take(self, instruction: ins.RecvActivation | ins.RecvGrad) -> torch.Tensor:
@@ -94,9 +94,9 @@ class Executor:
         batches: Batches,
         on_phase: Callable[[int, str], None] = lambda step, phase: None,
         checkpointing: bool = False,
+        precision: str = "fp32",
     ) -> None:
         self.stage = stage
-        precision: str = "fp32",
         self.first = stage.start == 0
         self.last = stage.stop == num_layers
         self.comm = comm

@@ -363,6 +363,14 @@ class Worker:
             if recompute is not None:
                 self._recomputing.append(self.host.submit(recompute))
 
+    def _grad_sq(self) -> dict[tuple[int, int], float] | None:
+        """The squared norm of every piece of the model this worker holds, where the job asks for them."""
+        if not self.setup["norms"]:
+            return None
+        zero_layers = {index for layers in self.zero for index in layers}
+        whole = {i: layer for i, layer in self.layers.items() if i not in zero_layers}
+        return grad_sq(whole, {layers[0]: (g.member, g.param.grad) for layers, g in self.zero.items()})
+
     def _forget_state(self) -> None:
         self.layers.clear()
         self.optimizers.clear()
@@ -375,14 +383,6 @@ class Worker:
             self.undo.restore()  # an early optimizer step of the abandoned iteration
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)  # partial gradients of the abandoned iteration
-    def _grad_sq(self) -> dict[tuple[int, int], float] | None:
-        """The squared norm of every piece of the model this worker holds, where the job asks for them."""
-        if not self.setup["norms"]:
-            return None
-        zero_layers = {index for layers in self.zero for index in layers}
-        whole = {i: layer for i, layer in self.layers.items() if i not in zero_layers}
-        return grad_sq(whole, {layers[0]: (g.member, g.param.grad) for layers, g in self.zero.items()})
-
         self.channel.send(msg.AbortDone(generation, self.step, tuple(sorted(self.layers))))
 
     def _phase(self, step: int, phase: str) -> None:
