@@ -204,7 +204,8 @@ def check_settings(cfg: JobConfig) -> None:
             f"train.optimizer={t.optimizer}, train.lr_schedule={t.lr_schedule}, train.warmup_type={t.warmup_type}: "
             f"use one of {', '.join(OPTIMIZERS)}; {', '.join(LR_SCHEDULES)}; {', '.join(WARMUP_TYPES)}"
         )
-    if not t.eps > 0 or min(t.warmup_min_lr, t.warmup_min_ratio, t.cos_min_ratio) < 0 or (t.decay_steps or 1) < 1:
+    decay_steps = t.decay_steps if t.decay_steps is not None else 1
+    if not t.eps > 0 or min(t.warmup_min_lr, t.warmup_min_ratio, t.cos_min_ratio) < 0 or decay_steps < 1:
         raise ConfigError(
             "train.eps must be > 0, train.warmup_min_lr, train.warmup_min_ratio and train.cos_min_ratio >= 0, and "
             "train.decay_steps at least 1 (or null: train.steps)"

@@ -8,6 +8,7 @@ optimizer step, stepped after each) on a dummy optimizer: the rate every step ru
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,39 @@ def ds_file(tmp_path: Path, ds: dict[str, Any]) -> str:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds))
     return str(path)
+
+
+BAD_TRAIN_KEYS = [
+    (["train.optimizer=sgd"], "train.optimizer=sgd"),
+    (["train.lr_schedule=OneCycle"], "train.lr_schedule=OneCycle"),
+    (["train.warmup_type=cubic"], "use one of adamw, adam; cosine, WarmupLR"),
+    (["train.eps=0"], "train.eps must be > 0"),
+    (["train.cos_min_ratio=-0.1"], "train.cos_min_ratio >= 0"),
+    (["train.decay_steps=0"], "train.decay_steps at least 1"),
+    (["train.lr_schedule=WarmupLR", "train.warmup_steps=0"], "DeepSpeed's WarmupLR warms up over 1 step or more"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "advice"), BAD_TRAIN_KEYS, ids=[" ".join(o) for o, _ in BAD_TRAIN_KEYS])
+def test_bad_optimizer_and_schedule_settings_are_refused(overrides: list[str], advice: str) -> None:
+    from omegaconf import OmegaConf
+
+    from ftlab.experiments.job import check_settings
+
+    with pytest.raises(ConfigError, match=re.escape(advice)):
+        check_settings(OmegaConf.to_object(compose_config(["experiment=plain", *overrides])))
+
+
+def test_a_deepspeed_schedule_may_peak_below_min_lr(tmp_path: Path) -> None:
+    """min_lr is the default schedule's floor; DeepSpeed's schedules do not read it."""
+    from omegaconf import OmegaConf
+
+    from ftlab.experiments.job import check_settings
+
+    path = ds_file(tmp_path, {**BATCH, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 5e-5}}})
+    merged, _ = apply(compose_config(["experiment=plain", f"train.deepspeed_config={path}"]), overrides=[])
+    assert merged.train.lr == 5e-5 < merged.train.min_lr
+    check_settings(OmegaConf.to_object(merged))
 
 
 def test_an_ftlab_setting_that_disagrees_is_refused_naming_both(tmp_path: Path) -> None:
