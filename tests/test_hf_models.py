@@ -114,6 +114,33 @@ def test_without_weights_each_layer_is_drawn_from_the_seed_and_its_index(checkpo
     assert not any(torch.equal(first[weight], t) for t in saved.values() if t.shape == first[weight].shape)
 
 
+LLAMA_2_7B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}  # fmt: skip
+"""Llama 2 7B's config.json, in the keys that shape it."""
+
+
+def test_an_hf_config_plans_and_simulates_as_the_built_in_model_of_its_shape(job_overrides: list[str], tmp_path: Path) -> None:
+    """Costs, memory fit, planner and simulator read an HF model's layers as they read llama2-6.7b's: the same
+    specs, the same refusal of stages that do not fit, the same simulated steps once they do."""
+    from omegaconf import OmegaConf
+
+    from ftlab.experiments.job import compose_config
+    from ftlab.experiments.simulate import simulate
+    from ftlab.runtime.core.model_spec import load_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
+    model = ["model=hf", f"model.config={tmp_path}", "model.seq_len=4096"]
+    hf_specs = layer_specs(OmegaConf.to_object(compose_config([*job_overrides, *model])).model)
+    assert hf_specs == layer_specs(load_model_config("llama2-6.7b"))
+    base = [*job_overrides, *model, "cluster=a100-16x8", "cluster.nodes=1", "train.stages=8", "train.global_batch=16",
+            "train.micro_batch=2", "mode=simulate"]  # fmt: skip
+    with pytest.raises(ConfigError, match="train.activation_checkpointing=true"):
+        simulate(OmegaConf.to_object(compose_config(base)))
+    result = simulate(OmegaConf.to_object(compose_config([*base, "train.steps=3", "train.activation_checkpointing=true"])))
+    assert len(result.result.steps) == 3
+
+
 def step0_batch(token_cache: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The job's first global batch (train.global_batch 16, train.micro_batch 2, train.seed 0)."""
     batches = Batches(load_tokens(tokenize_corpus(None, VOCAB, token_cache)), SEQ, 16, 2, seed=0)
