@@ -97,6 +97,16 @@ def test_a_two_stage_pipeline_computes_the_hf_models_loss(checkpoints, arch: str
     assert loss == pytest.approx(hf_loss(checkpoints[arch], ids, labels), rel=1e-6)
 
 
+def test_a_sharded_checkpoint_gives_the_same_layers(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]).save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    whole, sharded = hf_model(checkpoints["llama"]), hf_model(tmp_path)
+    for index in range(num_layers(whole)):
+        expected, got = build_layer(whole, index, seed=0).state_dict(), build_layer(sharded, index, seed=0).state_dict()
+        assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_without_weights_each_layer_is_drawn_from_the_seed_and_its_index(checkpoints, arch: str) -> None:  # noqa: ANN001
     cfg = hf_model(checkpoints[arch], weights=False)

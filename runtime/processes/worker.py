@@ -230,9 +230,21 @@ class Worker:
         self.executor = Executor(
             stage_module, num_layers(model), model.hidden, comm, batches, self._phase,
             checkpointing=self.setup["activation_checkpointing"], precision=self.setup["precision"],
+            redundant=self._kept_copy(message.program),
         )  # fmt: skip
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
+
+    def _kept_copy(self, program: list[Instruction]) -> StageModule | None:
+        """Bamboo: the copy of the next stage's layers this worker keeps current (its program receives their reduced
+        gradients), copied to it in place before; None for a worker that keeps none."""
+        layers = ins.kept_copy(program)
+        if layers is None:
+            return None
+        missing = [index for index in layers if index not in self.layers]
+        if missing:
+            raise RuntimeError(f"worker {self.worker} should keep a copy of layers {missing}, which it does not hold")
+        return StageModule(self.setup["model"], {i: self.layers[i] for i in layers})
 
     def _place(self, backend: str) -> None:
         """NCCL: compute on this worker's own GPU, made the current device so that NCCL's communicators and every
@@ -307,7 +319,8 @@ class Worker:
 
     def _drop_stale_layers(self) -> None:
         assert self.executor is not None
-        for index in [i for i in self.layers if not self.executor.stage.start <= i < self.executor.stage.stop]:
+        kept = [self.executor.stage, *([self.executor.redundant] if self.executor.redundant else [])]
+        for index in [i for i in self.layers if not any(m.start <= i < m.stop for m in kept)]:
             del self.layers[index], self.optimizers[index]
 
     def _run_step(self, step: int, loss_scale: float) -> None:
