@@ -44,9 +44,10 @@ from ftlab.runtime.core.costs import CostModel, LayerProfile, ModelProfile, laye
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES
-from ftlab.runtime.reporting.fault_ledger import FaultLedger, FaultRecord
+from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.precision import needs_norms, numerics_problems
 from ftlab.runtime.control.update import UpdateRule, scaler_from_manifest
+from ftlab.runtime.reporting.fault_ledger import FaultLedger, FaultRecord
 from ftlab.runtime.processes.launchers import launch_problems, make_launcher
 from ftlab.runtime.processes.placement import choose_backend
 from ftlab.runtime.core.model_spec import layer_specs, num_layers
@@ -489,9 +490,32 @@ def run_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult:
 def check_real(cfg: JobConfig) -> None:
     """What a real job's config alone can be refused for, before MLflow, torch or a corpus load: ``check_job`` and
     the folders it writes."""
-    check_job(cfg)
+    checked = check_job(cfg)
     writable_dir(Path(cfg.train.checkpoint_dir), "train.checkpoint_dir")
     writable_dir(Path(cfg.train.cache_dir), "train.cache_dir")
+    check_space(cfg, checked.protection)
+
+
+def check_space(cfg: JobConfig, protection: Protection) -> None:
+    """Room in the checkpoint folder for the checkpoints the protection keeps and the one it writes beside them,
+    else a ConfigError with the sizes (a warning with ``protection.allow_low_space=true``)."""
+    kept, allowed = protection.storage_footprint()
+    if not kept:
+        return
+    one = checkpoint_bytes(layer_specs(cfg.model), cfg.model.seq_len)
+    need, free = (kept + 1) * one, checkpoint.free_bytes(cfg.train.checkpoint_dir)
+    if free >= need:
+        return
+    text = (f"train.checkpoint_dir={cfg.train.checkpoint_dir} has {free / MIB:.1f} MiB free, but protection="
+            f"{protection.name} keeps {kept} checkpoints of {cfg.model.name} ({one / MIB:.1f} MiB each) and writes the "
+            f"next beside them: {need / MIB:.1f} MiB")  # fmt: skip
+    if allowed:
+        log.warning("%s; starting anyway (protection.allow_low_space=true): a checkpoint that finds no room is "
+                    "skipped", text)  # fmt: skip
+        return
+    raise ConfigError(f"{text}: free space there, give train.checkpoint_dir on a larger disk, lower protection.keep, "
+                      f"or set protection.allow_low_space=true to start anyway (a checkpoint that finds no room is "
+                      f"skipped; protection.max_failed_saves of them in a row stop the job)")  # fmt: skip
 
 
 def tracked(

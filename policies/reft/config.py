@@ -20,6 +20,10 @@ class ReftConfig:
     """Committed steps between flushes to storage, the fallback when a failure is beyond what memory protects."""
     keep: int = 2
     """Flushes kept on storage."""
+    max_failed_saves: int = 3
+    """Flushes in a row that storage may refuse before the job stops (each is abandoned; training goes on)."""
+    allow_low_space: bool = False
+    """Start even if the checkpoint folder has room for fewer than keep + 1 flushes (warned, not refused)."""
     host_memory_gb: float = 4.0
     """Host memory of one node for snapshots: a layout whose records (two slots each) need more is refused."""
     threshold: float = 0.9

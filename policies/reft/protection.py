@@ -29,6 +29,7 @@ from ftlab.runtime.core.contract import (
     Action, Change, ConfigError, Job, MemoryRecord, MemorySource, Protection, SaveCheckpoint, Source, StorageSource,
     TakeSnapshot,
 )  # fmt: skip
+from ftlab.runtime.core.failed_saves import FailedSaves, checkpoint_bytes
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.program_check import simulate
 from ftlab.runtime.core.scheduler import one_f_one_b
@@ -51,6 +52,8 @@ class ReftProtection(Protection):
         """Snapshots whose records may still be in memory, by step."""
         self._expected: tuple[int, int] = (-1, 0)
         """(plan generation, records a snapshot of it writes): counted once per plan, not per snapshot."""
+        self.failures = FailedSaves(settings.max_failed_saves, 0, settings.keep)  # type: ignore[attr-defined]
+        """Flushes that storage refused in a row (``runtime.core.failed_saves``)."""
 
     # -- checks ------------------------------------------------------------------------------------------------
     def check(self, job: Job) -> None:
@@ -69,8 +72,10 @@ class ReftProtection(Protection):
             )
         if s.interval != "auto" and (not isinstance(s.interval, int) or s.interval < 1):
             raise ConfigError(f"protection.interval={s.interval!r}: snapshot every 1 or more committed steps, or auto")
-        if s.flush_every < 1 or s.keep < 1:
-            raise ConfigError(f"protection.flush_every={s.flush_every} and protection.keep={s.keep} must be at least 1")
+        if s.flush_every < 1 or s.keep < 1 or s.max_failed_saves < 1:
+            raise ConfigError(f"protection.flush_every={s.flush_every}, protection.keep={s.keep} and "
+                              f"protection.max_failed_saves={s.max_failed_saves} must be at least 1")  # fmt: skip
+        self.failures.one_bytes = checkpoint_bytes(job.specs, job.model.seq_len)
         if s.host_memory_gb <= 0:
             raise ConfigError(f"protection.host_memory_gb={s.host_memory_gb}: give each node's host memory in GiB")
         self.directory = job.train.checkpoint_dir
@@ -156,10 +161,18 @@ class ReftProtection(Protection):
     def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
         if isinstance(action, SaveCheckpoint):
             self.storage = StorageSource(step, f"{action.directory}/step-{step:06d}")
+            self.failures.succeeded()
         elif isinstance(action, TakeSnapshot) and step in self.snapshots:
             snap = self.snapshots[step]
             snap.records.extend(records)
             snap.crcs.update({(r.layers, r.index): r.crc for r in records if r.kind == "shard"})
+
+    def unsaved(self, action: Action, step: int, reason: str) -> str | None:
+        newest = self.storage.directory if isinstance(self.storage, StorageSource) else None
+        return self.failures.failed(step, reason, self.name, self.directory, newest)
+
+    def storage_footprint(self) -> tuple[int, bool]:
+        return self.settings.keep, self.settings.allow_low_space
 
     def _newest_complete(self) -> int:
         return max((s for s, snap in self.snapshots.items() if snap.complete), default=-1)

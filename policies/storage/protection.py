@@ -11,6 +11,9 @@ for it. So a study whose iterations are five times faster checkpoints after five
 interval on real processes and in the simulator, and a run's checkpoints do not depend on how loaded the host was.
 A protection sees no clock of its backend (``tests/test_contract.py``): the machine is what both backends share.
 Recovery pauses do not advance it: they add no training to protect.
+
+A checkpoint that storage refuses is abandoned and training goes on; ``max_failed_saves`` in a row stop the job
+(``runtime.core.failed_saves``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from ftlab.runtime.core.contract import (
     Action, Change, ConfigError, Job, MemoryRecord, Protection, SaveCheckpoint, Source, StorageSource,
 )  # fmt: skip
+from ftlab.runtime.core.failed_saves import FailedSaves, checkpoint_bytes
 from ftlab.runtime.core.machine import Machine
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.scheduler import one_f_one_b
@@ -34,6 +38,7 @@ class StorageProtection(Protection):
         """Seconds of training since the job started, on the machine's clock (``every_s``)."""
         self._step_s: tuple[int, float] | None = None
         """(generation, predicted step time) of the newest plan seen."""
+        self.failures = FailedSaves(settings.max_failed_saves, 0, settings.keep)  # type: ignore[attr-defined]
 
     def check(self, job: Job) -> None:
         every, every_s = self.settings.every, self.settings.every_s
@@ -53,6 +58,10 @@ class StorageProtection(Protection):
             self._machine = job.machine()
         if self.settings.keep < 1:
             raise ConfigError(f"protection.keep={self.settings.keep}: keep at least the newest checkpoint")
+        if self.settings.max_failed_saves < 1:
+            raise ConfigError(f"protection.max_failed_saves={self.settings.max_failed_saves}: let at least 1 "
+                              f"checkpoint that storage refuses pass before the job stops")  # fmt: skip
+        self.failures.one_bytes = checkpoint_bytes(job.specs, job.model.seq_len)
         self.directory = job.train.checkpoint_dir
         self.newest = job.start
 
@@ -80,6 +89,14 @@ class StorageProtection(Protection):
     def saved(self, action: Action, step: int, records: tuple[MemoryRecord, ...] = ()) -> None:
         assert isinstance(action, SaveCheckpoint)
         self.newest = StorageSource(step, str(action.directory) + f"/step-{step:06d}")
+        self.failures.succeeded()
+
+    def unsaved(self, action: Action, step: int, reason: str) -> str | None:
+        newest = self.newest.directory if isinstance(self.newest, StorageSource) else None
+        return self.failures.failed(step, reason, self.name, self.directory, newest)
+
+    def storage_footprint(self) -> tuple[int, bool]:
+        return self.settings.keep, self.settings.allow_low_space
 
     def restore_source(self, change: Change | None = None) -> Source | None:
         return self.newest

@@ -215,6 +215,17 @@ class StateSaved(Event):
 
 
 @dataclass(frozen=True)
+class SaveFailed(Event):
+    """A protection's save to storage was abandoned: storage refused a write (full, failing or read-only). Nothing of
+    it is left; the previous saved state stays the newest and training goes on."""
+
+    kind: ClassVar[str] = "save_failed"
+    step: int
+    reason: str
+    location: str
+
+
+@dataclass(frozen=True)
 class SnapshotTaken(Event):
     """Every record of an in-memory snapshot of ``step`` committed steps is written (they were copied while the next
     iterations ran)."""

@@ -345,6 +345,18 @@ class Protection(ABC):
         """``source`` (which this protection offered) cannot be loaded after all (a record failed its checksum):
         offer something else next time."""
 
+    def unsaved(self, action: Action, step: int, reason: str) -> str | None:
+        """The coordinator abandoned ``action`` for ``step``: storage refused a write (``reason``), nothing of the
+        save is left, and the previous saved state stays the newest. Why the job must stop now (the message for
+        the user), or None to train on."""
+        return None
+
+    def storage_footprint(self) -> tuple[int, bool]:
+        """(Checkpoints of the whole model this protection keeps on storage at once, whether a checkpoint folder
+        with room for fewer than that plus the one being written may be used anyway); (0, False) for none. Checked
+        against the folder's free space before any worker starts."""
+        return 0, False
+
 
 @dataclass(frozen=True)
 class Roles:

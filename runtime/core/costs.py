@@ -312,6 +312,10 @@ class CostModel:
                     return self.p2p_s(self.boundary_bytes(start))
                 case ins.SendLayer(layer=layer):
                     return self.transfer_s(layer)
+                case ins.ForwardRedundant(start=first, stop=end):
+                    return self.forward_s(first, end)
+                case ins.SendReduced(start=first, stop=end):
+                    return self.p2p_s(self.param_bytes(first, end))  # a gradient the size of the layers' parameters
                 case ins.ReduceGrads():
                     return reduce_s.get(worker, 0.0)
                 case ins.OptimizerStep():

@@ -121,20 +121,59 @@ class RecvLayer(LayerInstruction):
     pass
 
 
+@dataclass(frozen=True)
+class ForwardRedundant(MicroBatchInstruction):
+    """Bamboo's eager forward redundant computation: the forward of ``microbatch`` through layers ``[start, stop)``
+    (the next stage's, of which this worker keeps a copy) on the activation this worker's own forward produced. The
+    result is dropped: it is the work a takeover of that stage needs, run in a bubble of the pipeline, and it leaves
+    no state (the loss head of a last stage is not run: there are no labels here)."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class ReducedInstruction(Instruction):
+    """The reduced gradients of layers ``[start, stop)`` between their holder and ``peer``, which keeps a redundant
+    copy of those layers and steps it with them at the commit, so the copy stays exactly current (Bamboo). They come
+    after ``ReduceGrads``, before ``OptimizerStep``."""
+
+    peer: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class SendReduced(ReducedInstruction):
+    pass
+
+
+@dataclass(frozen=True)
+class RecvReduced(ReducedInstruction):
+    pass
+
+
 Program = list[Instruction]
 
 
-COMPUTE = (ForwardPass, BackwardPass, BackwardInput, BackwardWeight)
+def kept_copy(program: Program) -> range | None:
+    """The layers of which a worker running ``program`` keeps a redundant copy (it receives their reduced
+    gradients), or None: what it keeps besides its stage."""
+    kept = [i for i in program if isinstance(i, RecvReduced)]
+    return range(kept[0].start, kept[0].stop) if kept else None
+
+
+COMPUTE = (ForwardPass, BackwardPass, BackwardInput, BackwardWeight, ForwardRedundant)
 """The instructions that run the model's layers: what a worker's compute time counts."""
 
 
 def phase_of(instruction: Instruction) -> str:
     """The phase of an iteration an instruction belongs to (where a phase fault stops a worker): forward,
     backward, reduce, or "" for the others. The optimizer phase begins at the coordinator's commit."""
-    if isinstance(instruction, (ForwardPass, LoadMicroBatch, RecvActivation, SendActivation)):
+    if isinstance(instruction, (ForwardPass, LoadMicroBatch, RecvActivation, SendActivation, ForwardRedundant)):
         return "forward"
     if isinstance(instruction, (BackwardPass, BackwardInput, BackwardWeight, RecvGrad, SendGrad)):
         return "backward"
-    if isinstance(instruction, ReduceGrads):
+    if isinstance(instruction, (ReduceGrads, ReducedInstruction)):
         return "reduce"
     return ""

@@ -10,6 +10,9 @@ abstract machine with the semantics of ``runtime.core.instructions``:
 - compute needs its inputs on the same worker: a non-first stage's ``ForwardPass`` a received activation, a
   non-last stage's backward a received gradient, first and last stages a ``LoadMicroBatch``, ``BackwardWeight``
   a ``BackwardInput``.
+- Bamboo's redundant work: a ``ForwardRedundant`` follows the worker's own forward of that micro-batch and runs the
+  layers right after its own; a stage's reduced gradients are sent after the sender's ``ReduceGrads`` and received
+  after the receiver's, between ``ReduceGrads`` and ``OptimizerStep``.
 
 Messages carry the layer boundary they belong to, so the checker follows each micro-batch through the layers: it
 must run forward over every layer exactly once, in layer order, then backward exactly once in reverse order, on
@@ -52,17 +55,22 @@ def show(instr: ins.Instruction) -> str:
     return str(instr)
 
 
-_SENDS: dict[type, str] = {ins.SendActivation: "activation", ins.SendGrad: "gradient", ins.SendLayer: "layer"}
-_RECVS: dict[type, str] = {ins.RecvActivation: "activation", ins.RecvGrad: "gradient", ins.RecvLayer: "layer"}
+_SENDS: dict[type, str] = {ins.SendActivation: "activation", ins.SendGrad: "gradient", ins.SendLayer: "layer",
+                           ins.SendReduced: "reduced gradient"}  # fmt: skip
+_RECVS: dict[type, str] = {ins.RecvActivation: "activation", ins.RecvGrad: "gradient", ins.RecvLayer: "layer",
+                           ins.RecvReduced: "reduced gradient"}  # fmt: skip
 
 
 def _peer(instr: ins.Instruction) -> int:
-    assert isinstance(instr, (ins.PeerInstruction, ins.LayerInstruction)), instr
+    assert isinstance(instr, (ins.PeerInstruction, ins.LayerInstruction, ins.ReducedInstruction)), instr
     return instr.peer
 
 
 def _key(instr: ins.Instruction) -> int:
-    """The micro-batch of a micro-batch transfer, the layer of a layer transfer."""
+    """The micro-batch of a micro-batch transfer, the layer of a layer transfer, the first layer of reduced
+    gradients."""
+    if isinstance(instr, ins.ReducedInstruction):
+        return instr.start
     return instr.microbatch if isinstance(instr, ins.MicroBatchInstruction) else instr.layer  # type: ignore[attr-defined]
 
 
@@ -224,6 +232,11 @@ class _Machine:
             if start == 0:
                 self._fail(w, instr, "the first stage has no input gradient to send")
             return start
+        if isinstance(instr, ins.SendReduced):
+            if w not in self.reduce_arrival or (instr.start, instr.stop) != (start, stop):
+                self._fail(w, instr, f"sends reduced gradients other than its own layers {start}..{stop - 1} after "
+                                     f"its ReduceGrads")  # fmt: skip
+            return start
         return instr.layer  # type: ignore[attr-defined]
 
     def _receive(self, w: int, instr: ins.Instruction, boundary: int) -> None:
@@ -238,6 +251,8 @@ class _Machine:
                 why = f"receives the gradient at layer boundary {boundary}, its stage stops at {stop}"
                 self._fail(w, instr, why)
             self._once(w, instr, self.grad_in[w], "receives the gradient")
+        elif isinstance(instr, ins.RecvReduced) and w not in self.reduce_arrival:
+            self._fail(w, instr, "receives a copy's reduced gradients before its own ReduceGrads")
 
     def _once(self, w: int, instr: ins.MicroBatchInstruction, done: set[int], what: str) -> None:
         mb = instr.microbatch
@@ -281,6 +296,10 @@ class _Machine:
             if isinstance(instr, ins.BackwardPass):
                 self._record(w, instr, self.wgt_by, layers, "weight-gradient")
                 self.weight_grad[w].add(mb)
+        elif isinstance(instr, ins.ForwardRedundant):
+            if mb not in self.forwarded[w] or instr.start != stop or instr.stop <= instr.start:
+                self._fail(w, instr, f"a redundant forward needs this worker's forward of micro-batch {mb} and runs "
+                                     f"the layers right after its own (from {stop})")  # fmt: skip
         elif isinstance(instr, ins.BackwardWeight):
             if mb not in self.input_grad[w] or mb in self.weight_grad[w]:
                 self._fail(w, instr, "needs exactly one BackwardInput of the same micro-batch before it")
@@ -325,6 +344,7 @@ def _check_shape(plan: Plan, programs: Mapping[int, list[ins.Instruction]]) -> N
         raise ProgramError(f"programs and plan disagree: no program for workers {missing}, "
                            f"programs for workers {extra} that the plan does not name")
     for w, program in programs.items():
+        program = [i for i in program if not isinstance(i, ins.ReducedInstruction)]  # they may sit between the two
         tail = [type(i) for i in program[-2:]]
         if tail != [ins.ReduceGrads, ins.OptimizerStep] or any(
             isinstance(i, (ins.ReduceGrads, ins.OptimizerStep)) for i in program[:-2]

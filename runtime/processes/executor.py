@@ -28,6 +28,8 @@ from ftlab.runtime.training.passes import MicroBatch, StagePasses
 
 # p2p tags: one stream of activations and one of gradients per micro-batch.
 _ACTIVATION, _GRADIENT = 0, 1
+_REDUCED_TAG = 1 << 26
+"""Bamboo: a stage's reduced gradients to the holder of its redundant copy (one message an iteration)."""
 # Receives posted ahead of the one being waited for. A gloo send to a peer that has not posted its receive yet waits
 # for the peer's "ready" notice and then goes out from the sender's communication thread, which on a busy host
 # waits for a CPU behind the sender's own computation; posted early, the receive is there when the sender sends.
@@ -95,8 +97,11 @@ class Executor:
         on_phase: Callable[[int, str], None] = lambda step, phase: None,
         checkpointing: bool = False,
         precision: str = "fp32",
+        redundant: StageModule | None = None,
     ) -> None:
         self.stage = stage
+        self.redundant = redundant
+        """Bamboo: the copy of the next stage's layers this worker keeps (``ins.ForwardRedundant``, ``RecvReduced``)."""
         self.first = stage.start == 0
         self.last = stage.stop == num_layers
         self.comm = comm
@@ -168,6 +173,13 @@ class Executor:
         elif isinstance(instruction, ins.ReduceGrads):
             self.comm.flush_sends()
             self._reduce()
+        elif isinstance(instruction, ins.ForwardRedundant):
+            self._forward_redundant(b.live[instruction.microbatch].result)
+        elif isinstance(instruction, ins.SendReduced):
+            grads = torch.cat([p.grad.reshape(-1) for p in self.stage.parameters()])  # type: ignore[union-attr]
+            self.comm.send(grads, instruction.peer, _REDUCED_TAG)
+        elif isinstance(instruction, ins.RecvReduced):
+            self._receive_reduced(instruction.peer)
         else:
             raise TypeError(f"the executor cannot run {instruction!r}")
         return 0.0
@@ -176,6 +188,26 @@ class Executor:
     def _keep_input_grad(mb: int, b: _Buffers, grad: torch.Tensor | None) -> None:
         if grad is not None:  # the first stage's input is token ids: no input gradient to send
             b.input_grads[mb] = grad
+
+    def _forward_redundant(self, activation: torch.Tensor) -> None:
+        """The next stage's forward on its kept copy, without the loss head of a last stage; nothing is kept."""
+        assert self.redundant is not None, "ForwardRedundant on a worker that keeps no copy of the next stage"
+        r = self.redundant
+        with torch.no_grad():
+            x = activation.detach()
+            for index in range(r.start, r.stop - 1 if r.is_last else r.stop):
+                x = r.layer(index)(x)
+
+    def _receive_reduced(self, peer: int) -> None:
+        """The next stage's reduced gradients into the kept copy's, which the commit's optimizer step applies (every
+        optimizer this worker holds steps), so the copy stays equal to the stage's own layers."""
+        assert self.redundant is not None, "RecvReduced on a worker that keeps no copy of the next stage"
+        params = list(self.redundant.parameters())
+        flat = self.comm.recv((sum(p.numel() for p in params),), params[0].dtype, peer, _REDUCED_TAG)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
 
     def _reduce(self) -> None:
         for p in self.stage.parameters():

@@ -413,7 +413,12 @@ class Worker:
             optimizers.update(group.gather(self.layers))
         for index in message.layers:
             data = encode(layer_state(self.layers[index], optimizers[index]))
-            checkpoint.atomic_write(checkpoint.layer_path(directory, index), data)
+            path = checkpoint.layer_path(directory, index)
+            try:
+                checkpoint.atomic_write(path, data)
+            except OSError as exc:  # storage, not training, failed: the coordinator abandons this save and goes on
+                self.channel.send(msg.Saved(message.step, nbytes, checkpoint.write_error(exc, path)))
+                return
             nbytes += len(data)
             self._phase(message.step, "checkpoint")  # a fault armed here finds the checkpoint half written
         self.channel.send(msg.Saved(message.step, nbytes))

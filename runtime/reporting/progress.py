@@ -57,6 +57,8 @@ class ProgressLine:
                 self.announce(f"{outcome}: {event.reason}")
             case ev.Reviewed(outcome=outcome) if outcome != "keep":
                 self.announce(f"review, {outcome}: {event.reason}")
+            case ev.SaveFailed():
+                self.announce(f"warning: the checkpoint of step {event.step} was not saved: {event.reason}")
             case ev.Recovered(recover_s=seconds, lost_steps=lost) if seconds is not None:
                 self.announce(f"recovered in {seconds:.2f} s, {lost} committed steps lost")
 

@@ -371,6 +371,8 @@ class RunRecorder:
                              "review/predicted_iter_s": event.predicted_iter_s}  # fmt: skip
                 self.tracker.log_metrics({k: v for k, v in predicted.items() if v is not None} | {"review/switch": 1.0},
                                          event.step)  # fmt: skip
+            case ev.SaveFailed():
+                self.tracker.log_metrics({"ft/save_failed": 1.0}, event.step)  # its reason: events.jsonl
             case ev.PlanConfigured():
                 self.tracker.write_artifact(f"plans/generation-{event.generation:03d}.json", event.plan.to_json())
             case ev.Recovered():

@@ -4,6 +4,10 @@ A checkpoint directory ``step-NNNNNN`` counts only once its ``manifest.json`` ex
 included, is written to a temporary name, fsynced and renamed, so a kill at any moment leaves either the previous
 complete checkpoint or the new complete one, never a torn one. What a layer file holds is ``runtime.training.layer_state``'s;
 this module handles only files and manifests, so the coordinator and the policies use it without torch.
+
+A write that fails (a full disk, an I/O error, a folder that became read-only) removes its temporary file and raises;
+the save it belonged to is then abandoned whole (``abandon``): a failed save leaves no bytes behind, and the previous
+checkpoint stays the newest.
 """
 
 from __future__ import annotations
@@ -28,11 +32,33 @@ def layer_path(directory: Path, layer: int) -> Path:
 def atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next save needs
+        raise
+
+
+def write_error(exc: OSError, path: Path) -> str:
+    """A failed write as a line: what the system said and where."""
+    return f"{exc.strerror or exc} writing {path}"
+
+
+def abandon(root: str | Path, step: int) -> None:
+    """Remove everything a failed save of ``step`` wrote (called once every writer has stopped)."""
+    shutil.rmtree(step_dir(root, step), ignore_errors=True)
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem that holds ``path`` (or would: its nearest existing folder)."""
+    folder = Path(path).absolute()
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
 
 
 def write_manifest(root: str | Path, step: int, num_layers: int, extra: dict[str, Any]) -> Path:

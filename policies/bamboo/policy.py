@@ -1,0 +1,125 @@
+"""Bamboo (Thorpe et al., NSDI'23) as Oobleck's paper summarises it (Sections 2, 7.2, 7.4): redundant computation.
+
+Each stage's worker keeps a copy of the next stage of its pipeline (twice the model state on a device), runs that
+stage's forward of every micro-batch redundantly (eager forward redundant computation), and when the next stage's
+worker fails, takes its stage over in place: no process restarts, nothing is restored from storage, no committed
+step is lost, and the pipeline runs one stage shorter. Two adjacent failures (a stage and the one keeping its copy)
+force a full reconfiguration: every worker restarts from the protection's newest saved state.
+
+Where the papers leave it open, this module chooses:
+
+- **Keeping the copy current**: after ``ReduceGrads`` the owner of a stage sends its reduced gradients to the
+  holder of its copy (``SendReduced``/``RecvReduced``), and the holder steps the copy with them at the commit, as
+  it steps its own layers. The copy is then bit for bit the owner's layers with their optimizer state at every
+  committed step (the same optimizer on the same gradient), so a takeover is exact, and an aborted iteration steps
+  neither. The copies are made by copying each stage's layers with their optimizer state to its predecessor in
+  place at the first step boundary of a plan without copies (the first plan, a restart's): from then on they are
+  kept, not copied again.
+- **Forward redundant computation**: the holder runs the owner's forward on the activation it sends the owner,
+  placed at its next wait (a receive, or its ``ReduceGrads``), where 1F1B has a bubble if it has one; its output is
+  dropped (Bamboo keeps it for a backward redundant computation after a failure mid-iteration; here the two-phase
+  commit aborts that iteration, and the takeover's first iteration runs both stages' forward and backward, which is
+  the backward redundant computation it needs).
+- **The last stage** has no successor, so the first stage has no copy: losing a first stage means a restart, as
+  losing a stage and its predecessor does. A copy is kept only where the holder's own stage (no activation
+  checkpointing) and the copy's state fit its device; a job where no copy fits is refused before any worker starts.
+- **After a takeover** the grown stage and the stage after it have no copy (their holder is the grown worker, or
+  lost); a failure of either restarts. Copies are not rebuilt until a restart, which rebuilds them all.
+- **Joins** wait for the next restart, as in checkpoint-restart (Bamboo's own scheduler adds nodes to pipelines;
+  the papers' comparisons measure failures).
+- **Protection**: a restart restores the protection's newest state; with ``protection=none`` a restart is
+  impossible and the job stops where a takeover cannot recover.
+"""
+
+from __future__ import annotations
+
+from ftlab.policies.bamboo import redundancy as rc
+from ftlab.policies.grid import decision, grid, restart_grid
+from ftlab.runtime.core.contract import (
+    Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop,
+)  # fmt: skip
+from ftlab.runtime.core.plan import Plan, PlanError
+
+
+class Bamboo(Policy):
+    roles = Roles(in_place=True, restarts=True)
+    moves_layers = True  # the copies are made by copying layers with their optimizer state
+
+    @property
+    def review_every(self) -> int:
+        return 1  # a plan without copies gets them at its first step boundary
+
+    def plan(self, job: Job, protection: Protection) -> Decision:
+        t = job.train
+        if len(job.slots_of_node) < 2:
+            raise ConfigError("policy=bamboo keeps each stage's copy on another worker and takes a failed node's stage "
+                              "over from a surviving one: it needs at least two nodes (raise cluster.nodes)")  # fmt: skip
+        if t.stages < 2:
+            raise ConfigError(f"policy=bamboo keeps a copy of each stage's successor, and train.stages={t.stages} has "
+                              f"none: set train.stages to 2 or more")  # fmt: skip
+        if t.activation_checkpointing:
+            raise ConfigError("policy=bamboo does not use activation checkpointing (its memory model keeps every "
+                              "stage's activations and the successor's state): set train.activation_checkpointing=false")  # fmt: skip
+        plan = grid(job.workers, job, generation=0, step=job.start_step)
+        for pipeline in plan.pipelines:
+            for s, (stage, nxt) in enumerate(zip(pipeline.stages, pipeline.stages[1:])):
+                need = rc.memory_with_copy(job, stage, len(pipeline.stages) - s, nxt)
+                if need > job.device_memory_bytes:
+                    raise ConfigError(
+                        f"policy=bamboo keeps each stage's state and its successor's (twice the model state): stage "
+                        f"{s} of {job.model.name} with its copy of stage {s + 1} needs {need / 2**30:.3f} GiB where "
+                        f"a device has {job.device_memory_bytes / 2**30:.3f} GiB: raise cluster.device_memory_gb, "
+                        f"raise train.stages (smaller stages), or use a policy without redundant copies (oobleck, "
+                        f"recycle, checkpoint_restart)"
+                    )
+        return decision(plan, "the PP x DP grid of train.stages; copies at the first step boundary", restore=job.start)
+
+    def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:
+        if rc.copies_of(change.plan) is not None:
+            return Keep("every copy this plan can keep is kept")
+        copies = rc.successor_copies(change.plan, job)
+        plan = rc.with_copies(change.plan, copies, change.generation, change.step)
+        reason = f"{change.describe()}: {len(copies)} stages' layers copied to their predecessors"
+        return Decision(plan, rc.programs(plan, copies), transfers=rc.transfers(copies), reason=reason,
+                        details={"copies": len(copies)})  # fmt: skip
+
+    def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
+        if not change.is_failure:
+            return Keep(f"{change.describe()}; they join at the next restart")
+        lost = set(change.plan.workers) - set(job.workers)
+        copies = rc.copies_of(change.plan) or {}
+        plan = rc.taken_over(change.plan, lost, copies, change.generation, change.step)
+        if plan is not None and self._fits(plan, job):
+            kept = rc.copies_of(plan) or {}
+            holders = sorted(copies[w].holder for w in lost)
+            reason = f"{change.describe()}: workers {holders} take the failed stages over from their copies"
+            return Decision(plan, rc.programs(plan, kept.values()), reason=reason,
+                            details={"taken_over": len(lost), "copies": len(kept)})  # fmt: skip
+        return self._restart(change, job, protection)
+
+    @staticmethod
+    def _fits(plan: Plan, job: Job) -> bool:
+        """Every stage of ``plan``, grown ones too, with the copy it keeps, fits its device."""
+        copies = {k.holder: k for k in (rc.copies_of(plan) or {}).values()}
+        for pipeline in plan.pipelines:
+            for s, stage in enumerate(pipeline.stages):
+                in_flight = len(pipeline.stages) - s
+                copy = copies.get(stage.worker)
+                need = job.costs.stage_memory(stage.start, stage.stop, in_flight)
+                if copy is not None:
+                    need += job.costs.state_bytes(copy.start, copy.stop)
+                if need > job.device_memory_bytes:
+                    return False
+        return True
+
+    def _restart(self, change: Change, job: Job, protection: Protection) -> Outcome:
+        source = protection.restore_source(change)
+        if source is None and change.step > 0:
+            return Stop(f"{change.describe()}: no live worker keeps a copy of every failed stage, and the protection "
+                        f"has no saved state to restart from")  # fmt: skip
+        try:
+            plan, where = restart_grid(job, change.generation, source)
+        except PlanError as exc:
+            return Stop(f"{change.describe()}: no grid fits the surviving nodes: {exc}")
+        reason = f"{change.describe()}: a failed stage has no live copy; restart {len(plan.workers)} workers from {where}"
+        return decision(plan, reason, restore=source, restart=True)

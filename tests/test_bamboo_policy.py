@@ -1,0 +1,79 @@
+"""``policy=bamboo``'s decisions in the simulator (the same policy code the processes run) and what it refuses before
+any worker: a single failure is taken over by the predecessor that keeps the failed stage's copy, in place; a stage
+lost with the worker keeping its copy, or a first stage (no copy), restarts from the protection's checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from ftlab.experiments.job import JobResult, check_job, compose_config
+from ftlab.experiments.simulate import simulate_job
+from ftlab.policies.bamboo import redundancy as rc
+from ftlab.runtime.core import instructions as ins
+from ftlab.runtime.core.contract import ConfigError
+from ftlab.runtime.core.program_check import check_programs
+from tests.support import explicit, node
+
+JOB = ["mode=simulate", "policy=bamboo", "cluster=local-6", "cluster.device_memory_gb=0.08", "train.stages=2",
+       "train.steps=10", "protection=storage", "protection.every=3"]  # fmt: skip
+
+
+def simulate(job_overrides: list[str], *faults: str) -> JobResult:
+    return simulate_job(compose_config([*job_overrides, *JOB, *explicit(*faults)]))
+
+
+def test_the_copies_are_made_at_the_first_boundary_and_their_programs_check(job_overrides: list[str]) -> None:
+    result = simulate(job_overrides)
+    first, copied = result.plans[0], result.plans[1]
+    assert rc.copies_of(first) is None and copied.step == 1
+    assert sorted((k.holder, k.owner) for k in rc.copies_of(copied).values()) == [(0, 1), (2, 3), (4, 5)]
+    programs = rc.programs(copied, rc.copies_of(copied).values())
+    check_programs(copied, programs)
+    redundant = [i for i in programs[0] if isinstance(i, ins.ForwardRedundant)]
+    assert [i.microbatch for i in redundant] == list(first.pipelines[0].microbatches), "every micro-batch sent"
+    assert ins.kept_copy(programs[0]) == range(4, 8) and ins.kept_copy(programs[1]) is None
+
+
+def test_a_single_failure_is_taken_over_in_place(job_overrides: list[str]) -> None:
+    result = simulate(job_overrides, node(3, 5, "backward"))
+    last = result.plans[-1]
+    assert [p.workers for p in last.pipelines] == [(0, 1), (2,), (4, 5)]
+    assert last.pipelines[1].spans == ((0, 8),)
+    assert result.faults[0].lost_steps == 0 and [s.step for s in result.steps] == list(range(10))
+    assert sorted(rc.copies_of(last)) == [1, 5], "the copies of the untouched pipelines are kept"
+
+
+def test_two_adjacent_failures_restart_from_the_checkpoint(job_overrides: list[str]) -> None:
+    result = simulate(job_overrides, node(3, 5, "backward"), node(2, 7, "forward"))
+    assert result.faults[0].lost_steps == 0
+    assert result.faults[1].lost_steps == 1, "restarted from the checkpoint of step 6"
+    restarted = result.plans[-2]
+    assert rc.copies_of(restarted) is None and [p.workers for p in restarted.pipelines] == [(0, 1), (4, 5)]
+    assert rc.copies_of(result.plans[-1]) is not None, "the restart's plan gets its copies back"
+
+
+def test_a_first_stage_has_no_copy_and_restarts(job_overrides: list[str]) -> None:
+    result = simulate(job_overrides, node(2, 5, "backward"))
+    assert result.faults[0].lost_steps == 2, "restarted from the checkpoint of step 3"
+
+
+def refused(job_overrides: list[str], *overrides: str) -> str:
+    cfg = OmegaConf.to_object(compose_config([*job_overrides, *JOB, *overrides]))
+    with pytest.raises(ConfigError) as info:
+        check_job(cfg)  # type: ignore[arg-type]
+    return str(info.value)
+
+
+def test_bamboo_on_one_node_is_refused(job_overrides: list[str]) -> None:
+    assert "at least two nodes" in refused(job_overrides, "cluster.nodes=1")
+
+
+def test_bamboo_where_a_stage_and_its_copy_do_not_fit_is_refused(job_overrides: list[str]) -> None:
+    message = refused(job_overrides, "cluster.device_memory_gb=0.04")
+    assert "twice the model state" in message and "raise cluster.device_memory_gb" in message
+
+
+def test_bamboo_with_one_stage_or_activation_checkpointing_is_refused(job_overrides: list[str]) -> None:
+    assert "set train.stages to 2 or more" in refused(job_overrides, "train.stages=1")
+    assert "train.activation_checkpointing=false" in refused(job_overrides, "train.activation_checkpointing=true")
