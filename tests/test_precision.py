@@ -1,0 +1,185 @@
+"""Mixed precision (``train.precision``) and the coordinator's update rule (``runtime.control.update``).
+
+bf16 and fp16 train, differ from fp32 and repeat themselves bit for bit; a bf16 job with clipping computes the same
+losses and final weights on any layout (one process, a 2 x 2 grid with ZeRO-1 and activation checkpointing, a
+heterogeneous plan); fp16's loss scaler steps as DeepSpeed's DynamicLossScaler does; bad settings are refused before
+any worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftlab.experiments.job import JobResult, check_job, compose_config
+from ftlab.runtime.control.update import ScalerState, UpdateRule, UpdateStopped
+from ftlab.runtime.core.config import TrainConfig
+from ftlab.runtime.core.contract import ConfigError
+from tests.oracle import LOSS_RTOL, PARAM_ATOL, committed_losses, final_state
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> dict[str, JobResult]:
+    from ftlab.experiments.job import run_job
+
+    base = tmp_path_factory.mktemp("precision")
+    common = [
+        "experiment=plain", f"tracking.uri=sqlite:///{base}/mlflow.db", f"train.cache_dir={token_cache}",
+        f"train.checkpoint_dir={base}/checkpoints", "progress=false", f"train.steps={STEPS}",
+        "protection=storage", f"protection.every={STEPS}",
+    ]  # fmt: skip
+    single = ["cluster.nodes=1", "train.stages=1"]
+    clipped = ["train.precision=bf16", "train.grad_clip=1.0"]
+    jobs = {
+        "fp32": single,
+        "bf16": [*single, "train.precision=bf16"],
+        "bf16-again": [*single, "train.precision=bf16"],
+        "fp16": [*single, "train.precision=fp16"],
+        "bf16-clip": [*single, *clipped],
+        "bf16-clip-grid-zero1-checkpointed": ["cluster=local-4", "train.stages=2", "train.zero=1",
+                                              "train.activation_checkpointing=true", *clipped],
+        "bf16-clip-heterogeneous": ["cluster.nodes=5", "policy._target_=tests.support.HeterogeneousLayout", *clipped],
+    }  # fmt: skip
+    return {name: run_job(compose_config(common + extra)) for name, extra in jobs.items()}
+
+
+def _weights(result: JobResult) -> dict[int, dict[str, torch.Tensor]]:
+    return final_state(result, STEPS)
+
+
+def test_half_precisions_train_and_differ_from_fp32(runs: dict[str, JobResult]) -> None:
+    fp32 = committed_losses(runs["fp32"], STEPS)
+    for precision in ("bf16", "fp16"):
+        losses = committed_losses(runs[precision], STEPS)
+        assert losses[-1] < losses[0], f"{precision} should lower the loss"
+        assert losses != fp32, f"{precision} computed exactly what fp32 does"
+        assert losses == pytest.approx(fp32, rel=1e-2), f"{precision} strays too far from fp32"
+    bf16, fp32 = _weights(runs["bf16"]), _weights(runs["fp32"])
+    assert any(not torch.equal(bf16[1][name], value) for name, value in fp32[1].items())
+
+
+def test_bf16_is_deterministic_run_to_run(runs: dict[str, JobResult]) -> None:
+    assert committed_losses(runs["bf16-again"], STEPS) == committed_losses(runs["bf16"], STEPS)
+    again, first = _weights(runs["bf16-again"]), _weights(runs["bf16"])
+    for layer, params in first.items():
+        for name, value in params.items():
+            assert torch.equal(again[layer][name], value), f"layer {layer} {name}"
+
+
+def test_weights_stay_fp32_master_copies(runs: dict[str, JobResult]) -> None:
+    for layer in _weights(runs["bf16-clip"]).values():
+        assert {value.dtype for value in layer.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("layout", ["bf16-clip-grid-zero1-checkpointed", "bf16-clip-heterogeneous"])
+def test_bf16_with_clipping_is_the_same_on_every_layout(runs: dict[str, JobResult], layout: str) -> None:
+    reference = committed_losses(runs["bf16-clip"], STEPS)
+    assert committed_losses(runs[layout], STEPS) == pytest.approx(reference, rel=LOSS_RTOL)
+    assert reference != committed_losses(runs["bf16"], STEPS), "grad_clip=1.0 should change the update"
+    expected, state = _weights(runs["bf16-clip"]), _weights(runs[layout])
+    for layer, params in expected.items():
+        for name, value in params.items():
+            torch.testing.assert_close(state[layer][name], value, rtol=0, atol=PARAM_ATOL, msg=f"layer {layer} {name}")
+
+
+# -- the update rule on its own --------------------------------------------------------------------------------------
+def test_clipping_factor_is_clip_grad_norm_s() -> None:
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    sq = {(i, 0): float(g.double().square().sum()) for i, g in enumerate(grads)}
+    rule = UpdateRule(TrainConfig(grad_clip=0.5), 0)
+    update = rule.decide(0, sq)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(g * update.factor, p.grad)
+    assert not update.skip and update.factor < 1
+    assert UpdateRule(TrainConfig(grad_clip=1e6), 0).decide(0, sq).factor == 1.0
+
+
+def test_the_norm_does_not_depend_on_how_pieces_are_grouped() -> None:
+    rule = UpdateRule(TrainConfig(grad_clip=0.1), 0)
+    whole = rule.decide(0, {(0, 0): 1.0 / 3, (1, 0): 2.0 / 7})
+    rule.rewind(0)
+    pieces = rule.decide(0, {(1, 1): 2.0 / 7, (0, 0): 1.0 / 3})
+    assert whole == pieces
+
+
+def test_fp16_scaler_steps_as_deepspeeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.runtime.fp16 import loss_scaler
+
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda: 0)  # it only logs on rank 0
+    t = TrainConfig(precision="fp16", initial_scale_power=8, loss_scale_window=3, hysteresis=2, min_loss_scale=1.0,
+                    max_skipped_steps=100)  # fmt: skip
+    theirs = loss_scaler.DynamicLossScaler(init_scale=2.0**8, scale_window=3, min_scale=1.0, delayed_shift=2,
+                                           consecutive_hysteresis=False)  # fmt: skip
+    rule = UpdateRule(t, 0)
+    overflows = [True, False, True, True, False, False, False, False, False, False, False, True, True, True, False]
+    for step, overflow in enumerate(overflows):
+        assert rule.loss_scale(step) == theirs.cur_scale, f"step {step}"
+        update = rule.decide(step, {(0, 0): float("inf") if overflow else 1.0})
+        assert update.skip == overflow
+        rule.committed(step)
+        theirs.update_scale(overflow)
+    assert rule.loss_scale(len(overflows)) == theirs.cur_scale
+
+
+def test_a_rewind_restores_the_scaler_of_that_step() -> None:
+    rule = UpdateRule(TrainConfig(precision="fp16", initial_scale_power=4, hysteresis=1), 0)
+    for step in range(3):
+        rule.decide(step, {(0, 0): float("nan")})
+        rule.committed(step)
+    assert [rule.loss_scale(s) for s in range(4)] == [16, 8, 4, 2]
+    rule.rewind(1)
+    assert rule.loss_scale(1) == 8
+    assert rule.manifest(1) == {"loss_scaler": {"scale": 8, "hysteresis": 1, "iteration": 1, "last_overflow": 0,
+                                                "skipped": 1}}  # fmt: skip
+    resumed = UpdateRule(TrainConfig(precision="fp16"), 1, ScalerState(**rule.manifest(1)["loss_scaler"]))
+    assert resumed.loss_scale(1) == 8
+
+
+def test_consecutive_skips_stop_with_the_reason() -> None:
+    rule = UpdateRule(TrainConfig(precision="fp16", loss_scale=1024.0, max_skipped_steps=2), 0)
+    rule.decide(0, {(0, 0): float("inf")})
+    rule.committed(0)
+    rule.decide(1, {(0, 0): float("inf")})
+    with pytest.raises(UpdateStopped, match="2 consecutive steps .* train.loss_scale"):
+        rule.committed(1)
+
+
+def test_a_gradient_that_is_not_finite_in_bf16_stops() -> None:
+    with pytest.raises(UpdateStopped, match="not finite|nan|inf"):
+        UpdateRule(TrainConfig(precision="bf16", grad_clip=1.0), 0).decide(0, {(0, 0): float("nan")})
+
+
+# -- refusals before any worker ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.precision=fp8"], "train.precision='fp8': use one of fp32, bf16, fp16"),
+        (["train.grad_clip=-1"], "train.grad_clip=-1.0"),
+        (["train.precision=fp16", "train.loss_scale=-2"], "train.loss_scale=-2.0"),
+        (["train.precision=fp16", "train.initial_scale_power=99"], "train.initial_scale_power=99"),
+        (["train.precision=fp16", "train.loss_scale_window=0"], "train.loss_scale_window=0"),
+        (["train.precision=fp16", "train.hysteresis=0"], "train.hysteresis=0"),
+        (["train.precision=fp16", "train.min_loss_scale=0"], "train.min_loss_scale=0.0"),
+        (["train.precision=fp16", "train.max_skipped_steps=0"], "train.max_skipped_steps=0"),
+        (["train.precision=bf16", "cluster.device=V100-16GB"], "V100-16GB does not compute bf16"),
+        (["policy=recycle", "policy.staggered_optimizer=true", "train.grad_clip=1.0"],
+         "policy.staggered_optimizer=false"),
+        (["policy=recycle", "policy.staggered_optimizer=true", "train.precision=fp16"],
+         "policy.staggered_optimizer=false"),
+    ],
+)  # fmt: skip
+def test_bad_numerics_are_refused_before_any_worker(overrides: list[str], message: str, tmp_path: Path) -> None:
+    cfg = compose_config(["experiment=plain", f"train.checkpoint_dir={tmp_path}", *overrides])
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ConfigError) as refused:
+        check_job(OmegaConf.to_object(cfg))
+    assert message in str(refused.value)
