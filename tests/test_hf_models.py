@@ -216,6 +216,12 @@ def test_a_missing_path_is_refused(run, checkpoints, no_workers: None, setting: 
         run("model=hf", *(f"{k}={v}" for k, v in overrides.items()), f"model.seq_len={SEQ}")
 
 
+def test_a_config_without_its_sizes_is_refused(run, tmp_path: Path, no_workers: None) -> None:  # noqa: ANN001
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 32}))
+    with pytest.raises(ConfigError, match="config.json lacks 'num_attention_heads', which sizes the model"):
+        run("model=hf", f"model.config={tmp_path}")
+
+
 def test_model_hf_without_a_config_says_what_to_give(run, no_workers: None) -> None:  # noqa: ANN001
     with pytest.raises(ConfigError, match="model=hf needs model.config="):
         run("model=hf")

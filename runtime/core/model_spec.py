@@ -140,6 +140,14 @@ class Dims:
 
 
 def _hf_dims(config: str) -> Dims:
+    try:
+        return _read_hf_dims(config)
+    except KeyError as missing:
+        raise hf.CheckpointError(f"model.config={config}: config.json lacks {missing}, which sizes the model: "
+                                 f"give the config save_pretrained wrote") from None  # fmt: skip
+
+
+def _read_hf_dims(config: str) -> Dims:
     c, arch = hf.read_config(config), hf.architecture(config)
     if arch.structure == "gpt2":
         h = c["n_embd"]
@@ -155,7 +163,9 @@ def _hf_dims(config: str) -> Dims:
 def _hf_settings(config: str) -> dict[str, Any]:
     """The model.* settings an HF config fixes."""
     d, c = _hf_dims(config), hf.read_config(config)
-    blocks = c["n_layer"] if d.structure == "gpt2" else c["num_hidden_layers"]
+    blocks = c.get("n_layer" if d.structure == "gpt2" else "num_hidden_layers")
+    if not isinstance(blocks, int):
+        raise hf.CheckpointError(f"model.config={config}: config.json gives no number of layers")
     return {"num_blocks": blocks, "hidden": d.hidden, "heads": d.heads, "vocab_size": d.vocab, "ffn_hidden": d.ffn,
             "kv_heads": d.kv_heads}  # fmt: skip
 

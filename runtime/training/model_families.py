@@ -23,22 +23,18 @@ Dropout is zero everywhere, an HF config's too: a micro-batch must produce the s
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# model=hf reads local files only; nothing is ever fetched from the Hub.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import CONFIG_MAPPING, BertConfig, GPT2Config, LlamaConfig, PreTrainedConfig
+from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import CONFIG_MAPPING, BertConfig, GPT2Config, LlamaConfig, PreTrainedConfig  # noqa: E402
-from transformers.models.bert.modeling_bert import BertLayer, BertPredictionHeadTransform  # noqa: E402
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
-
-from ftlab.runtime.core import hf_checkpoint  # noqa: E402
-from ftlab.runtime.core.model_spec import ModelConfig, ffn_hidden, kv_heads  # noqa: E402
+from ftlab.runtime.core import hf_checkpoint
+from ftlab.runtime.core.model_spec import ModelConfig, ffn_hidden, kv_heads
 
 # One attention implementation for all: sdpa honours is_causal without a mask, and dispatches to fused kernels.
 ATTENTION = "sdpa"
