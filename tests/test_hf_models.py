@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedConfig, Qwen2Config
 
 from ftlab.experiments.job import JobResult
+from ftlab.runtime.core import hf_checkpoint
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.core.model_spec import ModelConfig, dims, layer_kind, layer_specs, num_layers, parameter_shapes
 from ftlab.runtime.processes import cluster as cluster_module
@@ -86,15 +87,31 @@ def test_layers_are_the_models_own_modules_with_the_specified_parameters(checkpo
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_two_stage_pipeline_computes_the_hf_models_loss(checkpoints, arch: str) -> None:  # noqa: ANN001
+def test_a_two_stage_pipeline_computes_the_hf_models_loss_and_gradients(checkpoints, arch: str) -> None:  # noqa: ANN001
     cfg = hf_model(checkpoints[arch])
     windows = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
     ids, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
     first = StageModule(cfg, {i: build_layer(cfg, i, seed=0) for i in range(0, 2)})
     last = StageModule(cfg, {i: build_layer(cfg, i, seed=0) for i in range(2, num_layers(cfg))})
-    with torch.no_grad():
-        loss = last(first(ids), labels).item()
-    assert loss == pytest.approx(hf_loss(checkpoints[arch], ids, labels), rel=1e-6)
+    loss = last(first(ids), labels)
+    loss.backward()
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[arch], attn_implementation="sdpa").eval()
+    reference = model(input_ids=ids, labels=labels, shift_labels=labels).loss
+    reference.backward()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    # Each ftlab gradient lands on the HF parameter it was read from; GPT-2's tied table gets its two uses' sum.
+    arch_entry, config = hf_checkpoint.architecture(cfg.config), hf_checkpoint.read_config(cfg.config)
+    stored = hf_checkpoint.stored_tensors(cfg.weights)
+    grads: dict[str, torch.Tensor] = {}
+    for stage in (first, last):
+        for index in range(stage.start, stage.stop):
+            for local, param in stage.layer(index).named_parameters():
+                name = hf_checkpoint.tensor_name(arch_entry, config, layer_kind(cfg, index), index - 1, local, stored)
+                grads[name] = grads[name] + param.grad if name in grads else param.grad
+    expected = {name: p.grad for name, p in model.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_a_sharded_checkpoint_gives_the_same_layers(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
