@@ -269,6 +269,13 @@ def test_settings_the_checkpoint_cannot_take_are_refused(run, checkpoints, no_wo
         run("model=hf", f"model.config={checkpoints[arch]}", *overrides)
 
 
+def test_every_architecture_preflight_accepts_has_its_layers() -> None:
+    from ftlab.runtime.training.model_families import FAMILIES
+
+    assert set(hf_checkpoint.ARCHITECTURES) <= set(FAMILIES)
+    assert set(hf_checkpoint.ARCHITECTURES) == set(CONFIGS), "a supported architecture without a test model"
+
+
 def test_checking_a_checkpoint_imports_no_torch(checkpoints) -> None:  # noqa: ANN001
     code = (
         "import sys\n"
