@@ -9,6 +9,9 @@
   background while training goes on, and the coordinator offers it to the policy at the first iteration boundary
   after its workers have registered (``Backend.joined``). "Joins at step k" means "starts at step k", as a
   replacement node on a real cluster boots for minutes beside the job it joins.
+- A warned preemption (``warning_s``) is announced when it fires (``PreemptionWarned``; the coordinator asks the
+  policy at the next iteration boundary) and the node is killed ``warning_s`` later on the backend's clock, from a
+  timer (the simulator's own timers where it has them), whatever the policy did meanwhile.
 - Step events with a phase are armed on the target worker, which stops at the start of that phase and reports it;
   the injector then kills it there. So "kill a node during the gradient reduction of step 7" happens exactly then,
   which tests need. Arms are sent again after every configuration, since restarted workers are new processes.
@@ -56,6 +59,8 @@ class Injector:
         self._armed: dict[int, FaultEvent] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._grace: list[threading.Timer] = []
+        """The kills of warned preemptions, pending on the wall clock."""
         self._thread: threading.Thread | None = None
         bus.subscribe(self.on_event)
 
@@ -107,6 +112,8 @@ class Injector:
 
     def stop(self) -> None:
         self._stop.set()
+        for timer in self._grace:
+            timer.cancel()
 
     def pending(self) -> list[FaultEvent]:
         """The events that have not fired (the job ended first, or never entered their phase)."""
@@ -118,8 +125,32 @@ class Injector:
         return self.target.workers_of(fault.node)[fault.worker or 0]
 
     def fire(self, fault: FaultEvent) -> None:
+        if fault.warning_s is not None:
+            self._warn(fault)
+            return
         # Published after the lock is released: the coordinator's thread may hold the event bus and wait for it.
         self.bus.publish(self._cause(fault))
+
+    def _warn(self, fault: FaultEvent) -> None:
+        """Give notice of a preemption now and kill the node when its grace period ends."""
+        if fault.node not in self.target.alive_nodes():
+            with self._lock:
+                self._pending.remove(fault)
+            self.bus.publish(ev.FaultSkipped(at=self.clock(), fault=fault.to_dict(), reason="node already dead"))
+            return
+        at, grace = self.clock(), fault.warning_s or 0.0
+
+        def kill() -> None:
+            self.bus.publish(self._cause(fault))
+
+        if self.schedule is not None:
+            self.schedule(at + grace, kill)
+        else:
+            timer = threading.Timer(grace, kill)
+            timer.daemon = True
+            self._grace.append(timer)
+            timer.start()
+        self.bus.publish(ev.PreemptionWarned(at=at, fault=fault.to_dict(), nodes=(fault.node,), grace_s=grace))
 
     def _cause(self, fault: FaultEvent) -> ev.Event:
         with self._lock:

@@ -75,6 +75,11 @@ Schedules (``FaultsConfig.schedule``):
     end by at most that delay. Without either, a larger cluster is refused rather than left mostly failure-free.
   * ``max_failures`` ends the replay with that fault, ``horizon_steps`` / ``horizon_s`` (run steps or seconds) there.
 
+Warnings. A node fault may carry ``warning_s`` (``faults.warning_s`` gives it to every node fault of a schedule: a spot
+trace's grace period): at its firing point the injector gives notice of the preemption, and the node is killed that
+many seconds later on the backend's clock, whatever the policy did meanwhile (``Policy.on_warning``, asked at the
+next iteration boundary). A warning longer than the gap to the next fault is refused where both are in seconds.
+
 Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over
 ``faults.mtbf_steps`` under ``faults=fixed`` fails loudly instead of running the same job several times; so are
 settings of the other clock (``horizon_s`` with ``mtbf_steps``).
@@ -131,6 +136,9 @@ class FaultEvent:
     """Or this many seconds after training starts."""
     phase: str | None = None
     """With at_step: fire while the target is in this phase of that step (one of PHASES)."""
+    warning_s: float | None = None
+    """A node fault only: a preemption notice at the firing point, the kill this many seconds later (a spot
+    instance's grace period), whatever the policy does meanwhile."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -154,6 +162,15 @@ class FaultEvent:
                 raise FaultConfigError(f"phase {self.phase!r} needs at_step; a phase is part of a step, not of a time")
             if self.phase not in PHASES:
                 raise FaultConfigError(f"unknown phase {self.phase!r}; use one of {', '.join(PHASES)}")
+        if self.warning_s is not None:
+            if self.kind != "node":
+                raise FaultConfigError(f"warning_s warns of a preemption, which takes a whole node: a {self.kind} "
+                                       f"fault has none; remove warning_s or use kind: node")  # fmt: skip
+            if not (math.isfinite(self.warning_s) and self.warning_s > 0):
+                raise FaultConfigError(f"warning_s {self.warning_s} must be a finite number of seconds > 0")
+            if self.phase is not None:
+                raise FaultConfigError(f"a warned preemption is killed warning_s={self.warning_s:g} s after its "
+                                       f"notice, not in a phase: remove phase {self.phase!r} or warning_s")  # fmt: skip
 
     @property
     def when(self) -> str:
@@ -177,6 +194,7 @@ class FaultEventConfig:
     at_step: int | None = None
     at_time_s: float | None = None
     phase: str | None = None
+    warning_s: float | None = None
 
 
 @dataclass
@@ -221,6 +239,9 @@ class FaultsConfig:
     """trace: trace adds become joins only while fewer nodes than this are alive; default: the cluster's size."""
     trace_copies: int = 1
     """trace: replay this many copies of the trace side by side (for a cluster larger than the trace)."""
+    warning_s: float | None = None
+    """Every node fault (a preemption) warned this many seconds ahead: generated and replayed ones, and explicit ones
+    that give no warning_s of their own."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +274,13 @@ def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape)
         raise FaultConfigError(f"unknown fault schedule {cfg.schedule!r}; use one of {', '.join(SCHEDULES)}")
     _reject_unused(cfg)
     events = sorted(_BUILDERS[cfg.schedule](cfg, cluster), key=_clock)  # stable: an instant keeps its order
+    if cfg.warning_s is not None:
+        if cfg.schedule in _RATES and cfg.schedule != "trace" and cfg.kind != "node":
+            raise FaultConfigError(f"faults.warning_s warns of preemptions, which take whole nodes, and the "
+                                   f"{cfg.schedule} schedule generates {cfg.kind} faults: set faults.kind=node or "
+                                   f"remove faults.warning_s")  # fmt: skip
+        events = [_warned(e, cfg.warning_s) for e in events]
+    _check_warnings(events)
     if len(events) > MAX_EVENTS:
         raise FaultConfigError(
             f"the {cfg.schedule} schedule holds {len(events)} events, more than {MAX_EVENTS}; "
@@ -261,6 +289,31 @@ def build_schedule(cfg: FaultsConfig | Mapping[str, Any], cluster: ClusterShape)
     unit = STEPS if clock_of(cfg) == STEPS else SECONDS
     _check_against_cluster(events, cluster, survival_hint=_SURVIVAL_HINTS[cfg.schedule].format(unit=unit))
     return events
+
+
+def _warned(event: FaultEvent, warning_s: float) -> FaultEvent:
+    """A node fault warned ``warning_s`` ahead unless it gives its own warning; other events as they are."""
+    if event.kind != "node" or event.warning_s is not None:
+        return event
+    try:
+        return dataclasses.replace(event, warning_s=warning_s)
+    except FaultConfigError as err:
+        raise FaultConfigError(f"faults.warning_s: {err}") from err
+
+
+def _check_warnings(events: list[FaultEvent]) -> None:
+    """A warned kill comes before the next fault fires: a grace period longer than the gap would reorder them. On
+    the step clock steps and seconds cannot be compared before the run; there the kill comes when it is due."""
+    for event, after in zip(events, events[1:]):
+        if event.warning_s is None or event.at_time_s is None or after.at_time_s is None:
+            continue
+        gap = after.at_time_s - event.at_time_s
+        if event.warning_s > gap:
+            raise FaultConfigError(
+                f"the preemption of node {event.node} at {event.when} is warned {event.warning_s:g} s ahead, longer "
+                f"than the {gap:g} s until the next fault ({after.kind} of node {after.node} at {after.when}): lower "
+                f"warning_s to at most {gap:g}, or space the faults further apart"
+            )
 
 
 def failure_rate(cfg: FaultsConfig) -> FailureRate | None:
@@ -289,15 +342,15 @@ def _clock(event: FaultEvent) -> float:
 
 
 # The settings each schedule reads; schedule and seed are read by all (a seed sweep may span schedules).
-_GENERATED = {"kind", "max_failures", "horizon_steps", "horizon_s", "replace_after_steps", "replace_after_s"}
+_GENERATED = {"kind", "warning_s", "max_failures", "horizon_steps", "horizon_s", "replace_after_steps", "replace_after_s"}
 _USES: dict[str, set[str]] = {
     "none": set(),
-    "explicit": {"events"},
+    "explicit": {"events", "warning_s"},
     "fixed": {"interval_steps", "interval_s"} | _GENERATED,
     "exponential": {"mtbf_steps", "mtbf_s"} | _GENERATED,
     "weibull": {"weibull_shape", "weibull_scale_steps", "weibull_scale_s"} | _GENERATED,
     "trace": {"trace", "trace_s_per_step", "time_compression", "node_map", "max_nodes", "max_failures",
-              "horizon_steps", "horizon_s", "trace_copies"},
+              "horizon_steps", "horizon_s", "trace_copies", "warning_s"},
 }  # fmt: skip
 
 # The setting that gives a schedule's rate in each clock: (steps, seconds).
@@ -364,7 +417,7 @@ def _explicit(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
     events = []
     for i, e in enumerate(cfg.events):
         try:
-            events.append(FaultEvent(e.kind, e.node, e.worker, e.at_step, e.at_time_s, e.phase))
+            events.append(FaultEvent(e.kind, e.node, e.worker, e.at_step, e.at_time_s, e.phase, e.warning_s))
         except FaultConfigError as err:
             raise FaultConfigError(f"faults.events[{i}]: {err}") from err
     if len({e.at_step is None for e in events}) > 1:

@@ -5,13 +5,15 @@ PP x DP grid those nodes allow and resumes from the newest saved state its prote
 or REFT's in-memory snapshot). The steps since that state are lost and recomputed; because the data order is a
 function of (seed, step) and every layout computes the same gradient, the recomputed losses repeat the fault-free
 run's step for step. A node that joins waits for the next restart (Varuna adds capacity only when it morphs).
+Warned of a preemption, it checkpoints the warned step at once (``policies.warnings``).
 """
 
 from __future__ import annotations
 
+from ftlab.policies.warnings import checkpoint_now
 from ftlab.policies.grid import decision, largest_grid, restart_grid
 from ftlab.runtime.core.contract import (
-    Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop,
+    Change, ConfigError, Decision, Heed, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, Roles, Stop,
 )  # fmt: skip
 from ftlab.runtime.core.plan import PlanError
 
@@ -29,6 +31,9 @@ class CheckpointRestart(Policy):
     def plan(self, job: Job, protection: Protection) -> Decision:
         plan = largest_grid(job.workers, job, generation=0, step=job.start_step)
         return decision(plan, "the largest PP x DP grid of train.stages", restore=job.start)
+
+    def on_warning(self, warning: PreemptionWarning, job: Job, protection: Protection) -> Heed:
+        return checkpoint_now(warning, job, protection)
 
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         if not change.is_failure:

@@ -25,14 +25,17 @@ Where the papers leave it open, this module chooses:
   lets a joined node wait for the next failure.
 - **Checkpoints**: the protection's (``protection=storage``: every ``every`` steps or ``every_s`` seconds);
   Oobleck's evaluation checkpoints Varuna every 10 iterations.
+- **Preemption warnings**: Varuna checkpoints the warned step at once (``policies.warnings``), and restarts from it
+  when the kill comes, if the checkpoint completed within the grace period.
 """
 
 from __future__ import annotations
 
+from ftlab.policies.warnings import checkpoint_now
 from ftlab.policies.grid import decision
 from ftlab.policies.varuna.morph import Morph, morph
 from ftlab.runtime.core.contract import (
-    Change, ConfigError, Decision, Job, Outcome, Policy, Protection, Roles, Source, Stop,
+    Change, ConfigError, Decision, Heed, Job, Outcome, Policy, PreemptionWarning, Protection, Roles, Source, Stop,
 )  # fmt: skip
 from ftlab.runtime.core.plan import PlanError
 
@@ -50,6 +53,9 @@ class Varuna(Policy):
     def plan(self, job: Job, protection: Protection) -> Decision:
         best, weighed = morph(job.workers, job, protection, generation=0, step=job.start_step)
         return self._decision(best, weighed, "morphed over every worker", restore=job.start)
+
+    def on_warning(self, warning: PreemptionWarning, job: Job, protection: Protection) -> Heed:
+        return checkpoint_now(warning, job, protection)
 
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         source: Source | None = protection.restore_source(change)

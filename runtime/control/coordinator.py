@@ -20,6 +20,7 @@ a decision that resumes from a committed step rewinds the rule to that step.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -27,7 +28,7 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Backend, Failure, Membership
 from ftlab.runtime.control.update import UpdateRule, UpdateStopped
 from ftlab.runtime.core.contract import (
-    Action, Change, Decision, Job, Keep, Outcome, Policy, Protection, SaveCheckpoint, Stop,
+    Action, Change, Decision, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, SaveCheckpoint, Stop,
 )  # fmt: skip
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.scheduler import transfer_programs
@@ -65,6 +66,15 @@ class Coordinator:
         """The change the current decision answers (asked again if its restore source cannot be loaded)."""
         self.update_rule = update_rule
         """None: every update as the gradients are (no clipping, no loss scale), and nothing to report."""
+        self._warned: list[ev.PreemptionWarned] = []
+        """Preemption notices the policy has not seen yet (the injector's thread adds them)."""
+        self._warned_lock = threading.Lock()
+        bus.subscribe(self._on_warning)
+
+    def _on_warning(self, event: ev.Event) -> None:
+        if isinstance(event, ev.PreemptionWarned):
+            with self._warned_lock:
+                self._warned.append(event)
 
     def job(self) -> Job:
         return self.make_job(self.backend.membership())
@@ -125,6 +135,9 @@ class Coordinator:
             if switch is not None:
                 self._report(unreported)
                 return switch, switch.plan.step
+            failure = self._heed_warnings(plan, step)
+            if failure:
+                return self._recover(failure, plan, step)
             self._publish(ev.StepStarting, step=step)
             started = self.backend.clock()
             rule = self.update_rule
@@ -153,6 +166,23 @@ class Coordinator:
                     return self._recover(failure, plan, step)
         self._report(unreported)
         return None, step
+
+    def _heed_warnings(self, plan: Plan, step: int) -> Failure | None:
+        """At an iteration boundary: ask the policy about each preemption warned since the last one and carry out
+        the saves it asks for (the kill comes when the warning said, whatever they are)."""
+        with self._warned_lock:
+            warned, self._warned = self._warned, []
+        for notice in warned:
+            left = max(0.0, notice.at + notice.grace_s - self.backend.clock())
+            warning = PreemptionWarning(plan, step, notice.nodes, notice.grace_s, left)
+            heed = self.policy.on_warning(warning, self.job(), self.protection)
+            self._publish(ev.WarningHeeded, policy=self.policy.name, nodes=notice.nodes, step=step, left_s=left,
+                          actions=tuple(type(a).__name__ for a in heed.actions), reason=heed.reason)  # fmt: skip
+            for action in heed.actions:
+                failure = self._save(step, action, first_holders(plan), plan.num_layers)
+                if failure:
+                    return failure
+        return None
 
     def _commit(self, plan: Plan, step: int, grad_sq: dict[tuple[int, int], float] | None) -> None:
         """Commit ``step`` with the update the rule decides from the workers' gradient norms; a rule that cannot go

@@ -91,6 +91,30 @@ class FaultInjected(Event):
 
 
 @dataclass(frozen=True)
+class PreemptionWarned(Event):
+    """The fault injector gave notice of a preemption: ``nodes`` are killed ``grace_s`` seconds from ``at``."""
+
+    kind: ClassVar[str] = "preemption_warning"
+    fault: dict[str, Any]
+    nodes: tuple[int, ...]
+    grace_s: float
+
+
+@dataclass(frozen=True)
+class WarningHeeded(Event):
+    """What the policy did about a preemption warning, at the iteration boundary it saw it (``Policy.on_warning``):
+    the actions it asked for (``save`` for a checkpoint) and why; ``left_s`` of the grace period remained then."""
+
+    kind: ClassVar[str] = "warning_decision"
+    policy: str
+    nodes: tuple[int, ...]
+    step: int
+    left_s: float
+    actions: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class FaultSkipped(Event):
     kind: ClassVar[str] = "fault_skipped"
     fault: dict[str, Any]

@@ -141,6 +141,24 @@ class Change:
         return f"review at step {self.step}"
 
 
+@dataclass(frozen=True)
+class PreemptionWarning:
+    """A preemption notice (a spot instance's grace period), seen at an iteration boundary: ``nodes`` are killed
+    ``grace_s`` seconds after the notice, on the backend's clock, whatever the policy does; ``left_s`` of it remain
+    now. The policy may act first (``Policy.on_warning``)."""
+
+    plan: Plan
+    """The running plan."""
+    step: int
+    """Committed steps: what a save made now holds."""
+    nodes: tuple[int, ...]
+    grace_s: float
+    left_s: float
+
+    def describe(self) -> str:
+        return f"nodes {list(self.nodes)} preempted in {self.left_s:.2f} s (warned at step {self.step})"
+
+
 # -- where state comes from ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Source:
@@ -263,6 +281,15 @@ class Stop:
 
 
 Outcome = Decision | Keep | Stop
+
+
+@dataclass(frozen=True)
+class Heed:
+    """What a policy does about a preemption warning before the kill: saves to make now, at the warned step (the
+    coordinator carries them out as a protection's, and the protection hears of them through ``saved``), and why."""
+
+    reason: str
+    actions: tuple[Action, ...] = ()
 
 
 # -- what a protection asks for after a committed step ------------------------------------------------------------
@@ -417,6 +444,11 @@ class Policy(ABC):
     def review_every(self) -> int:
         """Committed steps of a plan between two reviews of it (``review``); 0: the policy never reviews."""
         return 0
+
+    def on_warning(self, warning: PreemptionWarning, job: Job, protection: Protection) -> Heed:
+        """What to do before a warned preemption: a ``Heed`` whose actions are carried out at once (the kill comes
+        when the warning said, whatever they are). The default ignores it: the failure is handled when it comes."""
+        return Heed("this policy does not act on preemption warnings")
 
     def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:
         """Whether to leave the running plan although membership has not changed (``change.is_review``): a Decision

@@ -371,6 +371,9 @@ class RunRecorder:
                              "review/predicted_iter_s": event.predicted_iter_s}  # fmt: skip
                 self.tracker.log_metrics({k: v for k, v in predicted.items() if v is not None} | {"review/switch": 1.0},
                                          event.step)  # fmt: skip
+            case ev.WarningHeeded():  # the notice, the policy's reason and its actions: events.jsonl
+                self.tracker.log_metrics({"ft/warning_left_s": event.left_s,
+                                          "ft/warning_saves": float(len(event.actions))}, event.step)  # fmt: skip
             case ev.SaveFailed():
                 self.tracker.log_metrics({"ft/save_failed": 1.0}, event.step)  # its reason: events.jsonl
             case ev.PlanConfigured():
