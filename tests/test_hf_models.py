@@ -124,6 +124,17 @@ def test_a_sharded_checkpoint_gives_the_same_layers(checkpoints, tmp_path: Path)
         assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+def test_bf16_weights_start_fp32_master_weights_of_their_values(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS["qwen2"]).to(torch.bfloat16).save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    block = build_layer(hf_model(tmp_path), 1, seed=0)
+    for name, param in block.named_parameters():
+        stored = saved["model.layers.0." + name.removeprefix("layer.")]
+        assert stored.dtype == torch.bfloat16 and param.dtype == torch.float32
+        assert torch.equal(param, stored.float()), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_without_weights_each_layer_is_drawn_from_the_seed_and_its_index(checkpoints, arch: str) -> None:  # noqa: ANN001
     cfg = hf_model(checkpoints[arch], weights=False)
