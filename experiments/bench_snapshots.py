@@ -1,32 +1,40 @@
-"""REFT's in-memory snapshots, side by side: what they add to an iteration, and what they save at a failure.
+"""REFT's in-memory snapshots, side by side: what they cost against memory speed, what they add to an iteration, and
+what they save at a failure.
 
     .venv/bin/python -m ftlab.experiments.bench_snapshots              # the comparison (takes a while on 2 cores)
     .venv/bin/python -m ftlab.experiments.bench_snapshots --smoke      # a short run through every part
+    .venv/bin/python -m ftlab.experiments.bench_snapshots --parts memory   # part 0 alone, in seconds
 
-Part 1, overhead. One job (gpt2-tiny on ``cluster=local-6``, ``train.stages=2``: three replicas per stage, so AEC's
-parity is not simply a copy) runs without snapshots and with a snapshot every step in each mode: arc, aec, arc+aec,
-and aor, which protects ZeRO-1's optimizer chunks and so is compared with ZeRO-1 without snapshots. The jobs run in
-alternating rounds, their order rotated each round, so a slow phase of this shared machine falls on all of them.
-The figure per job is the median iteration (``perf/iter_s``) after ``--warmup`` steps, over all rounds; overhead is
-that median over the baseline's, less one. Beside it: the time a snapshot spends on the critical path (the slowest
-worker's wait for its copy before reporting ready, ``ft/snapshot_s``) and the copy itself (``ft/snapshot_copy_s``),
-which say where an overhead comes from (waiting for copies, or copies competing with training for the two cores).
+Part 0, memory speed (``experiments.snapshot_speed``, in this process). One worker's ARC records of stage 0 of the
+overhead job's layout, against this machine's single-threaded memcpy of the same bytes: the checksum candidates
+(zlib's CRC-32, XXH3, CRC32C where installed), a snapshot's CPU time (copy and checksum), a restore from the worker's
+own node's memory (verify, copy into fresh layers and optimizer state), and the same layers loaded from a storage
+checkpoint with its pages dropped from the page cache (cold: the read goes to the device) and cached. Targets: snapshot
+and restore within 2x of memcpy; load_speedup_cold at least 10, load_speedup_cached at least 3.
+
+Part 1, overhead. One job (gpt2-tiny on ``cluster=local-4``, ``train.stages=2``: two replicas per stage) runs without
+snapshots and with a snapshot every step in each mode: arc, aec (with two members a parity is the other member's
+sub-chunk), arc+aec, and aor, which protects ZeRO-1's optimizer chunks and so is compared with ZeRO-1 without
+snapshots. The jobs run in alternating rounds, their order rotated each round, so a slow phase of this shared machine
+falls on all of them. The figure per job is the median iteration (``perf/iter_s``) after ``--warmup`` steps, over all
+rounds; overhead is that median over the baseline's, less one (target for arc: at most 5%). Beside it: the time a
+snapshot spends on the critical path (the slowest worker's wait for its copy before reporting ready,
+``ft/snapshot_s``) and the copy itself (``ft/snapshot_copy_s``), which say where an overhead comes from (waiting for
+copies, or copies competing with training for the cores).
 
 Part 2, load and recovery. ``policy=checkpoint_restart`` with ``protection=storage`` (every ``--storage-every``
 steps) and with ``protection=reft`` (arc, a snapshot every step) lose the same node at the same point, alternating
 over the rounds. The restore (``ft/restore_s``, the slowest worker's load) reads the same model state, laid out the
-same way, from the checkpoint files or from the nodes' memory and their peers; load_speedup is the ratio of the
+same way, from the checkpoint files or from the nodes' memory and their peers; load_speedup_job is the ratio of the
 medians. Recovery is measured from the kill until the step the failure found committed is committed again (lost
 steps recomputed included); recovery_speedup_vs_storage is the ratio of the medians. On this machine a restart spends
-most of its time starting worker processes, which both protections pay alike.
-
-What "storage" is here matters: the checkpoint directory is on this machine's disk, and the files just written are
-still in its page cache, so a load from "storage" is a read from RAM, not the paper's NFS over 10 Gb/s. A load from
-memory, for its part, receives every shard its node does not hold from a peer over gloo (TCP on the loopback), and
-checks checksums. Expect load_speedup near 1 here; the ratio the paper reports needs a real network file system.
+most of its time starting worker processes, which both protections pay alike. The checkpoint files a restarted job
+reads were just written, so they are in the page cache: load_speedup_job compares with a cached read, and a record
+on another node crosses gloo on the loopback, as it would cross a network.
 
 The last line printed is one JSON object with at least ``overhead_arc``, ``overhead_aec``, ``overhead_aor``
-(fractions of iteration time added), ``load_speedup`` and ``recovery_speedup_vs_storage``.
+(fractions of iteration time added), ``snapshot_vs_memcpy``, ``restore_vs_memcpy``, ``load_speedup_cold``,
+``load_speedup_cached``, ``load_speedup_job`` and ``recovery_speedup_vs_storage`` (a part not run reads null).
 """
 
 from __future__ import annotations
@@ -41,12 +49,16 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
+from ftlab.experiments import snapshot_speed
 from ftlab.experiments.job import JobResult, compose_config, run_job
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
-JOB = ["experiment=plain", "model=gpt2-tiny", "cluster=local-6", "train.stages=2", "train.global_batch=16",
+MODEL, STAGES, REPLICAS = "gpt2-tiny", 2, 2
+JOB = ["experiment=plain", f"model={MODEL}", "cluster=local-4", f"train.stages={STAGES}", "train.global_batch=16",
        "train.micro_batch=2", "progress=false"]  # fmt: skip
+TARGETS = {"snapshot_vs_memcpy": ("<=", 2.0), "restore_vs_memcpy": ("<=", 2.0), "overhead_arc": ("<=", 0.05),
+           "load_speedup_cold": (">=", 10.0), "load_speedup_cached": (">=", 3.0)}  # fmt: skip
 NO_FLUSH = "protection.flush_every=1000000"  # part 1 measures the snapshots alone
 OVERHEAD = {
     "none": ["policy=none", "protection=none"],
@@ -128,6 +140,15 @@ def recoveries(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     return {name: {key: median(values) for key, values in f.items()} for name, f in figures.items()}
 
 
+def memory_table(speed: dict[str, Any]) -> str:
+    lines = [f"memory speed: {speed['bytes'] / 1e6:.1f} MB of one worker's ARC records (layers {speed['layers']}), "
+             f"memcpy {speed['memcpy_gb_s']:.1f} GB/s", f"{'figure':<24}{'ms':>9}{'x memcpy':>10}"]  # fmt: skip
+    for name, seconds in speed["seconds"].items():
+        ratio = speed["ratios"].get(f"{name}_vs_memcpy")
+        lines.append(f"{name:<24}{seconds * 1e3:9.2f}{ratio if ratio is not None else 1.0:10.2f}")
+    return "\n".join(lines)
+
+
 def table(over: dict[str, Any], rec: dict[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:9.1f}" if value is not None else "        -"
@@ -146,8 +167,27 @@ def table(over: dict[str, Any], rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def verdicts(summary: dict[str, Any]) -> dict[str, str]:
+    """Each target: the figure against it, met or not (or not measured)."""
+    out = {}
+    for name, (sense, bound) in TARGETS.items():
+        value = summary.get(name)
+        met = value is not None and (value <= bound if sense == "<=" else value >= bound)
+        out[name] = "not measured" if value is None else f"{value:.3g} ({'met' if met else 'NOT met'}: {sense} {bound})"
+    return out
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+PARTS = ("memory", "overhead", "recovery")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run, of {', '.join(PARTS)}")
+    parser.add_argument("--reps", type=int, default=15, help="part 0: timings per figure (the fastest counts)")
     parser.add_argument("--steps", type=int, default=30, help="part 1: steps per job")
     parser.add_argument("--warmup", type=int, default=5, help="part 1: steps left out of the medians")
     parser.add_argument("--rounds", type=int, default=3)
@@ -159,33 +199,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the jobs' MLflow stores and checkpoints")
     parser.add_argument("--write-docs", action="store_true", help="write the tables into docs/results.md")
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
     if args.smoke:
         args.steps, args.warmup, args.rounds, args.recovery_steps, args.kill_step, args.storage_every = 6, 2, 1, 6, 4, 3
+        args.reps = 3
     scratch = Path(tempfile.mkdtemp(prefix="bench-snapshots-"))
     try:
-        over = overheads(args, scratch)
-        rec = recoveries(args, scratch)
+        speed = snapshot_speed.measure(MODEL, STAGES, REPLICAS, scratch / "speed", args.reps) if "memory" in parts else None
+        over = overheads(args, scratch) if "overhead" in parts else None
+        rec = recoveries(args, scratch) if "recovery" in parts else None
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
-    print(table(over, rec))
-    load = rec["storage"]["restore_s"] / rec["reft"]["restore_s"] if rec["reft"]["restore_s"] else None
-    recovery = rec["storage"]["regain_s"] / rec["reft"]["regain_s"] if rec["reft"]["regain_s"] else None
-    summary = {
-        "overhead_arc": over["arc"]["overhead"], "overhead_aec": over["aec"]["overhead"],
-        "overhead_arc_aec": over["arc+aec"]["overhead"], "overhead_aor": over["aor"]["overhead"],
-        "load_speedup": load, "recovery_speedup_vs_storage": recovery,
-        "overhead": over, "recovery": rec, "settings": vars(args),
+    if speed:
+        print(memory_table(speed))
+    if over and rec:
+        print(table(over, rec))
+    summary: dict[str, Any] = {
+        **{f"overhead_{m.replace('+', '_')}": over[m]["overhead"] if over else None for m in BASELINE},
+        "snapshot_vs_memcpy": speed["ratios"]["snapshot_vs_memcpy"] if speed else None,
+        "restore_vs_memcpy": speed["ratios"]["restore_vs_memcpy"] if speed else None,
+        "load_speedup_cold": speed["load_speedup_cold"] if speed else None,
+        "load_speedup_cached": speed["load_speedup_cached"] if speed else None,
+        "load_speedup_job": ratio(rec["storage"]["restore_s"], rec["reft"]["restore_s"]) if rec else None,
+        "recovery_speedup_vs_storage": ratio(rec["storage"]["regain_s"], rec["reft"]["regain_s"]) if rec else None,
     }  # fmt: skip
-    print(json.dumps(summary))
+    targets = verdicts(summary)
+    for name, verdict in targets.items():
+        print(f"target {name}: {verdict}")
+    print(json.dumps({**summary, "memory": speed, "overhead": over, "recovery": rec, "settings": vars(args)}))
     if args.write_docs:
         from ftlab.experiments import results_doc
 
-        results_doc.write_section("bench_snapshots", "REFT's snapshots: overhead per iteration, restore and recovery", {
-            "Per iteration (seconds; overhead against none, aor's against ZeRO-1 without snapshots)": over,
-            "Checkpoint-restart after a node kill, by protection (seconds, bytes, steps)": rec,
-            "": {"load_speedup": load, "recovery_speedup_vs_storage": recovery},
-        }, argv)  # fmt: skip
+        tables: dict[str, Any] = {}
+        if speed:
+            tables[f"Memory speed: {speed['bytes'] / 1e6:.1f} MB of one worker's ARC records, against a "
+                   f"single-threaded memcpy of the same bytes ({speed['memcpy_gb_s']:.1f} GB/s); fastest of "
+                   f"{args.reps}"] = {name: {"ms": round(seconds * 1e3, 3),
+                                             "x memcpy": round(speed["ratios"].get(f"{name}_vs_memcpy", 1.0), 3)}
+                                      for name, seconds in speed["seconds"].items()}  # fmt: skip
+        if over:
+            tables["Per iteration (seconds; overhead against none, aor's against ZeRO-1 without snapshots)"] = over
+        if rec:
+            tables["Checkpoint-restart after a node kill, by protection (seconds, bytes, steps)"] = rec
+        tables["Figures"] = {k: v for k, v in summary.items() if v is not None}
+        tables["Targets"] = targets
+        results_doc.write_section("bench_snapshots", "REFT's snapshots: memory speed, overhead per iteration, restore "
+                                  "and recovery", tables, argv)  # fmt: skip
     return 0
 
 

@@ -192,7 +192,7 @@ class MemoryRecord:
     kind: str
     """shard | copy | parity"""
     crc: int = 0
-    """CRC-32 of the record's bytes as written."""
+    """The checksum of the record's bytes as written (XXH3-64, ``runtime.state.shm``)."""
     nbytes: int = 0
 
     @property
@@ -220,7 +220,7 @@ class MemorySource(Source):
     records: tuple[MemoryRecord, ...]
     """Every intact record of step ``step`` on a live node."""
     shard_crcs: tuple[tuple[tuple[int, ...], int, int], ...] = ()
-    """(group layers, shard index, CRC-32) of every shard as its owner wrote it: a shard rebuilt from a copy or
+    """(group layers, shard index, checksum) of every shard as its owner wrote it: a shard rebuilt from a copy or
     parity is checked against it, so a restore is bit-exact or fails."""
 
 

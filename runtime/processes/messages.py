@@ -279,7 +279,7 @@ class Inventory:
     node: int
     step: int
     intact: dict[str, int]
-    """File name -> CRC-32."""
+    """File name -> checksum."""
     corrupt: tuple[str, ...]
 
 

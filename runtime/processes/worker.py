@@ -23,7 +23,6 @@ import os
 import threading
 import time
 import traceback
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -482,8 +481,8 @@ class Worker:
 
     def _load_from_memory(self, source: MemorySource, plan: Plan, helpers: tuple[int, ...], layers: list[int]) -> tuple[int, str]:
         """REFT-load: send the records of this node that others need, then rebuild every old group that overlaps
-        ``layers`` from this node's records, peers' records and parity. Every record is checked against the CRC
-        reported when it was written (where it is read), and a shard decoded from parity against the CRC its owner
+        ``layers`` from this node's records, peers' records and parity. Every record is checked against the checksum
+        reported when it was written (where it is read), and a shard decoded from parity against the one its owner
         reported (unless the owner died before it could report it), so the state loaded is the snapshot's bit for
         bit."""
         assert self.comm is not None
@@ -501,9 +500,9 @@ class Worker:
                 shards[i] = decode_shard(g, i, shards, {f.record.index: self._fetch(f, source.step) for f in fetches})
                 decoded = True
                 expected = crcs.get((load.group.layers, i))  # None: its owner died before it reported the shard
-                if expected is not None and zlib.crc32(shards[i].numpy()) != expected:
+                if expected is not None and shm.checksum(shards[i].numpy()) != expected:
                     raise shm.ChecksumError(f"shard {i} of {load.group.describe()} decoded for step {source.step} "
-                                            f"does not match the CRC its owner reported")  # fmt: skip
+                                            f"does not match the checksum its owner reported")  # fmt: skip
             nbytes += load_into(model, load.group, assemble(g, shards), wanted, self.optimizers)
         self.comm.flush_sends()
         return nbytes, "parity" if decoded else "memory"
@@ -513,7 +512,7 @@ class Worker:
         assert self.comm is not None
         if fetch.sender is None:
             return read_record(self.memory, fetch.record, step, fetch.record.nbytes)
-        return self.comm.recv((fetch.record.nbytes // 4,), torch.float32, fetch.sender, _LOAD_TAG + fetch.tag)
+        return self.comm.recv((fetch.record.nbytes,), torch.uint8, fetch.sender, _LOAD_TAG + fetch.tag)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ worker waits for it, if it is still running, before it reports the next iteratio
 coordinator can commit step s + 1 and let any optimizer write the state (and so that the coordinator knows the
 snapshot complete when it commits, and the next snapshot never overwrites it). Double buffering would cost a second
 copy of the state on the device and a copy on the critical path to fill it; copying at commit would put the whole
-copy there. The GIL is no obstacle: torch's copies and XORs and zlib's CRC release it. On this CPU runtime there is
+copy there. The GIL is no obstacle: torch's copies and XORs and the checksum release it. On this CPU runtime there is
 no separate copy engine, so "bubbles first" is the operating system's: the copy thread runs whenever the training
 thread blocks on communication (the pipeline's bubbles) and otherwise beside it; ``ft/snapshot_s`` measures what is
 left on the critical path (starting the copy and waiting for it before Ready).
@@ -17,14 +17,19 @@ left on the critical path (starting the copy and waiting for it before Ready).
 **The state as flat vectors.** A group's parameters are laid end to end in layer order and module order; Adam's
 two moments follow the same layout; the optimizer's step count is one number (every parameter of a group has taken
 the same number of steps). Shard i is chunk i of each of the three with the step after them (``snapshot_layout``).
+
+**At memory speed.** A worker's own records are memory copies only: a tensor's bytes copied into the record's
+pre-touched file, checksummed block by block while in cache (``fill_record``), and loaded back as views of the
+mapped file copied straight into the parameters and moments (``assemble``, ``load_into``): no serialisation, no
+intermediate buffer, no communication. Only a record on another node crosses the comm backend, as over a network.
 """
 
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -40,7 +45,9 @@ from ftlab.runtime.core.model_spec import ModelConfig
 from ftlab.runtime.core.snapshot_layout import Geometry, Group, parity_sources
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-F32 = 4
+WORD = 4
+"""The layout's element (``snapshot_layout``): the state is fp32 master weights and fp32 moments, whatever precision
+training computes in. Records are copied as bytes, never converted."""
 
 
 # -- the flat layout of a group's state ----------------------------------------------------------------------------
@@ -58,6 +65,8 @@ class Flat:
     def __init__(self, segments: Sequence[tuple[int, torch.Tensor]]) -> None:
         self.starts = [start for start, _ in segments]
         self.tensors = [t.detach().reshape(-1) for _, t in segments]
+        wrong = {t.dtype for t in self.tensors if t.element_size() != WORD}
+        assert not wrong, f"a snapshot holds 4-byte words (fp32 master weights and moments), not {wrong}"
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, torch.Tensor]]:
         """(offset from ``lo``, 1-D view) of the parts of [lo, hi) the tensors cover."""
@@ -92,6 +101,11 @@ class GroupState:
         if lo <= 3 * c < hi:
             yield 3 * c - lo, torch.tensor([self.step], dtype=torch.float32)
 
+    def tensors(self) -> tuple[tuple[int, int], ...]:
+        """Where the state's tensors are (address, elements): equal while it is the same tensors, updated in place."""
+        flats = [self.params, *self.moments.values()]
+        return tuple((t.data_ptr(), t.numel()) for flat in flats for t in flat.tensors)
+
 
 def member_state(
     model: ModelConfig, group: Group, layers: dict[int, torch.nn.Module], optimizers: dict[int, torch.optim.Optimizer]
@@ -114,29 +128,93 @@ def member_state(
 
 
 # -- writing records -----------------------------------------------------------------------------------------------
-def fill_record(state: GroupState, record: MemoryRecord, out: torch.Tensor) -> None:
-    """Write ``record``'s elements into ``out`` (float32, its length): a shard or copy as it is, or a parity as the
-    XOR of its sources' sub-chunks."""
+BLOCK = 1 << 20
+"""Bytes copied, then checksummed, at a time: small enough that the checksum reads them from cache, large enough that
+Python's cost per block is small beside the copy."""
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor's bytes, whatever its dtype: a record holds bit patterns, never converted values."""
+    return t.view(torch.uint8)
+
+
+Run = tuple[int, int, list[torch.Tensor]]
+"""(start, end, sources): bytes [start, end) of a record, copied from the sources laid end to end."""
+
+
+def copy_runs(state: GroupState, index: int) -> list[Run]:
+    """How shard ``index``'s parameters and moments are copied: runs of adjacent sources of about ``BLOCK`` bytes
+    at most, in order (the bytes between runs are padding; the step's word follows, ``fill_record``)."""
+    runs: list[Run] = []
+    for offset, values in state.shard_pieces(index, 0, 3 * state.geometry.chunk):
+        data = _bytes(values)
+        for a in range(0, data.numel(), BLOCK):
+            block, at = data[a : a + BLOCK] if data.numel() > BLOCK else data, offset * WORD + a
+            last = runs[-1] if runs else None
+            if last is not None and last[1] == at and last[1] - last[0] + block.numel() <= BLOCK:
+                runs[-1] = (last[0], at + block.numel(), [*last[2], block])
+            else:
+                runs.append((at, at + block.numel(), [block]))
+    return runs
+
+
+def fill_record(state: GroupState, record: MemoryRecord, out: torch.Tensor, runs: list[Run] | None = None) -> int:
+    """Write ``record``'s bytes into ``out`` (uint8, its length) and return their checksum: a shard or copy as it
+    is, copied run by run (``runs``: ``copy_runs`` of its shard, kept by the caller while the state's tensors stay)
+    and checksummed while each run is in cache, or a parity as the XOR of its sources' sub-chunks."""
     g = state.geometry
-    if record.kind in ("shard", "copy"):
-        out.zero_()  # padding, and whatever a previous snapshot left in the slot
-        for offset, values in state.shard_pieces(record.index, 0, g.shard):
-            out[offset : offset + values.numel()].copy_(values)
+    raw = out.numpy()
+    if record.kind not in ("shard", "copy"):
+        bits = out.view(torch.int32)
+        bits.zero_()
+        length = g.sub_chunk
+        for shard, sub in parity_sources(g.members, record.index):
+            for offset, values in state.shard_pieces(shard, sub * length, (sub + 1) * length):
+                bits[offset : offset + values.numel()].bitwise_xor_(values.view(torch.int32))
+        return shm.checksum(raw)
+    digest = shm.Checksum()
+    hashed = end = 0  # bytes of ``out`` checksummed, and written
+    for start, stop, sources in copy_runs(state, record.index) if runs is None else runs:
+        if start > end:
+            out[end:start].zero_()  # padding, and whatever a previous snapshot left there
+        _copy(sources, out[start:stop])
+        end = stop
+        if end - hashed >= BLOCK:  # small runs are checksummed together, from cache
+            digest.update(raw[hashed:end])
+            hashed = end
+    step = 3 * g.chunk * WORD
+    out[end:].zero_()
+    out[step : step + WORD] = _bytes(torch.tensor([state.step], dtype=torch.float32))
+    digest.update(raw[hashed:])
+    return digest.intdigest()
+
+
+def _copy(sources: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy the sources end to end into ``out``: one call for many small tensors where they share its device."""
+    if len(sources) > 1 and all(t.device == out.device for t in sources):
+        torch.cat(sources, out=out)
         return
-    bits = out.view(torch.int32)
-    bits.zero_()
-    length = g.sub_chunk
-    for shard, sub in parity_sources(g.members, record.index):
-        for offset, values in state.shard_pieces(shard, sub * length, (sub + 1) * length):
-            bits[offset : offset + values.numel()].bitwise_xor_(values.view(torch.int32))
+    at = 0
+    for t in sources:
+        out[at : at + t.numel()].copy_(t)
+        at += t.numel()
 
 
 class ShardFiles:
-    """The records this worker writes, each a file in its node's memory, mapped once and kept."""
+    """The records this worker writes, each a file in its node's memory, mapped once and kept, with how each is
+    copied (``copy_runs``) while the state's tensors stay the same."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._maps: dict[str, tuple[torch.Tensor, int]] = {}
+        self._runs: dict[str, tuple[tuple[tuple[int, int], ...], list[Run]]] = {}
+
+    def runs(self, state: GroupState, record: MemoryRecord) -> list[Run]:
+        tensors = state.tensors()
+        found = self._runs.get(record.name)
+        if found is None or found[0] != tensors:  # new layers or optimizer state: the old runs copy stale tensors
+            found = self._runs[record.name] = (tensors, copy_runs(state, record.index))
+        return found[1]
 
     def mapping(self, name: str, capacity: int) -> torch.Tensor:
         found = self._maps.get(name)
@@ -165,23 +243,23 @@ def write_records(
     keep: int, on_record: Callable[[], None] = lambda: None,
 ) -> list[MemoryRecord]:  # fmt: skip
     """Write each record of ``step`` into the slot of its file that does not hold ``keep``; returns them with their
-    checksums. ``on_record`` runs after each record's bytes and before its commit (a test hook: a kill there tears
+    checksums (``MemoryRecord.crc``). ``on_record`` runs after each record's bytes and before its commit (a test hook: a kill there tears
     the slot)."""
     written = []
     for record in records:
         state = states[record.layers]
-        nbytes = state.geometry.record(record.kind) * F32
+        nbytes = state.geometry.record(record.kind) * WORD
         mapping = files.mapping(record.name, nbytes)
         raw = mapping.numpy()
         slot = shm.choose_slot(shm.headers(memoryview(raw)), keep)
         raw[slot * shm.HEADER_BYTES : (slot + 1) * shm.HEADER_BYTES] = 0  # the slot is no longer committed
         offset = shm.slot_offset(slot, nbytes)
-        fill_record(state, record, mapping[offset : offset + nbytes].view(torch.float32))
-        crc = zlib.crc32(raw[offset : offset + nbytes])
+        runs = files.runs(state, record) if record.kind in ("shard", "copy") else None
+        digest = fill_record(state, record, mapping[offset : offset + nbytes], runs)
         on_record()
-        header = np.frombuffer(shm.encode_header(step, nbytes, crc), dtype=np.uint8)
+        header = np.frombuffer(shm.encode_header(step, nbytes, digest), dtype=np.uint8)
         raw[slot * shm.HEADER_BYTES : slot * shm.HEADER_BYTES + header.size] = header
-        written.append(replace(record, crc=crc, nbytes=nbytes))
+        written.append(replace(record, crc=digest, nbytes=nbytes))
     return written
 
 
@@ -220,21 +298,20 @@ class Snapshotter:
 
 # -- REFT-load -----------------------------------------------------------------------------------------------------
 def read_record(directory: Path, record: MemoryRecord, step: int, nbytes: int) -> torch.Tensor:
-    """A record of ``step`` from this node's memory (float32, read in place: no copy), checked against its slot's
+    """A record of ``step`` from this node's memory (its bytes, read in place: no copy), checked against its slot's
     checksum and the one reported when it was written; ChecksumError if it does not match (it is never loaded)."""
     path = directory / record.name
     if not path.exists():
         raise shm.ChecksumError(f"{record.name} is not in this node's memory")
-    mapping = torch.from_file(str(path), shared=False, size=shm.file_bytes(nbytes), dtype=torch.uint8)
-    return torch.frombuffer(shm.read_verified(memoryview(mapping.numpy()), nbytes, step, record.crc or None),
-                            dtype=torch.float32)  # fmt: skip
+    return torch.frombuffer(shm.read_verified(memoryview(shm.map_file(path, nbytes)), nbytes, step, record.crc or None),
+                            dtype=torch.uint8)  # fmt: skip
 
 
 def decode_shard(geometry: Geometry, missing: int, shards: dict[int, torch.Tensor], parities: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Shard ``missing`` from the other shards and the other members' parities (each sub-chunk j of it is
-    p_k XOR the other shards' sub-chunks in p_k, k = others(missing)[j])."""
+    """Shard ``missing`` (its bytes) from the other shards and the other members' parities (each sub-chunk j of it
+    is p_k XOR the other shards' sub-chunks in p_k, k = others(missing)[j])."""
     m, length = geometry.members, geometry.sub_chunk
-    out = torch.empty(geometry.shard, dtype=torch.float32)
+    out = torch.empty(geometry.shard * WORD, dtype=torch.uint8)
     bits = out.view(torch.int32)
     for k, parity in parities.items():
         sources = parity_sources(m, k)
@@ -247,23 +324,25 @@ def decode_shard(geometry: Geometry, missing: int, shards: dict[int, torch.Tenso
     return out
 
 
-def assemble(geometry: Geometry, shards: dict[int, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
-    """The group's flat parameters and moments (unpadded) and its step, from all its shards."""
-    c, n = geometry.chunk, geometry.numel
-    ordered = [shards[i] for i in range(geometry.members)]
-    params = torch.cat([s[:c] for s in ordered])[:n]
-    moments = {name: torch.cat([s[(r + 1) * c : (r + 2) * c] for s in ordered])[:n] for r, name in enumerate(MOMENTS)}
-    steps = {float(s[3 * c]) for s in ordered}
+def assemble(geometry: Geometry, shards: dict[int, torch.Tensor]) -> GroupState:
+    """The group's state as views of its shards' bytes (no copy): the parameters and moments, flat, and the step."""
+    c = geometry.chunk
+    words = [shards[i].view(torch.int32) for i in range(geometry.members)]
+
+    def region(r: int) -> Flat:
+        return Flat([(i * c, w[r * c : (r + 1) * c]) for i, w in enumerate(words)])
+
+    steps = {float(w[3 * c : 3 * c + 1].view(torch.float32)) for w in words}
     assert len(steps) == 1, f"shards of one snapshot at different steps {steps}"
-    return params, moments, steps.pop()
+    return GroupState(geometry, region(0), {name: region(r + 1) for r, name in enumerate(MOMENTS)}, steps.pop())
 
 
 def load_into(
-    model: ModelConfig, group: Group, flat: tuple[torch.Tensor, dict[str, torch.Tensor], float],
-    layers: dict[int, torch.nn.Module], optimizers: dict[int, torch.optim.Optimizer],
+    model: ModelConfig, group: Group, state: GroupState, layers: dict[int, torch.nn.Module],
+    optimizers: dict[int, torch.optim.Optimizer],
 ) -> int:  # fmt: skip
-    """Set the parameters and optimizer state of the group's layers this worker holds; returns the bytes set."""
-    params, moments, step = flat
+    """Set the parameters and optimizer state of the group's layers this worker holds, byte for byte, from
+    ``state`` (``assemble``); returns the bytes set."""
     offset = nbytes = 0
     with torch.no_grad():
         for index in group.layers:
@@ -273,11 +352,36 @@ def load_into(
                 continue
             for p in module.parameters():
                 n = p.numel()
-                p.copy_(params[offset : offset + n].view_as(p))
+                moments = {name: _fresh_like(p) for name in MOMENTS}
+                _copy_out(state.params, offset, p)
+                for name in MOMENTS:
+                    _copy_out(state.moments[name], offset, moments[name])
                 optimizers[index].state[p] = {
-                    "step": torch.tensor(step, dtype=torch.float32, device=p.device),
-                    **{name: moments[name][offset : offset + n].view_as(p).to(p.device, copy=True) for name in MOMENTS},
-                }
+                    "step": torch.tensor(state.step, dtype=torch.float32, device=p.device), **moments,
+                }  # fmt: skip
                 offset += n
-                nbytes += 3 * n * F32
+                nbytes += 3 * n * WORD
     return nbytes
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _fresh_like(p: torch.Tensor) -> torch.Tensor:
+    """A new tensor like ``p``, for a moment the restore sets. A large one on the host gets its own mapping backed by
+    huge pages where the kernel has them (``MADV_HUGEPAGE``): a process writing fresh memory faults in every page,
+    and with 4 KiB pages that costs several times the copy into them. Each tensor keeps a storage of its own, so a
+    checkpoint or a transfer of one layer carries that layer's state alone."""
+    nbytes = p.numel() * p.element_size()
+    if p.device.type != "cpu" or nbytes < HUGE_PAGE:
+        return torch.empty_like(p)
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapped.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapped, dtype=torch.uint8).view(p.dtype).view_as(p)  # the tensor keeps the mapping
+
+
+def _copy_out(flat: Flat, offset: int, out: torch.Tensor) -> None:
+    """Copy the bytes of elements [offset, offset + out.numel()) of ``flat`` into ``out``."""
+    target = _bytes(out.detach().view(-1))
+    for at, values in flat.pieces(offset, offset + out.numel()):
+        target[at * WORD : (at + values.numel()) * WORD].copy_(_bytes(values))
