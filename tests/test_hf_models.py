@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedConfig, Qwen2Config
 
@@ -112,6 +113,35 @@ def test_a_two_stage_pipeline_computes_the_hf_models_loss_and_gradients(checkpoi
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_layer_reads_its_own_tensors_and_no_others(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from ftlab.runtime.training import hf_weights
+
+    read: list[str] = []
+
+    class Recording:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self) -> Recording:
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.__exit__(*exc)
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.file.get_tensor(name)
+
+    monkeypatch.setattr(hf_weights, "safe_open", Recording)
+    cfg = hf_model(checkpoints["gpt2"])
+    build_layer(cfg, 2, seed=0)
+    assert sorted(read) == sorted(f"transformer.h.1.{n.removeprefix('layer.')}" for n in parameter_shapes(dims(cfg), "block"))
+    read.clear()
+    build_layer(cfg, num_layers(cfg) - 1, seed=0)  # the head: the final norm, and the token table GPT-2 ties to
+    assert sorted(read) == ["transformer.ln_f.bias", "transformer.ln_f.weight", "transformer.wte.weight"]
 
 
 def test_a_sharded_checkpoint_gives_the_same_layers(checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
