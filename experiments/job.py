@@ -305,6 +305,13 @@ def components(cfg: JobConfig) -> tuple[Policy, Protection]:
     return built[0], built[1]
 
 
+def resumed_run(cfg: JobConfig) -> str | None:
+    """The run whose checkpoint the job resumes from: a run's checkpoints lie under a folder named by its id
+    (``tracked``), which the resumed job continues (``runtime.reporting.stale_runs``)."""
+    found = checkpoint.find(cfg.train.resume_from) if cfg.train.resume_from is not None else None
+    return found[1].parent.name if found is not None else None
+
+
 def resume_point(cfg: JobConfig) -> StorageSource | None:
     if cfg.train.resume_from is None:
         return None
@@ -538,7 +545,7 @@ def tracked(
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
         {**OmegaConf.to_container(dict_cfg, resolve=True), **deepspeed}, {**run_tags(cfg), "backend": backend},
-        OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg),
+        OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg), resumes=resumed_run(cfg),
     )  # fmt: skip
     try:
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)

@@ -9,6 +9,9 @@ A SQLite store keeps its artifacts beside the database file (``<dir>/mlartifacts
 MLflow loads when a store is first opened, not when this module is imported: a job refused by its checks is
 answered before the seconds MLflow's import takes (``experiments/main.py``).
 
+Opening a store marks FAILED the runs whose coordinator died without closing them; a run carries its coordinator's
+host, pid and heartbeat for that, and a resumed job continues the run it resumes (``stale_runs``).
+
 The experiment is made to open on its runs, in MLflow's model-training navigation. MLflow's UI (3.17) takes an
 experiment's kind from its workflow switch ("GenAI" or "Model training"): the address's ``workflowType`` parameter,
 else the switch as this browser last left it, else GenAI, whose experiment page is an "Overview" of traces; the
@@ -38,6 +41,9 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.core.config import TrackingConfig
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.reporting.held_signals import store_access
+from ftlab.runtime.reporting.stale_runs import (
+    HEARTBEAT_S, HEARTBEAT_TAG, RESUMES_TAG, continuation, coordinator_tags, reconcile, reopen,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric
@@ -157,9 +163,10 @@ _METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
 
 
 def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
-    """A client of the store at ``tracking.uri`` and the experiment's id (``ensure_experiment``). A store MLflow
-    cannot open (an unknown scheme, a server that does not answer) is a ``ConfigError`` saying what to give
-    instead: nothing can be recorded without it, so nothing may start."""
+    """A client of the store at ``tracking.uri`` and the experiment's id (``ensure_experiment``), the store's runs
+    of dead coordinators marked FAILED (``stale_runs.reconcile``). A store MLflow cannot open (an unknown scheme, a
+    server that does not answer) is a ``ConfigError`` saying what to give instead: nothing can be recorded without
+    it, so nothing may start."""
     advice = "give sqlite:///PATH.db (a store in a local file, the default) or the http(s):// address of a running " \
         "MLflow server"  # fmt: skip
     unanswered = _server_silent(uri)
@@ -170,7 +177,9 @@ def open_store(uri: str, experiment: str) -> tuple[MlflowClient, str]:
 
     try:
         client = MlflowClient(tracking_uri=uri)
-        return client, ensure_experiment(client, experiment, uri)
+        experiment_id = ensure_experiment(client, experiment, uri)
+        reconcile(client)
+        return client, experiment_id
     except MlflowException as exc:
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"tracking.uri={uri}: MLflow cannot open this store ({why}); {advice}") from None
@@ -199,20 +208,32 @@ class Tracker:
         self.events_path = self.local / "events.jsonl"
         self._metrics: list[Metric] = []
         self._flushed_at = time.monotonic()
+        self._beat_at = time.monotonic()
 
     @store_access
     def start(
-        self, config: dict[str, Any], tags: dict[str, str], config_yaml: str, name: str | None = None, note: str = ""
-    ) -> str:
+        self, config: dict[str, Any], tags: dict[str, str], config_yaml: str, name: str | None = None, note: str = "",
+        resumes: str | None = None,
+    ) -> str:  # fmt: skip
         """Open the run: ``tracking.run_name`` or ``name``, a child of ``tracking.parent_run_id`` when the job is one
-        of a sweep, with ``note`` as its description."""
-        tags = dict(tags)
+        of a sweep, with ``note`` as its description. A job resumed from a checkpoint of run ``resumes`` continues
+        that run where it can, else is linked to it (``stale_runs.continuation``)."""
+        tags = {**tags, **coordinator_tags()}
         if self.cfg.parent_run_id:
             tags[PARENT_TAG] = self.cfg.parent_run_id
         if self.cfg.sweep_id:
             tags["sweep_id"] = self.cfg.sweep_id
         if note:
             tags[NOTE_TAG] = note
+        how = continuation(self.client, resumes, self.experiment_id, bool(self.cfg.parent_run_id)) if resumes else None
+        if how == "continue":
+            assert resumes is not None
+            reopen(self.client, resumes, tags)
+            self.run_id = resumes
+            return resumes
+        if how == "link":
+            tags[RESUMES_TAG] = str(resumes)
+            tags.setdefault(PARENT_TAG, str(resumes))
         run = self.client.create_run(self.experiment_id, run_name=self.cfg.run_name or name, tags=tags)
         self.run_id = run.info.run_id
         from mlflow.entities import Param
@@ -241,9 +262,18 @@ class Tracker:
 
     @store_access
     def flush(self) -> None:
+        """Write the buffered metrics, and with them the heartbeat when it is due (``stale_runs``)."""
+        from mlflow.entities import RunTag
+
         assert self.run_id is not None
-        for i in range(0, len(self._metrics), _METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=self._metrics[i : i + _METRICS_PER_BATCH])
+        beat = []
+        if time.monotonic() - self._beat_at >= HEARTBEAT_S:
+            beat, self._beat_at = [RunTag(HEARTBEAT_TAG, f"{time.time():.0f}")], time.monotonic()
+        batches = [self._metrics[i : i + _METRICS_PER_BATCH] for i in range(0, len(self._metrics), _METRICS_PER_BATCH)]
+        for batch in batches or [[]]:
+            if batch or beat:
+                self.client.log_batch(self.run_id, metrics=batch, tags=beat)
+                beat = []
         self._metrics.clear()
         self._flushed_at = time.monotonic()
 
