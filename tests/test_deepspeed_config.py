@@ -26,6 +26,7 @@ from ftlab.runtime.core.config import TrainConfig
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.processes import cluster as cluster_module
 from ftlab.runtime.training.optim import OptimSettings, layer_optimizer, lr_at
+from tests.oracle import assert_on_fault_free_trajectory
 
 DOCUMENTED = Path(__file__).parents[1] / "conf" / "deepspeed" / "bf16-zero1-cosine.json"
 STEPS = 60
@@ -331,6 +332,21 @@ def test_the_documented_config_runs_unchanged(run, tmp_path: Path) -> None:  # n
     assert params["deepspeed.ignored"] == "steps_per_print, wall_clock_breakdown"
     assert (params["train.precision"], params["train.lr_schedule"], params["train.global_batch"]) == (
         "bf16", "WarmupCosineLR", "24")
+
+
+def test_a_restart_under_a_ds_config_stays_on_the_fault_free_trajectory(run, tmp_path: Path) -> None:  # noqa: ANN001
+    """Adam with L2 decay, WarmupDecayLR, bf16 and clipping from a ds_config: a node killed at step 6 and a restart
+    from step 4's checkpoint give the fault-free run's losses and final state (the oracle)."""
+    ds = {**BATCH, "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "adam_w_mode": False, "weight_decay": 0.1}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 8,
+                                                              "warmup_type": "linear"}},
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}  # fmt: skip
+    common = [f"train.deepspeed_config={ds_file(tmp_path, ds)}", "train.steps=8", "policy=checkpoint_restart",
+              "protection=storage", "protection.every=4"]  # fmt: skip
+    fault_free = run(*common, f"tracking.uri=sqlite:///{tmp_path}/fault-free.db")
+    killed = run(*common, "faults=explicit", "faults.events=[{kind: node, node: 1, at_step: 6}]")
+    assert [f.kind for f in killed.faults] == ["node"]
+    assert_on_fault_free_trajectory(killed, fault_free, 8)
 
 
 def test_the_command_names_both_keys_without_a_traceback(tmp_path: Path) -> None:
