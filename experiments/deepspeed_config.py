@@ -167,10 +167,6 @@ def apply(dict_cfg: DictConfig, overrides: Sequence[str] | None = None) -> tuple
         return dict_cfg, {}
     name = f"train.deepspeed_config={path}"
     mapped = settings(read(Path(path)), data_parallel(dict_cfg.cluster, dict_cfg.train.stages), name)
-    known = {f.name for f in fields(TrainConfig)}
-    for key, m in mapped.train.items():
-        if key not in known:
-            raise ConfigError(f"{name}: {m.origin} needs train.{key}, which this ftlab lacks: remove it from the file")
     own = explicit(dict_cfg.train, command_line() if overrides is None else overrides)
     clashes = [
         f"train.{key}={dict_cfg.train[key]} against {m.origin}"
@@ -180,14 +176,15 @@ def apply(dict_cfg: DictConfig, overrides: Sequence[str] | None = None) -> tuple
         raise ConfigError(f"{name} and ftlab's own settings disagree: {'; '.join(clashes)}: drop those train.* "
                           f"settings (the ds_config sets them) or change the file")  # fmt: skip
     merged = OmegaConf.merge(dict_cfg, {"train": {key: m.value for key, m in mapped.train.items()}})
-    return merged, {"deepspeed": {"ignored": ", ".join(mapped.ignored) or "none"}}  # type: ignore[return-value]
+    return merged, {"deepspeed": {"ignored": ", ".join(mapped.ignored) or "none"}}
 
 
 def explicit(train: DictConfig, overrides: Sequence[str]) -> set[str]:
     """The ``train.*`` settings that are ftlab's own: off ``TrainConfig``'s default, or named on the command line."""
     defaults = TrainConfig()
-    named = {o.lstrip("+~").split("=", 1)[0].removeprefix("train.") for o in overrides if o.lstrip("+~").startswith("train.")}
-    return named | {f.name for f in fields(TrainConfig) if f.name in train and train[f.name] != getattr(defaults, f.name)}
+    keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides]
+    named = {key.removeprefix("train.") for key in keys if key.startswith("train.")}
+    return named | {f.name for f in fields(TrainConfig) if train[f.name] != getattr(defaults, f.name)}
 
 
 def command_line() -> list[str]:
@@ -222,7 +219,8 @@ def _deepspeed_config(ds: dict[str, Any], width: int, name: str) -> Any:
 # -- the sections --------------------------------------------------------------------------------------------------
 def _batch(ds: dict[str, Any], config: Any, width: int, s: DeepSpeedSettings) -> None:
     gas = config.gradient_accumulation_steps
-    derived = f"(derived by DeepSpeed: {config.train_micro_batch_size_per_gpu} x {gas} accumulation steps x {width} replicas)"
+    micro = config.train_micro_batch_size_per_gpu
+    derived = f"(derived by DeepSpeed: {micro} x {gas} accumulation steps x {width} replicas)"
     s.take("global_batch", config.train_batch_size, _said(ds, "train_batch_size", derived))
     s.take("micro_batch", config.train_micro_batch_size_per_gpu, _said(ds, "train_micro_batch_size_per_gpu", derived))
 
@@ -328,7 +326,8 @@ def _precision(ds: dict[str, Any], config: Any, s: DeepSpeedSettings, name: str)
                               f"DeepSpeed's default loss scaler: set it false or drop it")  # fmt: skip
     # DeepSpeed's BF16 optimizer's bookkeeping (when gradients land, an overflow check) and fp16's cast of the
     # model's float inputs (ftlab's are token ids): ftlab's mixed precision does its own (runtime.core.precision).
-    s.ignored += [f"{bf16_key}.{key}" for key in (bf16 or {}) if key in ("immediate_grad_update", "check_grad_overflow")]
+    bookkeeping = ("immediate_grad_update", "check_grad_overflow")
+    s.ignored += [f"{bf16_key}.{key}" for key in (bf16 or {}) if key in bookkeeping]
     s.ignored += [f"fp16.{key}" for key in (fp16 or {}) if key == "auto_cast"]
     if config.bfloat16_config.enabled:
         s.take("precision", "bf16", f"{bf16_key}.enabled=true")
@@ -344,7 +343,8 @@ def _zero(section: dict[str, Any], config: Any, s: DeepSpeedSettings, name: str)
     stage = int(config.zero_optimization_stage)
     if stage > 1:
         raise ConfigError(f"{name}: zero_optimization.stage={stage}: ftlab shards only the optimizer state (ZeRO-1, "
-                          f"train.zero=1; gradients and parameters stay whole on every replica): use stage 1 or 0")  # fmt: skip
+                          f"train.zero=1; gradients and parameters stay whole on every replica): use stage 1 or "
+                          f"0")  # fmt: skip
     for key, value in section.items():
         if key in ("offload_optimizer", "offload_param"):
             if (value or {}).get("device", "none") not in (None, "none"):

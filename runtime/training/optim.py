@@ -67,7 +67,8 @@ def lr_at(step: int, s: OptimSettings) -> float:
         if iteration < 0:
             return 0.0
         if iteration < warmup:
-            return s.lr * (s.warmup_min_ratio + _warmup_gamma(iteration, warmup, s.warmup_type) * (1.0 - s.warmup_min_ratio))
+            gamma = _warmup_gamma(iteration, warmup, s.warmup_type)
+            return s.lr * (s.warmup_min_ratio + gamma * (1.0 - s.warmup_min_ratio))
         progress = min(1.0, (iteration - warmup + 1) / max(1, total - warmup))
         return s.lr * max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * ((1 + math.cos(math.pi * progress)) / 2))
     if iteration < 0:
@@ -93,7 +94,9 @@ def layer_optimizer(layer: torch.nn.Module, s: OptimSettings) -> torch.optim.Opt
     # so every layout takes exactly the same optimizer steps. Adam adds weight_decay * weight to the gradient (L2),
     # AdamW shrinks the weight apart from it (decoupled): DeepSpeed offers both, under adam_w_mode.
     kind = torch.optim.AdamW if s.optimizer == "adamw" else torch.optim.Adam
-    return kind(layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), eps=s.eps, weight_decay=s.weight_decay, fused=True)
+    return kind(
+        layer.parameters(), lr=s.lr, betas=(s.beta1, s.beta2), eps=s.eps, weight_decay=s.weight_decay, fused=True
+    )
 
 
 class StepUndo:
