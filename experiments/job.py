@@ -212,7 +212,9 @@ def check_settings(cfg: JobConfig) -> None:
             "train.decay_steps at least 1 (or null: train.steps)"
         )
     if t.lr_schedule != "cosine" and t.warmup_steps < 1:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps}: DeepSpeed's {t.lr_schedule} warms up over 1 step or more")
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps}: DeepSpeed's {t.lr_schedule} warms up over 1 step or more"
+        )
     machinery = sim_problems(cfg.sim)
     if machinery:
         raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
