@@ -209,7 +209,7 @@ def _deepspeed_config(ds: dict[str, Any], width: int, name: str) -> Any:
         config._do_sanity_check()
     except (AssertionError, ValueError, TypeError, KeyError) as exc:  # DeepSpeed's own refusals (pydantic's too)
         why = " ".join(str(exc).split())
-        if "batch" in why.lower():
+        if "batch" in why.lower() or "accumulation" in why.lower():
             why += (f" (DeepSpeed's world size is the data-parallel width of ftlab's grid, cluster.nodes x "
                     f"cluster.workers_per_node // train.stages = {width})")  # fmt: skip
         raise ConfigError(f"{name}: DeepSpeed refuses it: {why}") from None
