@@ -40,7 +40,8 @@ from ftlab.runtime.core.model_spec import load_model_config, num_layers
 from ftlab.runtime.core.plan import grid_plan
 from ftlab.runtime.core.snapshot_layout import groups_of, records_to_write
 from ftlab.runtime.state import checkpoint
-from ftlab.runtime.state.snapshot import ShardFiles, assemble, geometry, load_into, member_state, read_record, write_records
+from ftlab.runtime.state.snapshot import ShardFiles, member_state, write_records
+from ftlab.runtime.state.snapshot_load import LocalRecord, load_into
 from ftlab.runtime.training.layer_state import decode, encode, layer_state
 from ftlab.runtime.training.model import build_layer
 from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
@@ -130,8 +131,7 @@ def measure(model_name: str, stages: int, replicas: int, scratch: Path, reps: in
         step = 2 + rep
         into = fresh_layers(model, group.layers)  # built before the clock starts, as a worker builds them
         started = time.perf_counter()
-        shards = {r.index: read_record(memory, r, step, r.nbytes) for r in written}
-        load_into(model, group, assemble(geometry(model, group), shards), *into)
+        load_into(model, group, {r.index: LocalRecord(memory, r, step) for r in written}, *into)
         return time.perf_counter() - started
 
     def storage_load(cold: bool) -> float:

@@ -15,9 +15,8 @@ from ftlab.runtime.training.model import build_layer
 from ftlab.runtime.core.model_spec import ModelConfig
 from ftlab.runtime.training.optim import layer_optimizer
 from ftlab.runtime.core.plan import Pipeline, Plan, Stage, grid_plan
-from ftlab.runtime.state.snapshot import (
-    ShardFiles, assemble, decode_shard, geometry, load_into, member_state, read_record, write_records,
-)  # fmt: skip
+from ftlab.runtime.state.snapshot import ShardFiles, geometry, member_state, write_records
+from ftlab.runtime.state.snapshot_load import LocalRecord, decode_shard, load_into, read_record
 from ftlab.runtime.core.snapshot_layout import (
     Group, Unrecoverable, groups_of, load_plan, lost_shards, records_to_write,
 )  # fmt: skip
@@ -124,6 +123,10 @@ def test_a_torn_slot_leaves_the_previous_step_and_a_flipped_byte_is_caught(tmp_p
     assert shm.inventory(tmp_path, 4) == ({}, [record.name])
     with pytest.raises(shm.ChecksumError):
         read_record(tmp_path, first, 4, first.nbytes)
+    layers = {i: build_layer(MODEL, i, seed=99) for i in group.layers}
+    with pytest.raises(shm.ChecksumError):  # read straight into layers, as on the record's own node
+        load_into(MODEL, group, {0: LocalRecord(tmp_path, first, 4)}, layers,
+                  {i: layer_optimizer(layers[i], OPTIM) for i in group.layers})  # fmt: skip
 
 
 # -- the codec -------------------------------------------------------------------------------------------------------
@@ -169,11 +172,15 @@ def test_a_group_is_rebuilt_bit_exact_after_losing_any_member(tmp_path: Path, mo
             shards[i] = decode_shard(g, i, shards, {f.record.index: read(f) for f in fetches})
         primaries = {r.index: r.crc for r in written if r.kind == "shard"}
         assert {i: shm.checksum(s.numpy()) for i, s in shards.items()} == primaries
-        layers = {i: build_layer(MODEL, i, seed=99) for i in range(4)}
-        optimizers = {i: layer_optimizer(layers[i], OPTIM) for i in range(4)}
-        load_into(MODEL, group, assemble(g, shards), layers, optimizers)
-        for i in range(4):
-            for p, ref in zip(layers[i].parameters(), reference[i].parameters(), strict=True):
-                assert torch.equal(p, ref)
-                for key in ("exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(optimizers[i].state[p][key], reference_opt[i].state[ref][key]), key
+        # From the bytes in memory into every layer; then with the records read straight into the layers (as on
+        # their own node), into all but the first layer (a worker holding part of the old group).
+        unread = {i: LocalRecord(tmp_path / f"node-{f.record.node}", f.record, 7) for i, f in load.shards.items()}
+        for held, sources in ((range(4), shards), (range(1, 4), {**shards, **unread})):
+            layers = {i: build_layer(MODEL, i, seed=99) for i in held}
+            optimizers = {i: layer_optimizer(layers[i], OPTIM) for i in held}
+            load_into(MODEL, group, sources, layers, optimizers)
+            for i in held:
+                for p, ref in zip(layers[i].parameters(), reference[i].parameters(), strict=True):
+                    assert torch.equal(p, ref)
+                    for key in ("exp_avg", "exp_avg_sq", "step"):
+                        assert torch.equal(optimizers[i].state[p][key], reference_opt[i].state[ref][key]), key

@@ -49,9 +49,8 @@ from ftlab.runtime.training.mixed import grad_sq, scale_gradients
 from ftlab.runtime.control.update import Update
 from ftlab.runtime.training.optim import StepUndo, layer_optimizer, lr_at, step_all
 from ftlab.runtime.core.plan import Plan
-from ftlab.runtime.state.snapshot import (
-    Snapshotter, assemble, decode_shard, geometry, load_into, member_state, read_record,
-)  # fmt: skip
+from ftlab.runtime.state.snapshot import Snapshotter, geometry, member_state
+from ftlab.runtime.state.snapshot_load import LocalRecord, Shard, decode_shard, load_into, read_record
 from ftlab.runtime.core.snapshot_layout import Fetch, groups_of, load_plan
 from ftlab.runtime.processes.zero import ZeroGroup
 
@@ -503,15 +502,16 @@ class Worker:
                 if expected is not None and shm.checksum(shards[i].numpy()) != expected:
                     raise shm.ChecksumError(f"shard {i} of {load.group.describe()} decoded for step {source.step} "
                                             f"does not match the checksum its owner reported")  # fmt: skip
-            nbytes += load_into(model, load.group, assemble(g, shards), wanted, self.optimizers)
+            nbytes += load_into(model, load.group, shards, wanted, self.optimizers)
         self.comm.flush_sends()
         return nbytes, "parity" if decoded else "memory"
 
-    def _fetch(self, fetch: Fetch, step: int) -> torch.Tensor:
-        """A record read on this node, or received from the peer that read (and checked) it on its node."""
+    def _fetch(self, fetch: Fetch, step: int) -> Shard:
+        """A record on this node (read where it is used), or received from the peer that read (and checked) it on
+        its node."""
         assert self.comm is not None
         if fetch.sender is None:
-            return read_record(self.memory, fetch.record, step, fetch.record.nbytes)
+            return LocalRecord(self.memory, fetch.record, step)
         return self.comm.recv((fetch.record.nbytes,), torch.uint8, fetch.sender, _LOAD_TAG + fetch.tag)
 
 

@@ -1,6 +1,6 @@
-"""REFT's snapshots on the worker: copying its shards into its node's memory off the critical path, and loading
-a snapshot back (REFT-load). ``runtime.core.snapshot_layout`` says what each record holds; ``runtime.state.shm`` how it sits in
-a file.
+"""REFT's snapshots on the worker: copying its shards into its node's memory off the critical path (loading a
+snapshot back, REFT-load, is ``runtime.state.snapshot_load``). ``runtime.core.snapshot_layout`` says what each record
+holds; ``runtime.state.shm`` how it sits in a file.
 
 **HAS, the choice.** The copy runs on a thread of the worker (its host thread), started as soon as the committed step's state is
 final (right after the optimizer step) and overlapping the whole next iteration: the forward and backward passes
@@ -19,15 +19,14 @@ two moments follow the same layout; the optimizer's step count is one number (ev
 the same number of steps). Shard i is chunk i of each of the three with the step after them (``snapshot_layout``).
 
 **At memory speed.** A worker's own records are memory copies only: a tensor's bytes copied into the record's
-pre-touched file, checksummed block by block while in cache (``fill_record``), and loaded back as views of the
-mapped file copied straight into the parameters and moments (``assemble``, ``load_into``): no serialisation, no
-intermediate buffer, no communication. Only a record on another node crosses the comm backend, as over a network.
+pre-touched file, checksummed block by block while in cache (``fill_record``), and read back by the kernel straight
+into the parameters and moments (``snapshot_load``): no serialisation, no intermediate buffer, no communication.
+Only a record on another node crosses the comm backend, as over a network.
 """
 
 from __future__ import annotations
 
 import bisect
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -294,94 +293,3 @@ class Snapshotter:
             return None
         copy, self._copy = self._copy, None
         return copy.result()
-
-
-# -- REFT-load -----------------------------------------------------------------------------------------------------
-def read_record(directory: Path, record: MemoryRecord, step: int, nbytes: int) -> torch.Tensor:
-    """A record of ``step`` from this node's memory (its bytes, read in place: no copy), checked against its slot's
-    checksum and the one reported when it was written; ChecksumError if it does not match (it is never loaded)."""
-    path = directory / record.name
-    if not path.exists():
-        raise shm.ChecksumError(f"{record.name} is not in this node's memory")
-    return torch.frombuffer(shm.read_verified(memoryview(shm.map_file(path, nbytes)), nbytes, step, record.crc or None),
-                            dtype=torch.uint8)  # fmt: skip
-
-
-def decode_shard(geometry: Geometry, missing: int, shards: dict[int, torch.Tensor], parities: dict[int, torch.Tensor]) -> torch.Tensor:
-    """Shard ``missing`` (its bytes) from the other shards and the other members' parities (each sub-chunk j of it
-    is p_k XOR the other shards' sub-chunks in p_k, k = others(missing)[j])."""
-    m, length = geometry.members, geometry.sub_chunk
-    out = torch.empty(geometry.shard * WORD, dtype=torch.uint8)
-    bits = out.view(torch.int32)
-    for k, parity in parities.items():
-        sources = parity_sources(m, k)
-        j = next(sub for shard, sub in sources if shard == missing)
-        piece = bits[j * length : (j + 1) * length]
-        piece.copy_(parity.view(torch.int32))
-        for shard, sub in sources:
-            if shard != missing:
-                piece.bitwise_xor_(shards[shard].view(torch.int32)[sub * length : (sub + 1) * length])
-    return out
-
-
-def assemble(geometry: Geometry, shards: dict[int, torch.Tensor]) -> GroupState:
-    """The group's state as views of its shards' bytes (no copy): the parameters and moments, flat, and the step."""
-    c = geometry.chunk
-    words = [shards[i].view(torch.int32) for i in range(geometry.members)]
-
-    def region(r: int) -> Flat:
-        return Flat([(i * c, w[r * c : (r + 1) * c]) for i, w in enumerate(words)])
-
-    steps = {float(w[3 * c : 3 * c + 1].view(torch.float32)) for w in words}
-    assert len(steps) == 1, f"shards of one snapshot at different steps {steps}"
-    return GroupState(geometry, region(0), {name: region(r + 1) for r, name in enumerate(MOMENTS)}, steps.pop())
-
-
-def load_into(
-    model: ModelConfig, group: Group, state: GroupState, layers: dict[int, torch.nn.Module],
-    optimizers: dict[int, torch.optim.Optimizer],
-) -> int:  # fmt: skip
-    """Set the parameters and optimizer state of the group's layers this worker holds, byte for byte, from
-    ``state`` (``assemble``); returns the bytes set."""
-    offset = nbytes = 0
-    with torch.no_grad():
-        for index in group.layers:
-            module = layers.get(index)
-            if module is None:  # a layer of the old group this worker does not hold now
-                offset += sum(layer_numels(model, index))
-                continue
-            for p in module.parameters():
-                n = p.numel()
-                moments = {name: _fresh_like(p) for name in MOMENTS}
-                _copy_out(state.params, offset, p)
-                for name in MOMENTS:
-                    _copy_out(state.moments[name], offset, moments[name])
-                optimizers[index].state[p] = {
-                    "step": torch.tensor(state.step, dtype=torch.float32, device=p.device), **moments,
-                }  # fmt: skip
-                offset += n
-                nbytes += 3 * n * WORD
-    return nbytes
-
-
-HUGE_PAGE = 2 << 20
-
-
-def _fresh_like(p: torch.Tensor) -> torch.Tensor:
-    """A new tensor like ``p``, for a moment the restore sets. A large one on the host gets its own mapping backed by
-    huge pages where the kernel has them (``MADV_HUGEPAGE``): a process writing fresh memory faults in every page,
-    and with 4 KiB pages that costs several times the copy into them. Each tensor keeps a storage of its own, so a
-    checkpoint or a transfer of one layer carries that layer's state alone."""
-    nbytes = p.numel() * p.element_size()
-    if p.device.type != "cpu" or nbytes < HUGE_PAGE:
-        return torch.empty_like(p)
-    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapped.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapped, dtype=torch.uint8).view(p.dtype).view_as(p)  # the tensor keeps the mapping
-
-
-def _copy_out(flat: Flat, offset: int, out: torch.Tensor) -> None:
-    """Copy the bytes of elements [offset, offset + out.numel()) of ``flat`` into ``out``."""
-    target = _bytes(out.detach().view(-1))
-    for at, values in flat.pieces(offset, offset + out.numel()):
-        target[at * WORD : (at + values.numel()) * WORD].copy_(_bytes(values))
