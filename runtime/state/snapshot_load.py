@@ -25,7 +25,8 @@ from ftlab.runtime.state import shm
 from ftlab.runtime.state.snapshot import MOMENTS, WORD, Flat, GroupState, geometry
 from ftlab.runtime.training.model import layer_numels
 
-HUGE_PAGE = 2 << 20
+ALIGN = 64
+"""Each moment starts on a cache line, as an allocator's would."""
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
@@ -107,13 +108,14 @@ def _target(
     moments: dict[str, list[tuple[int, torch.Tensor]]] = {name: [] for name in MOMENTS}
     states = []
     offset = 0
+    fresh = Fresh([p for index in group.layers if index in layers for p in layers[index].parameters()] * len(MOMENTS))
     for index in group.layers:
         module = layers.get(index)
         if module is None:  # a layer of the old group this worker does not hold now
             offset += sum(layer_numels(model, index))
             continue
         for p in module.parameters():
-            state = {name: _fresh_like(p) for name in MOMENTS}
+            state = {name: fresh.like(p) for name in MOMENTS}
             optimizers[index].state[p] = state
             states.append((state, p.device))
             params.append((offset, p))
@@ -183,14 +185,27 @@ def _copy_into(target: GroupState, index: int, data: torch.Tensor) -> float:
     return float(data[step : step + WORD].cpu().view(torch.float32))
 
 
-def _fresh_like(p: torch.Tensor) -> torch.Tensor:
-    """A new tensor like ``p``, for a moment the restore sets. A large one on the host gets its own mapping backed by
-    huge pages where the kernel has them (``MADV_HUGEPAGE``): a process writing fresh memory faults in every page,
-    and with 4 KiB pages that costs several times the copy into them. Each tensor keeps a storage of its own, so a
-    checkpoint or a transfer of one layer carries that layer's state alone."""
-    nbytes = p.numel() * p.element_size()
-    if p.device.type != "cpu" or nbytes < HUGE_PAGE:
-        return torch.empty_like(p)
-    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapped.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapped, dtype=torch.uint8).view(p.dtype).view_as(p)  # the tensor keeps the mapping
+class Fresh:
+    """New tensors for the moments a restore sets, like their parameters. On the host they are carved from one
+    mapping backed by huge pages where the kernel has them (``MADV_HUGEPAGE``): a process writing fresh memory faults
+    in every page, and with 4 KiB pages that costs several times the copy into them. Each tensor still has a storage
+    of its own, so a checkpoint or a transfer of one layer carries that layer's state alone."""
+
+    def __init__(self, likes: list[torch.Tensor]) -> None:
+        host = [p for p in likes if p.device.type == "cpu"]
+        size = sum(_aligned(p.numel() * p.element_size()) for p in host)
+        self._memory = memoryview(mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        self._memory.obj.madvise(mmap.MADV_HUGEPAGE)  # type: ignore[union-attr]
+        self._used = 0
+
+    def like(self, p: torch.Tensor) -> torch.Tensor:
+        if p.device.type != "cpu":
+            return torch.empty_like(p)
+        nbytes = p.numel() * p.element_size()
+        piece = self._memory[self._used : self._used + nbytes]
+        self._used += _aligned(nbytes)
+        return torch.frombuffer(piece, dtype=p.dtype).view_as(p)  # its storage keeps the mapping
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
