@@ -105,12 +105,18 @@ def test_a_coordinator_is_lost_when_its_process_is_gone_here_or_its_heartbeat_is
 def test_a_resumed_job_links_to_a_run_it_cannot_continue(tmp_path: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.create_experiment("ftlab")
+    params = {"policy.name": "oobleck", "train.resume_from": "None", "tracking.run_name": "first"}
+    resumed = {**params, "train.resume_from": "/somewhere/step-000004", "tracking.run_name": "second"}
     alive = client.create_run(experiment, tags=coordinator_tags()).info.run_id
+    client.log_param(alive, "policy.name", "oobleck")
     assert reconcile(client) == []
-    assert continuation(client, alive, experiment, in_sweep=False) == "link"  # its coordinator still runs it
+    assert continuation(client, alive, experiment, False, resumed) == "link"  # its coordinator still runs it
     stale = client.create_run(experiment, tags={**coordinator_tags(), HOST_TAG: "another-host.invalid",
                                                 HEARTBEAT_TAG: "0"}).info.run_id  # fmt: skip
+    for key, value in params.items():
+        client.log_param(stale, key, value)
     assert reconcile(client) == [stale]
-    assert continuation(client, stale, experiment, in_sweep=False) == "continue"
-    assert continuation(client, stale, experiment, in_sweep=True) == "link"
-    assert continuation(client, "0" * 32, experiment, in_sweep=False) is None
+    assert continuation(client, stale, experiment, False, resumed) == "continue"
+    assert continuation(client, stale, experiment, True, resumed) == "link"  # a sweep's job
+    assert continuation(client, stale, experiment, False, {**resumed, "policy.name": "recycle"}) == "link"
+    assert continuation(client, "0" * 32, experiment, False, resumed) is None

@@ -9,8 +9,9 @@ any phase a live coordinator spends without flushing (nodes starting, a recovery
 
 A job resumed from a checkpoint (``train.resume_from``; checkpoints live under ``<checkpoint_dir>/<run id>``)
 continues the run that wrote it: the same run id, its metrics going on from the resumed step (``continuation``).
-Where it cannot (that run is still RUNNING with a live coordinator, it is in another experiment, or the job is one of
-a sweep, whose runs are the sweep's children), the new run is linked to it: tag ``RESUMES_TAG`` and, outside a
+Where it cannot (that run is still RUNNING with a live coordinator, it is in another experiment, the job is one of a
+sweep, whose runs are the sweep's children, or its settings differ beyond where it resumes from and where it records,
+so that one run's params could not describe both), the new run is linked to it: tag ``RESUMES_TAG`` and, outside a
 sweep, as its child, so the UI shows one job.
 """
 
@@ -33,6 +34,8 @@ HEARTBEAT_TAG = "ftlab.heartbeat"
 """Seconds since the epoch when the coordinator last wrote to its run."""
 RESUMES_TAG = "ftlab.resumes_run"
 """On a run linked to the run whose checkpoint it resumed from: that run's id."""
+SETTINGS_A_RESUME_MAY_CHANGE = ("train.resume_from", "tracking.", "progress")
+"""Params (prefixes) in which a job continuing a run may differ from it."""
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 900.0
 LOST = "coordinator lost"
@@ -90,9 +93,11 @@ def reconcile(client: MlflowClient) -> list[str]:
 
 
 @store_access
-def continuation(client: MlflowClient, run_id: str, experiment_id: str, in_sweep: bool) -> Literal["continue", "link"] | None:
-    """What a job resumed from a checkpoint of run ``run_id`` does with that run: continue it, link to it, or
-    neither (no such run in this store: the checkpoint came from elsewhere)."""
+def continuation(
+    client: MlflowClient, run_id: str, experiment_id: str, in_sweep: bool, params: dict[str, str]
+) -> Literal["continue", "link"] | None:
+    """What a job with ``params`` resumed from a checkpoint of run ``run_id`` does with that run: continue it, link
+    to it, or neither (no such run in this store: the checkpoint came from elsewhere)."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -100,9 +105,16 @@ def continuation(client: MlflowClient, run_id: str, experiment_id: str, in_sweep
     except MlflowException:
         return None
     alive = run.info.status == "RUNNING" and lost(run.data.tags, time.time()) is None
-    if alive or in_sweep or run.info.experiment_id != experiment_id:
+    if alive or in_sweep or run.info.experiment_id != experiment_id or not _same_job(run.data.params, params):
         return "link"
     return "continue"
+
+
+def _same_job(old: dict[str, str], new: dict[str, str]) -> bool:
+    def job(params: dict[str, str]) -> dict[str, str]:
+        return {k: v for k, v in params.items() if not k.startswith(SETTINGS_A_RESUME_MAY_CHANGE)}
+
+    return job(old) == job(new)
 
 
 @store_access

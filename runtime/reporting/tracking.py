@@ -225,7 +225,9 @@ class Tracker:
             tags["sweep_id"] = self.cfg.sweep_id
         if note:
             tags[NOTE_TAG] = note
-        how = continuation(self.client, resumes, self.experiment_id, bool(self.cfg.parent_run_id)) if resumes else None
+        params = {k: str(v)[:6000] for k, v in flatten(config).items()}
+        in_sweep = bool(self.cfg.parent_run_id)
+        how = continuation(self.client, resumes, self.experiment_id, in_sweep, params) if resumes else None
         if how == "continue":
             assert resumes is not None
             reopen(self.client, resumes, tags)
@@ -238,7 +240,6 @@ class Tracker:
         self.run_id = run.info.run_id
         from mlflow.entities import Param
 
-        params = {k: str(v)[:6000] for k, v in flatten(config).items()}
         items = list(params.items())
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i : i + 100]])
