@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             tables["Checkpoint-restart after a node kill, by protection (seconds, bytes, steps)"] = rec
         tables["Figures"] = {k: v for k, v in summary.items() if v is not None}
         tables["Targets"] = targets
-        results_doc.write_section("bench_snapshots", "REFT's snapshots: memory speed, overhead per iteration, restore "
-                                  "and recovery", tables, argv)  # fmt: skip
+        results_doc.write_section("bench_snapshots", "REFT's snapshots: overhead per iteration, restore and recovery",
+                                  tables, argv)  # fmt: skip
     return 0
 
 

@@ -42,7 +42,7 @@ every file, and the simulator has no load for the disk to slow, so the best writ
 - ``codec_bytes_per_s``: encoding and decoding layer state (``runtime.training.layer_state``), timed in this process;
   ``snapshot_bytes_per_s``: a REFT snapshot's copy on the runtime itself: the one-micro-batch steps of one worker
   again, each followed by a snapshot of its whole state (a group of one member writes one shard record: weights and
-  both moments into its node's /dev/shm, with its CRC-32), the snapshots' bytes over the CPU time of the copy
+  both moments into its node's /dev/shm, with its checksum), the snapshots' bytes over the CPU time of the copy
   thread, as the worker reports it (``ft/snapshot_cpu_s``; the median of five repeats). The copy runs on a thread
   beside the next step and the simulator runs it as one more thread on the host's cores, so what it costs is that
   thread's CPU time. (Not the CPU time the snapshots add to the worker's steps: that is a difference of two sets

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from ftlab.policies.reft.reliability import reft_survival
 from ftlab.runtime.core.contract import FailureRate
 
-SNAPSHOT_BYTES_PER_S = 1e9
-"""Copying into pre-touched /dev/shm and taking the copy's CRC-32, one thread: about 2.5 and 2.2 GB/s on a loaded
-2-core machine, so about 1 GB/s together."""
+SNAPSHOT_BYTES_PER_S = 4e9
+"""Copying a record into pre-touched /dev/shm and checksumming it (XXH3), one thread: about 2.5 times a memcpy of the
+same bytes (``experiments.bench_snapshots``, part 0), so about 8 GB/s where memcpy runs at 20; half that on a loaded
+host."""
 LAUNCH_S = 1e-3
 """Starting the copy thread and describing the state to it."""
 
