@@ -2,7 +2,10 @@
 conf/protection): none, storage checkpoints, REFT's in-memory snapshots.
 
 Each pair trains gpt2-tiny on 6 local nodes (40 MB per device, so Oobleck's pipelines span two nodes) twice:
-fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. The invariants:
+fault-free, and with node 3 SIGKILLed in the middle of step 5's backward pass. Both train as GPU users do, in bf16
+with global gradient clipping at 1.0 (every step of gpt2-tiny is clipped), so recovery is held to the trajectory of
+the iteration protocol's full update (``--precision fp32 --grad-clip 0`` runs the matrix as plain fp32). The
+invariants:
 
 - a pair the job refuses (a restart policy with nothing saved) is refused before any worker starts, with a message
   that names the protection to choose;
@@ -87,10 +90,11 @@ def segments() -> set[str]:
     return {p.name for p in shm.ROOT.glob(f"ftlab-{os.getpid()}-*")}
 
 
-def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobResult]:
+def scenario(policy: str, protection: str, workdir: Path, numerics: list[str]) -> Callable[..., JobResult]:
     def run(*extra: str) -> JobResult:
         overrides = [
             "experiment=plain", f"policy={policy}", f"protection={protection}", *protection_settings(protection),
+            *numerics,
             "cluster=local-6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", "progress=false",
             f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints", *extra,
         ]  # fmt: skip
@@ -99,16 +103,16 @@ def scenario(policy: str, protection: str, workdir: Path) -> Callable[..., JobRe
     return run
 
 
-def check_pair(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+def check_pair(policy: str, protection: str, workdir: Path, checks: Checks, numerics: list[str]) -> None:
     before = segments()
-    check_recovery(policy, protection, workdir, checks)
+    check_recovery(policy, protection, workdir, checks, numerics)
     left = segments() - before
     checks.check(f"{policy} + {protection}: no memory left in /dev/shm", not left, str(sorted(left)))
 
 
-def check_recovery(policy: str, protection: str, workdir: Path, checks: Checks) -> None:
+def check_recovery(policy: str, protection: str, workdir: Path, checks: Checks, numerics: list[str]) -> None:
     name = f"{policy} + {protection}"
-    run = scenario(policy, protection, workdir)
+    run = scenario(policy, protection, workdir, numerics)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     try:
         faulty = run("faults=explicit", KILL)
@@ -148,12 +152,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", nargs="*", default=options("policy"))
     parser.add_argument("--protections", nargs="*", default=options("protection"))
+    parser.add_argument("--precision", default="bf16", help="train.precision of every job (default bf16)")
+    parser.add_argument("--grad-clip", type=float, default=1.0, help="train.grad_clip of every job (0: none)")
     args = parser.parse_args()
+    numerics = [f"train.precision={args.precision}", f"train.grad_clip={args.grad_clip}"]
     checks = Checks()
     for policy in args.policies:
         for protection in args.protections:
             with tempfile.TemporaryDirectory(prefix=f"fault-ci-{policy}-{protection}-") as workdir:
-                check_pair(policy, protection, Path(workdir), checks)
+                check_pair(policy, protection, Path(workdir), checks, numerics)
     print(f"{checks.passed} passed, {checks.failed} failed")
     sys.exit(1 if checks.failed else 0)
 
