@@ -1,8 +1,9 @@
 """A checkpoint that storage refuses is abandoned on every worker, and training goes on; a folder too small is refused.
 
 The storage is real: a tmpfs of 60 MiB mounted for the test (one checkpoint of gpt2-tiny is about 38 MiB), so the
-second checkpoint meets ENOSPC in the workers' own writes. Mounting needs root (CAP_SYS_ADMIN); elsewhere these tests
-skip themselves and say why.
+second checkpoint meets ENOSPC in the workers' own writes. REFT's snapshots get the same: the job's node memories
+live on a 16 MiB tmpfs instead of /dev/shm, too small for their records. Mounting needs root (CAP_SYS_ADMIN);
+elsewhere these tests skip themselves and say why.
 """
 
 from __future__ import annotations
@@ -18,23 +19,36 @@ from ftlab.experiments.job import JobResult
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.core.contract import ConfigError
-from ftlab.runtime.state import checkpoint
+from ftlab.runtime.state import checkpoint, shm
 from tests.oracle import LOSS_RTOL, committed_losses
 
 STEPS = 6
 JOB = ["experiment=plain", "protection=storage", "protection.every=2", f"train.steps={STEPS}"]
 
 
+def mounted(folder: Path, size: str) -> Iterator[Path]:
+    """``folder`` as a tmpfs of ``size`` of its own, unmounted afterwards."""
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 60 MiB filesystem of its own, unmounted after the test."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+    yield from mounted(tmp_path / "disk", "60m")
+
+
+@pytest.fixture
+def small_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The root of the job's node memories (``shm.ROOT``, else /dev/shm) on 16 MiB: the coordinator names each
+    agent's folder under it."""
+    for memory in mounted(tmp_path / "memory", "16m"):
+        monkeypatch.setattr(shm, "ROOT", memory)
+        yield memory
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +114,23 @@ def test_a_checkpoint_folder_without_room_for_keep_plus_one_is_refused_with_the_
     assert "keeps 2 checkpoints of gpt2-tiny (37.7 MiB each)" in message and "113.1 MiB" in message
     assert "protection.allow_low_space=true" in message
     assert files_under(small_disk) == []
+
+
+REFT = [*JOB[:1], "protection=reft", "protection.interval=1", "protection.flush_every=100", f"train.steps={STEPS}"]
+
+
+def test_full_host_memory_abandons_reft_snapshots_and_training_goes_on(
+    run, small_host_memory: Path, fault_free: JobResult  # noqa: ANN001
+) -> None:
+    result = run(*REFT, "protection.max_failed_saves=100")
+    failed = [e for e in result.events if isinstance(e, ev.SaveFailed)]
+    assert sorted({e.step for e in failed})[:5] == [1, 2, 3, 4, 5]
+    assert all(e.location == "memory" and "No space left on device" in e.reason for e in failed)
+    assert not [e for e in result.events if isinstance(e, ev.SnapshotTaken)]
+    assert committed_losses(result, STEPS) == pytest.approx(committed_losses(fault_free, STEPS), rel=LOSS_RTOL)
+
+
+def test_reft_snapshots_refused_in_a_row_stop_the_job_with_the_memory_needed(run, small_host_memory: Path) -> None:  # noqa: ANN001
+    with pytest.raises(JobStopped, match="2 snapshots in a row could not be copied into host memory") as info:
+        run(*REFT, "protection.max_failed_saves=2")
+    assert "free that much memory under /dev/shm on every node" in str(info.value)

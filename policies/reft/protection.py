@@ -54,6 +54,10 @@ class ReftProtection(Protection):
         """(plan generation, records a snapshot of it writes): counted once per plan, not per snapshot."""
         self.failures = FailedSaves(settings.max_failed_saves, 0, settings.keep)  # type: ignore[attr-defined]
         """Flushes that storage refused in a row (``runtime.core.failed_saves``)."""
+        self.lost_snapshots: list[int] = []
+        """Steps of the snapshots in a row that host memory refused (a writer's copy failed: full)."""
+        self.node_memory = 0
+        """The most host memory a node's records take (set by ``check_plan``)."""
 
     # -- checks ------------------------------------------------------------------------------------------------
     def check(self, job: Job) -> None:
@@ -93,6 +97,7 @@ class ReftProtection(Protection):
             )
         need = self._node_bytes(plan, job)
         node, most = max(need.items(), key=lambda item: item[1])
+        self.node_memory = most
         if most > self.settings.host_memory_gb * GIB:
             raise ConfigError(
                 f"snapshots of {job.model.name} in mode {self.settings.mode} need {most / GIB:.2f} GiB of host memory "
@@ -166,10 +171,24 @@ class ReftProtection(Protection):
             snap = self.snapshots[step]
             snap.records.extend(records)
             snap.crcs.update({(r.layers, r.index): r.crc for r in records if r.kind == "shard"})
+            if snap.complete:
+                self.lost_snapshots.clear()
 
     def unsaved(self, action: Action, step: int, reason: str) -> str | None:
         newest = self.storage.directory if isinstance(self.storage, StorageSource) else None
-        return self.failures.failed(step, reason, self.name, self.directory, newest)
+        if isinstance(action, SaveCheckpoint):
+            return self.failures.failed(step, reason, self.name, self.directory, newest)
+        if step not in self.lost_snapshots:  # each of its writers whose copy failed reports it
+            self.lost_snapshots.append(step)
+        if len(self.lost_snapshots) < self.settings.max_failed_saves:
+            return None
+        resume = f"resume with train.resume_from={newest}" if newest else "start the job again (no flush was written)"
+        return (
+            f"protection=reft: {len(self.lost_snapshots)} snapshots in a row could not be copied into host memory "
+            f"(steps {', '.join(map(str, self.lost_snapshots))}; the last: {reason}). A node's records take "
+            f"{self.node_memory / GIB:.2f} GiB (two slots each): free that much memory under /dev/shm on every node, "
+            f"and {resume}"
+        )
 
     def storage_footprint(self) -> tuple[int, bool]:
         return self.settings.keep, self.settings.allow_low_space

@@ -96,6 +96,9 @@ class SaveProgress:
     """The slowest writer's copy time so far."""
     cpu_s: float
     """Every writer's copy CPU time so far, added up."""
+    failed: str | None = None
+    """Why these writers' part could not be copied (their node's memory refused it): the snapshot never completes,
+    and the previous one stays the newest."""
 
 
 @dataclass
@@ -108,6 +111,8 @@ class PendingSnapshot:
     nbytes: int = 0
     copy_s: float = 0.0
     cpu_s: float = 0.0
+    failed: bool = False
+    """A writer's copy failed: the snapshot is reported incomplete when the last writer is done."""
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,11 @@ class Coordinator:
     def _absorb_saves(self) -> None:
         """Tell the protection which parts of its asynchronous saves completed."""
         for progress in self.backend.completed_saves():
+            if progress.failed is not None:  # as a storage error is: an event, and the protection may stop the job
+                self._publish(ev.SaveFailed, step=progress.step, reason=progress.failed, location="memory")
+                stop = self.protection.unsaved(progress.action, progress.step, progress.failed)
+                if stop is not None:
+                    self._halt(stop)
             self.protection.saved(progress.action, progress.step, progress.records)
             if progress.complete:
                 self._publish(ev.SnapshotTaken, step=progress.step, copy_s=progress.copy_s, cpu_s=progress.cpu_s,

@@ -227,11 +227,12 @@ class LocalBackend(Backend, FaultTarget):
         snapshot.nbytes += sum(r.nbytes for r in report.records)
         snapshot.copy_s = max(snapshot.copy_s, report.copy_s)
         snapshot.cpu_s += report.cpu_s
-        complete = not snapshot.waiting
-        if complete:
+        snapshot.failed |= report.error is not None
+        if not snapshot.waiting:
             del self._snapshots[report.step]
+        complete = not snapshot.waiting and not snapshot.failed
         self._progress.append(SaveProgress(report.step, snapshot.action, (worker,), report.records, complete,
-                                           snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s))  # fmt: skip
+                                           snapshot.nbytes, snapshot.copy_s, snapshot.cpu_s, report.error))  # fmt: skip
 
     def restart_workers(self) -> Failure | None:
         """End every worker process of the membership's nodes and start fresh ones there.

@@ -270,6 +270,8 @@ class Snapshotted:
     copy_s: float
     cpu_s: float
     """The copy thread's CPU time."""
+    error: str | None = None
+    """Why the copy failed (the node's memory refused it, full): no record of this worker's part is reported."""
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,8 @@ class Worker:
         self.host = ThreadPoolExecutor(1, thread_name_prefix="host")
         """The host thread: snapshot copies and AOR's recomputation, off the critical path, one at a time in order."""
         self.snapshotter: Snapshotter | None = None
+        self._snapshot_step = -1
+        """The step of the snapshot copied last (a failed copy is reported under it)."""
         self._snapshot_s: float | None = None
         """Time the main thread spent on snapshots since the last Ready (None: none was taken)."""
         self.zero: dict[tuple[int, ...], ZeroGroup] = {}
@@ -461,6 +463,7 @@ class Worker:
             for layers in {r.layers for r in message.records}
         }  # fmt: skip
         self.snapshotter.start(states, message.records, message.step, message.keep)
+        self._snapshot_step = message.step
         self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
 
     def _finish_snapshot(self) -> None:
@@ -473,7 +476,12 @@ class Worker:
         for recomputation in self._recomputing:
             recomputation.result()
         self._recomputing.clear()
-        report = self.snapshotter.finish() if running else None  # type: ignore[union-attr]
+        try:
+            report = self.snapshotter.finish() if running else None  # type: ignore[union-attr]
+        except OSError as exc:  # host memory, not training, failed: this snapshot stays incomplete and training goes on
+            report = None
+            error = f"{exc.strerror or exc} copying into {self.memory}"
+            self.channel.send(msg.Snapshotted(self._snapshot_step, (), 0.0, 0.0, error))
         self._snapshot_s = (self._snapshot_s or 0.0) + time.perf_counter() - started
         if report is not None:
             self.channel.send(msg.Snapshotted(report.step, report.records, report.copy_s, report.cpu_s))

@@ -233,7 +233,12 @@ def open_file(path: Path, capacity: int) -> int:
     size = file_bytes(capacity)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     if os.fstat(fd).st_size != size:
-        os.ftruncate(fd, 0)  # a stale layout's file: start over
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
+        try:
+            os.ftruncate(fd, 0)  # a stale layout's file: start over
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        except OSError:  # memory full: claim nothing, so the next snapshot asks again (a sparse file would SIGBUS)
+            os.ftruncate(fd, 0)
+            os.close(fd)
+            raise
     return fd
