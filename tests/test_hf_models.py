@@ -32,7 +32,7 @@ from ftlab.runtime.processes import cluster as cluster_module
 from ftlab.runtime.training.data import Batches, load_tokens, tokenize_corpus
 from ftlab.runtime.training.model import StageModule, build_layer
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import explicit, node
+from tests.support import analytic_profiles, explicit, node
 
 VOCAB, SEQ = 256, 16
 SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
@@ -245,6 +245,28 @@ def test_a_node_killed_under_checkpoint_restart_stays_on_the_fault_free_trajecto
     (fault,) = result.faults
     assert fault.kind == "node" and fault.recover_s is not None
     assert_on_fault_free_trajectory(result, fault_free, steps)
+
+
+@pytest.mark.slow
+def test_oobleck_copies_hf_layers_in_place_on_the_fault_free_trajectory(
+    run, tmp_path_factory: pytest.TempPathFactory, token_cache: Path  # noqa: ANN001
+) -> None:
+    """A Qwen2 of 3M parameters on six nodes granted 40 MB each: every pipeline spans two nodes, so the node killed
+    leaves a stage that another pipeline's survivors get by copying its layers (rotary blocks among them)."""
+    big = Qwen2Config(**{**SHAPE, "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4})
+    model = save_model(big, tmp_path_factory.mktemp("qwen2-3m"))
+    job = [*hf_job(model), "policy=oobleck", "policy.fault_threshold=1", "cluster.nodes=6", "cluster.device_memory_gb=0.04",
+           "train.steps=6", "protection=storage", "protection.every=6"]  # fmt: skip
+    d = tmp_path_factory.mktemp("hf-oobleck-fault-free")
+    from ftlab.experiments.job import compose_config, run_job
+
+    with analytic_profiles():  # plans from an A100's costs: the same every run
+        fault_free = run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
+                                             f"train.checkpoint_dir={d}", "progress=false", "experiment=plain", *job]))  # fmt: skip
+        result: JobResult = run(*job, *explicit(node(3, 3, "backward")))
+    assert [[len(p.stages) for p in plan.pipelines] for plan in result.plans] == [[2, 2, 2], [3, 2]]
+    assert [r.step for r in result.steps] == list(range(6)) and result.faults[0].transfer_bytes > 0
+    assert_on_fault_free_trajectory(result, fault_free, 6)
 
 
 # -- bad checkpoints, refused before any worker ---------------------------------------------------------------------
