@@ -35,7 +35,7 @@ from ftlab.faults.injector import Injector
 from ftlab.faults.schedules import (
     ClusterShape, FaultConfigError, FaultEvent, beyond_job, build_schedule, check_reach, failure_rate, rate_label,
 )
-from ftlab.runtime.state import checkpoint
+from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig
@@ -506,25 +506,33 @@ def check_real(cfg: JobConfig) -> None:
 
 
 def check_space(cfg: JobConfig, protection: Protection) -> None:
-    """Room in the checkpoint folder for the checkpoints the protection keeps and the one it writes beside them,
-    else a ConfigError with the sizes (a warning with ``protection.allow_low_space=true``)."""
+    """Room for what the protection keeps: in the checkpoint folder, the checkpoints it keeps and the one it writes
+    beside them; in this machine's memory for snapshots (``shm.ROOT``), every node's records where the nodes are
+    this machine's processes. Else a ConfigError with the sizes (a warning with ``protection.allow_low_space=true``)."""
     kept, allowed = protection.storage_footprint()
-    if not kept:
+    short = []
+    if kept:
+        one = checkpoint_bytes(layer_specs(cfg.model), cfg.model.seq_len)
+        need, free = (kept + 1) * one, checkpoint.free_bytes(cfg.train.checkpoint_dir)
+        if free < need:
+            short.append(f"train.checkpoint_dir={cfg.train.checkpoint_dir} has {free / MIB:.1f} MiB free, but "
+                         f"protection={protection.name} keeps {kept} checkpoints of {cfg.model.name} ({one / MIB:.1f} "
+                         f"MiB each) and writes the next beside them: {need / MIB:.1f} MiB (lower protection.keep, or "
+                         f"give train.checkpoint_dir on a larger disk)")  # fmt: skip
+    memory = sum(protection.host_memory_footprint().values())
+    if memory and cfg.cluster.launcher == "local":
+        free = checkpoint.free_bytes(shm.ROOT)
+        if free < memory:
+            short.append(f"{shm.ROOT} has {free / MIB:.1f} MiB free, but the snapshot records of the "
+                         f"{cfg.cluster.nodes} nodes on this machine take {memory / MIB:.1f} MiB")  # fmt: skip
+    if not short:
         return
-    one = checkpoint_bytes(layer_specs(cfg.model), cfg.model.seq_len)
-    need, free = (kept + 1) * one, checkpoint.free_bytes(cfg.train.checkpoint_dir)
-    if free >= need:
-        return
-    text = (f"train.checkpoint_dir={cfg.train.checkpoint_dir} has {free / MIB:.1f} MiB free, but protection="
-            f"{protection.name} keeps {kept} checkpoints of {cfg.model.name} ({one / MIB:.1f} MiB each) and writes the "
-            f"next beside them: {need / MIB:.1f} MiB")  # fmt: skip
+    text = "; ".join(short)
     if allowed:
-        log.warning("%s; starting anyway (protection.allow_low_space=true): a checkpoint that finds no room is "
-                    "skipped", text)  # fmt: skip
+        log.warning("%s; starting anyway (protection.allow_low_space=true): a save that finds no room is skipped", text)
         return
-    raise ConfigError(f"{text}: free space there, give train.checkpoint_dir on a larger disk, lower protection.keep, "
-                      f"or set protection.allow_low_space=true to start anyway (a checkpoint that finds no room is "
-                      f"skipped; protection.max_failed_saves of them in a row stop the job)")  # fmt: skip
+    raise ConfigError(f"{text}. Free space there, or set protection.allow_low_space=true to start anyway (a save that "
+                      f"finds no room is skipped; protection.max_failed_saves of them in a row stop the job)")  # fmt: skip
 
 
 def tracked(

@@ -119,10 +119,18 @@ def test_a_checkpoint_folder_without_room_for_keep_plus_one_is_refused_with_the_
 REFT = [*JOB[:1], "protection=reft", "protection.interval=1", "protection.flush_every=100", f"train.steps={STEPS}"]
 
 
+def test_host_memory_without_room_for_reft_snapshots_is_refused_with_the_sizes(run, small_host_memory: Path) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError) as info:
+        run(*REFT)
+    assert f"{small_host_memory} has 16.0 MiB free, but the snapshot records of the 4 nodes on this machine take" \
+        in str(info.value)  # fmt: skip
+    assert "protection.allow_low_space=true" in str(info.value)
+
+
 def test_full_host_memory_abandons_reft_snapshots_and_training_goes_on(
     run, small_host_memory: Path, fault_free: JobResult  # noqa: ANN001
 ) -> None:
-    result = run(*REFT, "protection.max_failed_saves=100")
+    result = run(*REFT, "protection.allow_low_space=true", "protection.max_failed_saves=100")
     failed = [e for e in result.events if isinstance(e, ev.SaveFailed)]
     assert sorted({e.step for e in failed})[:5] == [1, 2, 3, 4, 5]
     assert all(e.location == "memory" and "No space left on device" in e.reason for e in failed)
@@ -132,5 +140,5 @@ def test_full_host_memory_abandons_reft_snapshots_and_training_goes_on(
 
 def test_reft_snapshots_refused_in_a_row_stop_the_job_with_the_memory_needed(run, small_host_memory: Path) -> None:  # noqa: ANN001
     with pytest.raises(JobStopped, match="2 snapshots in a row could not be copied into host memory") as info:
-        run(*REFT, "protection.max_failed_saves=2")
+        run(*REFT, "protection.allow_low_space=true", "protection.max_failed_saves=2")
     assert "free that much memory under /dev/shm on every node" in str(info.value)

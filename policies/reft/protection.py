@@ -56,8 +56,8 @@ class ReftProtection(Protection):
         """Flushes that storage refused in a row (``runtime.core.failed_saves``)."""
         self.lost_snapshots: list[int] = []
         """Steps of the snapshots in a row that host memory refused (a writer's copy failed: full)."""
-        self.node_memory = 0
-        """The most host memory a node's records take (set by ``check_plan``)."""
+        self.node_memory: dict[int, int] = {}
+        """The host memory each node's records take under the first plan (set by ``check_plan``)."""
 
     # -- checks ------------------------------------------------------------------------------------------------
     def check(self, job: Job) -> None:
@@ -97,7 +97,7 @@ class ReftProtection(Protection):
             )
         need = self._node_bytes(plan, job)
         node, most = max(need.items(), key=lambda item: item[1])
-        self.node_memory = most
+        self.node_memory = {n: int(b) for n, b in need.items()}
         if most > self.settings.host_memory_gb * GIB:
             raise ConfigError(
                 f"snapshots of {job.model.name} in mode {self.settings.mode} need {most / GIB:.2f} GiB of host memory "
@@ -186,12 +186,15 @@ class ReftProtection(Protection):
         return (
             f"protection=reft: {len(self.lost_snapshots)} snapshots in a row could not be copied into host memory "
             f"(steps {', '.join(map(str, self.lost_snapshots))}; the last: {reason}). A node's records take "
-            f"{self.node_memory / GIB:.2f} GiB (two slots each): free that much memory under /dev/shm on every node, "
+            f"{max(self.node_memory.values(), default=0) / GIB:.2f} GiB (two slots each): free that much memory under /dev/shm on every node, "
             f"and {resume}"
         )
 
     def storage_footprint(self) -> tuple[int, bool]:
         return self.settings.keep, self.settings.allow_low_space
+
+    def host_memory_footprint(self) -> dict[int, int]:
+        return self.node_memory
 
     def _newest_complete(self) -> int:
         return max((s for s, snap in self.snapshots.items() if snap.complete), default=-1)

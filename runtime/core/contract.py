@@ -384,6 +384,12 @@ class Protection(ABC):
         against the folder's free space before any worker starts."""
         return 0, False
 
+    def host_memory_footprint(self) -> dict[int, int]:
+        """Bytes of host memory this protection's records take on each node under the first plan (known once
+        ``check_plan`` ran); none by default. Nodes on one machine share its memory: checked against its free space
+        before any worker starts."""
+        return {}
+
 
 @dataclass(frozen=True)
 class Roles:
