@@ -130,9 +130,9 @@ def join_sweep(cfg: DictConfig, context: sweep.SweepContext) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    context = sweep.current_sweep() if HydraConfig.get().mode == RunMode.MULTIRUN else None
     from ftlab.experiments.job import Refused
 
+    context = sweep.current_sweep() if HydraConfig.get().mode == RunMode.MULTIRUN else None
     if context is None:
         try:
             run(cfg)
