@@ -40,7 +40,9 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.core.costs import CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint
+from ftlab.runtime.core.costs import (
+    CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint, with_precision,
+)  # fmt: skip
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES
@@ -101,12 +103,14 @@ def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict
     checkpointing = cfg.train.activation_checkpointing
     if device in DEVICES:
         profile = analytic_profile(model, device, micro_batch, model.seq_len)
-        return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
+        profile = with_precision(replace(profile, activation_checkpointing=checkpointing), cfg.train.precision)
+        return profile, {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
         cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker, again=again,
     )  # fmt: skip
-    return replace(profile, activation_checkpointing=checkpointing), {"kind": "measured", "device": profile.device}
+    profile = with_precision(replace(profile, activation_checkpointing=checkpointing), cfg.train.precision)
+    return profile, {"kind": "measured", "device": profile.device}
 
 
 def job_factory(cfg: JobConfig, start: StorageSource | None) -> Callable[[Membership], Job]:
@@ -136,10 +140,11 @@ def everyone(cfg: JobConfig) -> Membership:
 def check_memory(plan: Plan, job: Job) -> None:
     """Refuse a plan whose stage would not fit the configured device memory (``runtime.core.costs.stage_memory``)."""
     t = job.train
-    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len)) for spec in job.specs]
+    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len, t.precision))
+              for spec in job.specs]  # fmt: skip
     for p, s, stage in plan.stages():
         in_flight = len(plan.pipelines[p].stages) - s
-        need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing)
+        need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing, t.precision)
         if need > job.device_memory_bytes:
             raise ConfigError(
                 f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "

@@ -183,3 +183,37 @@ def test_bad_numerics_are_refused_before_any_worker(overrides: list[str], messag
     with pytest.raises(ConfigError) as refused:
         check_job(OmegaConf.to_object(cfg))
     assert message in str(refused.value)
+
+
+# -- bytes by precision: the cost model and the simulator ------------------------------------------------------------
+def test_half_precision_halves_activations_and_keeps_the_state() -> None:
+    from ftlab.runtime.core.costs import CostModel, with_precision
+    from ftlab.runtime.core.model_spec import load_model_config
+    from ftlab.runtime.processes.profiler import analytic_profile
+
+    cfg = load_model_config("gpt2-small")
+    fp32 = CostModel(analytic_profile(cfg, "A100-80GB", 2, cfg.seq_len))
+    bf16 = CostModel(with_precision(fp32.profile, "bf16"))
+    layers = fp32.num_layers
+    assert bf16.boundary_bytes(3) * 2 == fp32.boundary_bytes(3)
+    assert bf16.activation_bytes(1, 4) * 2 == pytest.approx(fp32.activation_bytes(1, 4), abs=4)
+    assert bf16.checkpoint_bytes(0, layers) == fp32.checkpoint_bytes(0, layers), "master weights and moments stay fp32"
+    assert bf16.param_bytes(0, layers) == fp32.param_bytes(0, layers), "gradients are reduced in fp32"
+    copy = fp32.param_bytes(1, 4) / 2  # autocast's bf16 copy of the stage's weights
+    in_flight = 3
+    expected = fp32.state_bytes(1, 4) + in_flight * bf16.activation_bytes(1, 4) + copy
+    assert bf16.stage_memory(1, 4, in_flight) == pytest.approx(expected)
+
+
+def test_the_simulator_moves_half_the_activation_bytes(job_overrides: list[str]) -> None:
+    from ftlab.experiments.simulate import simulate_job
+
+    def iteration_s(precision: str) -> float:
+        result = simulate_job(compose_config([
+            *job_overrides, "mode=simulate", "model=gpt3-medium", "cluster=a40-30x1", "cluster.nodes=8",
+            "train.stages=8", "train.global_batch=16", "train.micro_batch=2", "train.steps=2",
+            f"train.precision={precision}",
+        ]))  # fmt: skip
+        return result.steps[-1].iter_s
+
+    assert iteration_s("bf16") < iteration_s("fp32"), "a pipeline's sends halve, nothing else changes"

@@ -36,9 +36,12 @@ def micro_batches(job: Job) -> list[int]:
 def fits(job: Job, stages: int, micro_batch: int) -> bool:
     """Every stage of an even split into ``stages`` fits a device at ``micro_batch`` (1F1B keeps ``stages - s``
     micro-batches in flight at stage ``s``): the memory formula the preflight check uses."""
-    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, micro_batch, job.model.seq_len)) for spec in job.specs]
+    precision = job.train.precision
+    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, micro_batch, job.model.seq_len, precision))
+              for spec in job.specs]  # fmt: skip
     return all(
-        stage_footprint(layers, start, stop, stages - s, job.train.activation_checkpointing) <= job.device_memory_bytes
+        stage_footprint(layers, start, stop, stages - s, job.train.activation_checkpointing, precision)
+        <= job.device_memory_bytes
         for s, (start, stop) in enumerate(even_split(len(layers), stages))
     )
 

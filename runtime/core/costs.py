@@ -10,6 +10,16 @@ weights, 12 more bytes per parameter for the gradient and AdamW's two moments, t
 micro-batch), and a stage holds its layers' state plus the activations of every micro-batch in flight
 (``stage_memory``). ``tests/test_model.py`` holds the activation formulas to what autograd keeps.
 
+Mixed precision (``train.precision``, ``ModelProfile.precision``; the design is ``runtime.core.precision``'s):
+activations, what they keep for the backward and what crosses a stage boundary are in the compute precision
+(``with_precision`` scales a profile's fp32 figures; every op is taken to keep half-precision tensors, as CPU
+autocast does: on a GPU norms and softmax keep fp32, so the saved bytes are an estimate, as they are in fp32).
+The state stays fp32 master weights, fp32 gradients (what the replicas all-reduce) and AdamW's fp32 moments, so
+checkpoints, transfers and snapshots move what they move in fp32; a stage also holds autocast's half-precision copy
+of its weights for the iteration (``weight_copy_bytes``). Compute times are not scaled: an analytic GPU profile is
+at the device's fp16/bf16 tensor-core peak already (``runtime.core.devices``), which fp32 is charged at too, and a
+measured profile is measured in fp32.
+
 Activation checkpointing (``train.activation_checkpointing``, ``ModelProfile.activation_checkpointing``) is per
 stage, as the runtime does it (``runtime.processes.executor``): a stage keeps only its input for each micro-batch in flight
 and recomputes its whole forward in the backward pass. So a stage holds its state, its input for every micro-batch
@@ -27,13 +37,14 @@ Everything here is plain arithmetic: no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from itertools import accumulate
 
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.devices import device as device_spec
 from ftlab.runtime.core.model_spec import FP32, LayerSpec
 from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.precision import activation_scale
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
 GRADIENT_BYTES_PER_PARAM = FP32
@@ -91,6 +102,8 @@ class ModelProfile:
     """Per message, on top of the bandwidth term."""
     activation_checkpointing: bool = False
     """Stages recompute their forward in the backward pass (module docstring): the job's setting, not measured."""
+    precision: str = "fp32"
+    """The compute precision its activation bytes are counted in (``with_precision``): the job's setting."""
 
     @property
     def num_layers(self) -> int:
@@ -104,15 +117,36 @@ class ModelProfile:
         return ModelProfile(**{**data, "layers": tuple(LayerProfile(**layer) for layer in data["layers"])})
 
 
-def layer_bytes(spec: LayerSpec, micro_batch: int, seq_len: int) -> dict[str, int]:
+def layer_bytes(spec: LayerSpec, micro_batch: int, seq_len: int, precision: str = "fp32") -> dict[str, int]:
     """The memory fields of a LayerProfile: the single source of every memory figure."""
     tokens = micro_batch * seq_len
     return {
         "param_bytes": FP32 * spec.params,
         "optimizer_bytes": OPTIMIZER_BYTES_PER_PARAM * spec.params,
-        "output_bytes": spec.output_bytes_per_token * tokens,
-        "saved_bytes": spec.saved_bytes_per_token * tokens,
+        "output_bytes": _activations(spec.output_bytes_per_token * tokens, precision),
+        "saved_bytes": _activations(spec.saved_bytes_per_token * tokens, precision),
     }
+
+
+def _activations(fp32_bytes: int, precision: str) -> int:
+    return int(fp32_bytes * activation_scale(precision))
+
+
+def with_precision(profile: ModelProfile, precision: str) -> ModelProfile:
+    """``profile`` (whose bytes are fp32's, as measured or derived) with its activations in ``precision``."""
+    if profile.precision != "fp32":
+        raise ValueError(f"the profile is in {profile.precision} already")
+    layers = tuple(
+        replace(layer, output_bytes=_activations(layer.output_bytes, precision),
+                saved_bytes=_activations(layer.saved_bytes, precision))
+        for layer in profile.layers
+    )  # fmt: skip
+    return replace(profile, layers=layers, precision=precision)
+
+
+def weight_copy_bytes(param_bytes: float, precision: str) -> float:
+    """Autocast's copy of fp32 weights in the compute precision, held for an iteration (none in fp32)."""
+    return 0.0 if precision == "fp32" else param_bytes * activation_scale(precision)
 
 
 def profile_from_specs(
@@ -157,15 +191,19 @@ def stage_memory(state_bytes: float, activation_bytes: float, in_flight: float, 
     return state_bytes + in_flight * activation_bytes + transient_bytes
 
 
-def stage_footprint(layers: Sequence[LayerProfile], start: int, stop: int, in_flight: int, checkpointing: bool) -> float:
+def stage_footprint(
+    layers: Sequence[LayerProfile], start: int, stop: int, in_flight: int, checkpointing: bool, precision: str = "fp32"
+) -> float:
     """The memory of a stage of ``layers[start:stop]`` with ``in_flight`` micro-batches, with or without activation
-    checkpointing: the one formula ``CostModel.stage_memory`` and the preflight check share."""
+    checkpointing, in ``precision`` (``layers``' bytes counted in it): the one formula ``CostModel.stage_memory``
+    and the preflight check share."""
     held = layers[start:stop]
     state = sum(layer.state_bytes for layer in held)
     saved = sum(layer.saved_bytes for layer in held)
+    copy = weight_copy_bytes(sum(layer.param_bytes for layer in held), precision)
     if not checkpointing:
-        return stage_memory(state, saved, in_flight)
-    return stage_memory(state, stage_input_bytes(layers, start), in_flight, transient_bytes=saved)
+        return stage_memory(state, saved, in_flight, transient_bytes=copy)
+    return stage_memory(state, stage_input_bytes(layers, start), in_flight, transient_bytes=saved + copy)
 
 
 def stage_input_bytes(layers: Sequence[LayerProfile], start: int) -> int:
@@ -232,8 +270,10 @@ class CostModel:
         return self._saved[stop] - self._saved[start]
 
     def transient_bytes(self, start: int, stop: int) -> float:
-        """Held on top during one backward: a checkpointed stage's recomputed activations."""
-        return self._saved[stop] - self._saved[start] if self.profile.activation_checkpointing else 0.0
+        """Held on top during one iteration: autocast's weight copy, and a checkpointed stage's recomputed
+        activations during one backward."""
+        copy = weight_copy_bytes(self.param_bytes(start, stop), self.profile.precision)
+        return copy + (self._saved[stop] - self._saved[start] if self.profile.activation_checkpointing else 0.0)
 
     def stage_memory(self, start: int, stop: int, in_flight: int) -> float:
         return stage_memory(
