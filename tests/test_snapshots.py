@@ -184,3 +184,6 @@ def test_a_group_is_rebuilt_bit_exact_after_losing_any_member(tmp_path: Path, mo
                     assert torch.equal(p, ref)
                     for key in ("exp_avg", "exp_avg_sq", "step"):
                         assert torch.equal(optimizers[i].state[p][key], reference_opt[i].state[ref][key]), key
+                    for key in ("exp_avg", "exp_avg_sq"):  # a storage of its own: a checkpoint of a layer is that layer
+                        moment = optimizers[i].state[p][key]
+                        assert moment.untyped_storage().nbytes() == moment.numel() * moment.element_size()
