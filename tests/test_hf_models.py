@@ -230,17 +230,11 @@ def test_trains_on_real_processes_from_the_hf_models_loss(run, checkpoints, toke
     assert losses[1] < losses[0]
 
 
-def test_a_node_killed_under_checkpoint_restart_stays_on_the_fault_free_trajectory(
-    run, checkpoints, tmp_path_factory: pytest.TempPathFactory, token_cache: Path  # noqa: ANN001
-) -> None:
+def test_a_node_killed_under_checkpoint_restart_stays_on_the_fault_free_trajectory(run, checkpoints) -> None:  # noqa: ANN001
     steps = 6
     job = [*hf_job(checkpoints["qwen2"]), "cluster=local-4", "train.stages=2", f"train.steps={steps}",
            "policy=checkpoint_restart", "protection=storage", "protection.every=3"]  # fmt: skip
-    d = tmp_path_factory.mktemp("hf-fault-free")
-    from ftlab.experiments.job import compose_config, run_job
-
-    fault_free = run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
-                                         f"train.checkpoint_dir={d}", "progress=false", "experiment=plain", *job]))  # fmt: skip
+    fault_free = run(*job)  # its checkpoints go to a folder of its own run's
     result: JobResult = run(*job, *explicit(node(1, 4, "backward")))
     (fault,) = result.faults
     assert fault.kind == "node" and fault.recover_s is not None
@@ -248,21 +242,15 @@ def test_a_node_killed_under_checkpoint_restart_stays_on_the_fault_free_trajecto
 
 
 @pytest.mark.slow
-def test_oobleck_copies_hf_layers_in_place_on_the_fault_free_trajectory(
-    run, tmp_path_factory: pytest.TempPathFactory, token_cache: Path  # noqa: ANN001
-) -> None:
+def test_oobleck_copies_hf_layers_in_place_on_the_fault_free_trajectory(run, tmp_path: Path) -> None:  # noqa: ANN001
     """A Qwen2 of 3M parameters on six nodes granted 40 MB each: every pipeline spans two nodes, so the node killed
     leaves a stage that another pipeline's survivors get by copying its layers (rotary blocks among them)."""
     big = Qwen2Config(**{**SHAPE, "vocab_size": 8192, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4})
-    model = save_model(big, tmp_path_factory.mktemp("qwen2-3m"))
+    model = save_model(big, tmp_path / "qwen2-3m")
     job = [*hf_job(model), "policy=oobleck", "policy.fault_threshold=1", "cluster.nodes=6", "cluster.device_memory_gb=0.04",
            "train.steps=6", "protection=storage", "protection.every=6"]  # fmt: skip
-    d = tmp_path_factory.mktemp("hf-oobleck-fault-free")
-    from ftlab.experiments.job import compose_config, run_job
-
     with analytic_profiles():  # plans from an A100's costs: the same every run
-        fault_free = run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
-                                             f"train.checkpoint_dir={d}", "progress=false", "experiment=plain", *job]))  # fmt: skip
+        fault_free = run(*job)
         result: JobResult = run(*job, *explicit(node(3, 3, "backward")))
     assert [[len(p.stages) for p in plan.pipelines] for plan in result.plans] == [[2, 2, 2], [3, 2]]
     assert [r.step for r in result.steps] == list(range(6)) and result.faults[0].transfer_bytes > 0
