@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from ftlab.runtime.core.costs import LayerProfile
@@ -102,7 +103,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measure (the fastest is kept)")
     parser.add_argument("--device", default="cuda", help="the torch device to time on (cpu: a smoke run of the script)")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/results.md")
+    parser.add_argument("--from-run", metavar="JSON", help="the last line an earlier run printed on a GPU machine: "
+                        "write its table (with --write-docs) without timing anything here")  # fmt: skip
     args = parser.parse_args()
+    if args.from_run:
+        saved = json.loads(Path(args.from_run).read_text().strip().splitlines()[-1])
+        if args.write_docs:
+            write_docs(saved["device"], saved["spec"], saved["models"], source=args.from_run)
+        return
 
     import torch
 
@@ -121,7 +129,7 @@ def main() -> None:
     print(json.dumps({"device": name, "spec": spec, "utilisation_assumed": UTILISATION, "models": rows}))
 
 
-def write_docs(name: str, spec: str, rows: dict[str, dict[str, Any]]) -> None:
+def write_docs(name: str, spec: str, rows: dict[str, dict[str, Any]], source: str | None = None) -> None:
     from ftlab.experiments.results_doc import write_section
 
     table = {
@@ -141,7 +149,9 @@ def write_docs(name: str, spec: str, rows: dict[str, dict[str, Any]]) -> None:
         {f"Measured over analytic time per layer on {name} (bf16), against `{spec}` at {UTILISATION:.0%} of its "
          "peak; above 1: the GPU is slower than the simulator assumes": table},
         note="The embedding's cost is a gather, not FLOPs, so the analytic profile underrates it by the ratio shown; "
-        "a block's share of the peak grows with the micro-batch, which one fixed utilisation cannot follow.",
+        "a block's share of the peak grows with the micro-batch, which one fixed utilisation cannot follow."
+        + (f" Timed on the GPU machine; written here from the line that run printed (`{source}`), so the commit "
+           "below is the one the GPU run checked out." if source else ""),
     )  # fmt: skip
 
 
