@@ -374,7 +374,11 @@ def resolve_backend(cfg: JobConfig) -> tuple[str, str]:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return backend_for(cfg, c.backend, {n: gpus for n in range(c.nodes)}, shared_machine=True)
+    backend, why = backend_for(cfg, c.backend, {n: gpus for n in range(c.nodes)}, shared_machine=True)
+    if backend == "nccl" and cfg.train.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"train.precision=bf16: this machine's GPU ({torch.cuda.get_device_name()}) does not compute "
+                          f"bf16; use train.precision=fp16 or fp32")  # fmt: skip
+    return backend, why
 
 
 def backend_for(cfg: JobConfig, requested: str, gpus_of_node: dict[int, int], shared_machine: bool) -> tuple[str, str]:
