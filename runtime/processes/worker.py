@@ -112,6 +112,9 @@ class Worker:
         """Time the main thread spent on snapshots since the last Ready (None: none was taken)."""
         self.zero: dict[tuple[int, ...], ZeroGroup] = {}
         """ZeRO-1 (train.zero=1): this worker's part of each group of replicas it belongs to."""
+        self.torn: int | None = None
+        """ZeRO-1: the step whose commit failed here and left this worker no state (``_forget_state``), until it
+        is configured again."""
         self._recomputing: list[Future[None]] = []
 
     # -- threads -----------------------------------------------------------------------------------------------
@@ -232,6 +235,7 @@ class Worker:
             checkpointing=self.setup["activation_checkpointing"], precision=self.setup["precision"],
             redundant=self._kept_copy(message.program),
         )  # fmt: skip
+        self.torn = None
         self.program = message.program
         self.channel.send(msg.Configured(plan.generation, self.step, received, restored, restore_s, source))
 
@@ -324,6 +328,8 @@ class Worker:
             del self.layers[index], self.optimizers[index]
 
     def _run_step(self, step: int, loss_scale: float) -> None:
+        if self._said_torn(step):
+            return
         assert self.executor is not None, "RunStep before Configure"
         self._drop_stale_layers()
         try:
@@ -352,7 +358,7 @@ class Worker:
                 except (Aborted, CommError) as exc:
                     # ZeRO-1's all-gather failed: this member's chunk stepped, others' never arrived. Nothing here
                     # is at one step any more; the restart that follows restores saved state.
-                    self._forget_state()
+                    self._forget_state(step)
                     if isinstance(exc, CommError):
                         self.channel.send(msg.Failed(step, str(exc)))
                     return
@@ -384,11 +390,22 @@ class Worker:
         whole = {i: layer for i, layer in self.layers.items() if i not in zero_layers}
         return grad_sq(whole, {layers[0]: (g.member, g.param.grad) for layers, g in self.zero.items()})
 
-    def _forget_state(self) -> None:
+    def _forget_state(self, step: int) -> None:
         self.layers.clear()
         self.optimizers.clear()
         self.zero.clear()
         self.executor = None
+        self.torn = step
+
+    def _said_torn(self, step: int) -> bool:
+        """Whether a failed ZeRO-1 commit left this worker no state; if so, it says it cannot take part in
+        ``step`` (Failed) and waits for the Abort. The coordinator sends the next request (a step, a checkpoint)
+        without waiting for a commit, and learns of the failure only from the lost member's death."""
+        if self.torn is None:
+            return False
+        self.channel.send(msg.Failed(step, f"worker {self.worker} holds no state: the commit of step {self.torn} "
+                                           f"lost a member of its ZeRO-1 all-gather"))  # fmt: skip
+        return True
 
     def _abort(self, generation: int) -> None:
         self._finish_snapshot()  # the state it copies is the committed one: let it complete, and say so
@@ -406,6 +423,8 @@ class Worker:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def _save(self, message: msg.SaveCheckpoint) -> None:
+        if self._said_torn(message.step):
+            return
         directory = checkpoint.step_dir(message.directory, message.step)
         nbytes = 0
         optimizers = dict(self.optimizers)

@@ -9,7 +9,9 @@ to the order of the gradient sums, which the reduce-scatter chooses): the equiva
 
 The commit is no longer local: a member lost during the all-gather leaves the survivors with their own chunk
 stepped and the others not, so they drop their state (``Worker._forget_state``) and the restart that follows
-restores the newest saved state: that one committed step is lost, where without ZeRO-1 none is. Layers are never
+restores the newest saved state: that one committed step is lost, where without ZeRO-1 none is. The coordinator,
+which never waits for a commit, has meanwhile sent them the next step or a checkpoint to write: a member without
+state answers each with ``Failed`` until the Abort that the lost member's death brings. Layers are never
 copied in place under ZeRO-1 (no member holds a layer's whole optimizer state): policies that do
 (``Policy.moves_layers``) are refused with it.
 
