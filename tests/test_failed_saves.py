@@ -142,3 +142,19 @@ def test_reft_snapshots_refused_in_a_row_stop_the_job_with_the_memory_needed(run
     with pytest.raises(JobStopped, match="2 snapshots in a row could not be copied into host memory") as info:
         run(*REFT, "protection.allow_low_space=true", "protection.max_failed_saves=2")
     assert "free that much memory under /dev/shm on every node" in str(info.value)
+
+
+def test_a_refused_write_leaves_no_file_whether_the_disk_is_full_or_read_only(tmp_path: Path) -> None:
+    """``atomic_write`` on a real 1 MiB filesystem: ENOSPC when it is full, EROFS once it is remounted read-only;
+    neither leaves its temporary file behind, and ``abandon`` removes what a save wrote before."""
+    for disk in mounted(tmp_path / "tiny", "1m"):
+        kept = checkpoint.layer_path(checkpoint.step_dir(disk, 2), 0)
+        checkpoint.atomic_write(kept, b"x" * 1000)
+        with pytest.raises(OSError, match="No space left on device"):
+            checkpoint.atomic_write(checkpoint.layer_path(checkpoint.step_dir(disk, 4), 0), b"x" * 2**21)
+        checkpoint.abandon(disk, 4)
+        assert files_under(disk) == ["step-000002/layer-0000.pt"]
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        with pytest.raises(OSError, match="Read-only file system"):
+            checkpoint.atomic_write(kept, b"y" * 1000)
+        assert kept.read_bytes() == b"x" * 1000 and files_under(disk) == ["step-000002/layer-0000.pt"]

@@ -12,6 +12,7 @@ checkpoint stays the newest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next save needs
+        with contextlib.suppress(OSError):  # a folder that became read-only keeps it: the write's error is the news
+            tmp.unlink(missing_ok=True)  # a partial file would hold the space the next save needs
         raise
 
 
