@@ -335,12 +335,12 @@ def test_the_documented_config_runs_unchanged(run, tmp_path: Path) -> None:  # n
 
 
 def test_a_restart_under_a_ds_config_stays_on_the_fault_free_trajectory(run, tmp_path: Path) -> None:  # noqa: ANN001
-    """Adam with L2 decay, WarmupDecayLR, bf16 and clipping from a ds_config: a node killed at step 6 and a restart
-    from step 4's checkpoint give the fault-free run's losses and final state (the oracle)."""
+    """Adam with L2 decay, WarmupDecayLR, bf16, clipping and ZeRO-1 from a ds_config: a node killed at step 6 and a
+    restart from step 4's checkpoint give the fault-free run's losses and final state (the oracle)."""
     ds = {**BATCH, "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "adam_w_mode": False, "weight_decay": 0.1}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3, "total_num_steps": 8,
                                                               "warmup_type": "linear"}},
-          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}  # fmt: skip
+          "gradient_clipping": 0.5, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}  # fmt: skip
     common = [f"train.deepspeed_config={ds_file(tmp_path, ds)}", "train.steps=8", "policy=checkpoint_restart",
               "protection=storage", "protection.every=4"]  # fmt: skip
     fault_free = run(*common, f"tracking.uri=sqlite:///{tmp_path}/fault-free.db")
