@@ -217,3 +217,38 @@ def test_the_simulator_moves_half_the_activation_bytes(job_overrides: list[str])
         return result.steps[-1].iter_s
 
     assert iteration_s("bf16") < iteration_s("fp32"), "a pipeline's sends halve, nothing else changes"
+
+
+# -- one micro-batch through a split model: the stage boundary changes nothing -------------------------------------
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_a_bf16_split_computes_exactly_what_one_stage_computes(decoupled: bool) -> None:
+    from ftlab.runtime.core.model_spec import ModelConfig, num_layers
+    from ftlab.runtime.training.model import StageModule, build_layer
+    from ftlab.runtime.training.passes import StagePasses
+
+    cfg = ModelConfig(name="gpt2-test", family="gpt2", num_blocks=3, hidden=32, heads=4, vocab_size=50, seq_len=12)
+
+    def passes(start: int, stop: int) -> StagePasses:
+        stage = StageModule(cfg, {i: build_layer(cfg, i, seed=7) for i in range(start, stop)})
+        return StagePasses(stage, 0.25, dtype=torch.bfloat16)
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(cfg.vocab_size, (2, cfg.seq_len), generator=generator) for _ in range(2))
+    whole, first, second = passes(0, num_layers(cfg)), passes(0, 2), passes(2, num_layers(cfg))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        one = whole.forward(tokens, labels)
+        whole.backward(one)
+        sent = first.forward(tokens, None)
+        assert sent.result.dtype == torch.bfloat16, "a stage boundary carries the compute precision"
+        last = second.forward(sent.result.detach().requires_grad_(), labels)
+        if decoupled:
+            sent.grad = second.backward_input(last)
+            second.backward_weight(last)
+        else:
+            sent.grad = second.backward(last)
+        assert sent.grad.dtype == torch.bfloat16
+        first.backward(sent)
+    assert torch.equal(last.result, one.result)
+    split = [*first.stage.parameters(), *second.stage.parameters()]
+    for mine, reference in zip(split, whole.stage.parameters(), strict=True):
+        assert torch.equal(mine.grad, reference.grad)
