@@ -54,8 +54,6 @@ class Update:
     """Multiply the gradients by this before the optimizer step (1: leave them as they are)."""
     skip: bool = False
     """No optimizer step anywhere: the step commits with no update (an fp16 overflow)."""
-    loss_scale: float = 1.0
-    """The loss scale of the next step (fp16; 1 otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -94,21 +92,20 @@ class UpdateRule:
         state = self._states[step]
         if not self.norms or grad_sq is None:
             self._next = step, state
-            return Update(loss_scale=state.scale)
+            return Update()
         scaled = math.sqrt(math.fsum(grad_sq[piece] for piece in sorted(grad_sq)))
         if self.t.precision != "fp16":
             if not math.isfinite(scaled):
                 raise UpdateStopped(f"the gradient's norm is {scaled} at step {step}: the model diverged; lower "
                                     f"train.lr or set train.grad_clip")  # fmt: skip
             self._next = step, state
-            return Update(factor=self._clip(scaled), loss_scale=state.scale)
+            return Update(factor=self._clip(scaled))
         if not math.isfinite(scaled):
             after = self._overflow(step, state)
             self._next = step, after
-            return Update(skip=True, loss_scale=after.scale)
-        after = self._no_overflow(state)
-        self._next = step, after
-        return Update(factor=self._clip(scaled / state.scale) / state.scale, loss_scale=after.scale)
+            return Update(skip=True)
+        self._next = step, self._no_overflow(state)
+        return Update(factor=self._clip(scaled / state.scale) / state.scale)
 
     def committed(self, step: int) -> None:
         """``step`` committed with the update ``decide`` answered last."""
