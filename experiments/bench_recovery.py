@@ -21,7 +21,9 @@ policy's recovery speed-up over checkpoint-restart (target >= 10).
 The policies are found by their roles (``Roles``), in every part: the restart baseline is every policy that recovers
 by restarting from saved state alone (``restarts()``, run with ``protection=storage protection.every=5``), the
 in-place ones every policy that recovers in place (``in_place()``); ``SETTINGS`` holds what a policy runs with beyond
-its defaults. A new policy package joins the bench with no edit here.
+its defaults. A new policy package joins the bench with no edit here: ``varuna`` runs beside checkpoint-restart as a
+restart baseline, ``bamboo`` and ``elastic`` beside Oobleck and ReCycle as in-place policies (Bamboo with the device
+memory its copies need: ``SETTINGS``).
 
 Fault-scaled throughput (ReCycle's measure): for every plan that ran after a failure, its samples/s (global batch
 over its median commit-to-commit interval, so the recovery itself is left out) over the fault-free samples/s scaled
@@ -98,7 +100,10 @@ SWEEP_JOB = [*JOB[:2], "cluster=local-8", *JOB[3:]]
 SWEEP_WORKERS, SWEEP_BATCH = 8, 16
 RESTART_PROTECTION = ["protection=storage", "protection.every=5"]
 """What the restart baseline restarts from."""
-SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
+SETTINGS = {
+    "oobleck": ["policy.fault_threshold=1"],
+    "bamboo": ["cluster.device_memory_gb=0.08"],  # each stage with a neighbour's copy: 40 MB does not hold both
+}
 """Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
 
 

@@ -6,14 +6,16 @@
 Every cell is one simulated job (``experiments.simulate``: the real coordinator, policies and programs on a
 simulated cluster); the study's tables, plots and a JSON of every cell are logged to one MLflow run.
 
-**Table 2 of Oobleck (SOSP'23)**: average throughput (samples/s over the whole run) of GPT-3 medium, 2.7B and 6.7B on
-the paper's cluster (``cluster=a40-30x1``: 30 A40 nodes of one GPU, 40 GB usable, 200 Gb/s) with the paper's batches
+**Table 2 of Oobleck (SOSP'23)**: average throughput (samples/s over the whole run) of BERT-Large, GPT-3 medium, 2.7B
+and 6.7B on the paper's cluster (``cluster=a40-30x1``: 30 A40 nodes of one GPU, 40 GB usable, 200 Gb/s) with the paper's batches
 (Table 1: 8192 in micro-batches of 16 for medium, 1024 in micro-batches of 2 for the others), activation checkpointing
 on (Oobleck and Varuna use it), under the bundled synthetic traces ``6h``, ``1h`` and ``10m`` (a node fails every 6
 hours, hour, 10 minutes, never replaced), until 15 of the 30 nodes remain, as in the paper (Section 7.2): a fault-free
-run, checkpoint-restart with a checkpoint every 10 iterations (the paper's Varuna setting) and Oobleck (f = 1); by role
-(``table2_policies``), every policy that recovers by restarting from saved state alone and every one that offers the
-``reconfigure`` recovery. The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
+run and, by role (``table2_policies``), every policy that recovers by restarting from saved state alone
+(checkpoint-restart, Varuna) and every one that recovers in place (Oobleck with f = 1, ReCycle, Bamboo, elastic), each
+that can restart with a checkpoint every 10 iterations (the paper's Varuna setting). Bamboo runs as the paper ran it
+(Table 1): no activation checkpointing, BERT-Large in micro-batches of 4; on the GPT-3 models it is refused for
+memory, the paper's OOM cells. The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
 6.7B, whose half of the model does not fit an A40's 40 GB), Oobleck plans its own. The paper's storage (MinIO on six
 NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads, all writers or readers together
 (``STORAGE``): a stated assumption, not a measurement.
@@ -81,18 +83,26 @@ HOST_MEMORY = ["protection.host_memory_gb=1024"]
 """A DGX A100's 1 TB of host memory, for the snapshots' records."""
 
 TABLE2_MODELS = {
+    "bert-large": ["model=bert-large", "train.global_batch=8192", "train.micro_batch=32"],
     "gpt3-medium": ["model=gpt3-medium", "train.global_batch=8192", "train.micro_batch=16"],
     "gpt3-2.7b": ["model=gpt3-2.7b", "train.global_batch=1024", "train.micro_batch=2"],
     "gpt3-6.7b": ["model=gpt3-6.7b", "train.global_batch=1024", "train.micro_batch=2", "train.stages=6"],
 }
 TABLE2_TRACES = ("6h", "1h", "10m")
-PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Varuna, Oobleck) per model and trace
-    "gpt3-medium": {"6h": (29.52, 29.30), "1h": (27.61, 29.21), "10m": (20.71, 28.70)},
-    "gpt3-2.7b": {"6h": (7.27, 7.29), "1h": (6.41, 7.23), "10m": (0.36, 6.89)},
-    "gpt3-6.7b": {"6h": (4.02, 4.33), "1h": (2.91, 4.22), "10m": (0.12, 3.55)},
+PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Bamboo, Varuna, Oobleck) per model and trace; None: Bamboo's OOM
+    "bert-large": {"6h": (77.04, 259.57, 287.10), "1h": (75.60, 245.39, 286.28), "10m": (69.84, 168.15, 282.11)},
+    "gpt3-medium": {"6h": (None, 29.52, 29.30), "1h": (None, 27.61, 29.21), "10m": (None, 20.71, 28.70)},
+    "gpt3-2.7b": {"6h": (None, 7.27, 7.29), "1h": (None, 6.41, 7.23), "10m": (None, 0.36, 6.89)},
+    "gpt3-6.7b": {"6h": (None, 4.02, 4.33), "1h": (None, 2.91, 4.22), "10m": (None, 0.12, 3.55)},
 }
-SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
-"""Settings a policy runs with in Table 2 beyond its defaults (which policies run is what their roles say)."""
+PAPER_COLUMN = {"bamboo": 0, "varuna": 1, "checkpoint_restart": 1, "oobleck": 2}
+"""Which of the paper's systems a policy is compared with (checkpoint-restart with Varuna, which it resembles)."""
+SETTINGS = {"oobleck": ["policy.fault_threshold=1"], "bamboo": ["train.activation_checkpointing=false"]}
+"""Settings a policy runs with beyond a study's own (which policies run is what their roles say): Bamboo does not
+use activation checkpointing (Oobleck 7.1), which every study turns on for the others."""
+BAMBOO_MICRO_BATCH = {"bert-large": 4}
+"""Oobleck's Table 1: the largest micro-batch Bamboo runs per model (GPT-3 models: none, out of memory; there it
+keeps the others' micro-batch and is refused for memory, the paper's OOM cells)."""
 PROTECTION_SETTINGS = {
     "storage": ["protection.every=50"],
     "reft": ["protection.interval=1", "protection.flush_every=50", *HOST_MEMORY],
@@ -101,23 +111,23 @@ PROTECTION_SETTINGS = {
 
 
 def table2_policies() -> dict[str, list[str]]:
-    """Table 2's rows, by the roles the paper compares: the fault-free run, every policy that recovers by restarting
-    from saved state alone (Varuna's checkpoint-restart, a checkpoint every 10 iterations) and every one that offers
-    the ``reconfigure`` recovery (Oobleck's)."""
-    restarting = catalog.policies_with(lambda roles: roles.restarts_only)
-    reconfiguring = catalog.policies_with(lambda roles: roles.candidate == "reconfigure")
+    """Table 2's rows, by role: the fault-free run, every policy that recovers by restarting from saved state alone
+    (checkpoint-restart, Varuna) and every one that recovers in place (Oobleck, ReCycle, Bamboo, elastic); each that
+    can restart checkpoints every 10 iterations (the paper's Varuna setting)."""
+    roles = catalog.roles()
+    compared = catalog.policies_with(lambda r: r.recovers and not r.chooses and (r.restarts_only or r.in_place))
     return {
         "fault-free": ["policy=none", "faults=none"],
-        **{p: [f"policy={p}", "protection=storage", "protection.every=10"] for p in restarting},
-        **{p: [f"policy={p}", *SETTINGS.get(p, [])] for p in reconfiguring},
-    }
+        **{p: [f"policy={p}", *(["protection=storage", "protection.every=10"] if roles[p].restarts else []),
+               *SETTINGS.get(p, [])] for p in compared},
+    }  # fmt: skip
 
 
 def combinations() -> dict[str, list[str]]:
     """The MTBF sweep's policy x protection pairs, by name: every policy found with every protection it works with."""
     return {
         f"{policy}+{protection}": [f"policy={policy}", f"protection={protection}",
-                                   *PROTECTION_SETTINGS.get(protection, [])]
+                                   *PROTECTION_SETTINGS.get(protection, []), *SETTINGS.get(policy, [])]
         for policy in catalog.roles()
         for protection in catalog.component_schemas()["protection"]
         if works_with(policy, protection)
@@ -162,7 +172,11 @@ def simulated(overrides: list[str]) -> dict[str, Any]:
 
     cfg = OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
     began = time.perf_counter()
-    run = simulate(cfg)
+    try:
+        run = simulate(cfg)
+    except ConfigError as refused:  # the paper's OOM cells: a job that cannot run here is a finding, not a crash
+        return {"samples_per_s": None, "goodput": None, "failures": 0, "steps": 0, "plans": 0, "stopped": None,
+                "refused": str(refused), "wall_s": time.perf_counter() - began}  # fmt: skip
     result = run.result
     s = result.summary
     return {
@@ -185,19 +199,21 @@ def table2(models: list[str], traces: list[str]) -> list[dict[str, Any]]:
             for policy, settings in table2_policies().items():
                 faults = [] if policy == "fault-free" else ["faults=trace", f"faults.trace={trace}",
                                                             "faults.trace_s_per_step=null", "faults.time_compression=1"]  # fmt: skip
+                micro = [f"train.micro_batch={BAMBOO_MICRO_BATCH[model]}"] if policy == "bamboo" and model in BAMBOO_MICRO_BATCH else []
                 overrides = [*TABLE2_MODELS[model], "cluster=a40-30x1", "train.activation_checkpointing=true",
-                             "train.steps=100000000", f"sim.horizon_s={horizon}", *STORAGE, *settings, *faults]  # fmt: skip
+                             "train.steps=100000000", f"sim.horizon_s={horizon}", *STORAGE, *settings, *micro, *faults]  # fmt: skip
                 cell = {"model": model, "trace": trace, "policy": policy, **simulated(overrides)}
-                paper = PAPER_TABLE2[model][trace]
-                cell["paper"] = {"checkpoint_restart": paper[0], "oobleck": paper[1]}.get(policy)
+                column = PAPER_COLUMN.get(policy)
+                cell["paper"] = None if column is None else PAPER_TABLE2[model][trace][column] or "OOM"
                 rows.append(cell)
-                print(f"[table2] {model} {trace} {policy}: {cell['samples_per_s']:.2f} samples/s "
-                      f"(paper {cell['paper']}), {cell['failures']} failures, {cell['wall_s']:.1f} s", flush=True)
+                print(f"[table2] {model} {trace} {policy}: {_rate(cell)} (paper {cell['paper']}), "
+                      f"{cell['failures']} failures, {cell['wall_s']:.1f} s", flush=True)
     return rows
 
 
 def render_table2(rows: list[dict[str, Any]]) -> str:
-    lines = ["Throughput (samples/s), simulated; in brackets Oobleck's Table 2 (Varuna for checkpoint-restart)", ""]
+    lines = ["Throughput (samples/s), simulated; in brackets Oobleck's Table 2 (Varuna for checkpoint-restart, OOM where "
+             "Bamboo could not run); 'refused' = the job does not fit the cluster's memory", ""]  # fmt: skip
     models = list(dict.fromkeys(r["model"] for r in rows))
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     lines.append("| policy | " + " | ".join(f"{m} {t}" for m in models for t in traces) + " |")
@@ -210,11 +226,16 @@ def render_table2(rows: list[dict[str, Any]]) -> str:
                 if r is None:
                     cells.append("")
                     continue
-                paper = f" ({r['paper']:g})" if r["paper"] is not None else ""
+                paper = f" ({r['paper']})" if r["paper"] is not None else ""
                 stop = " stopped" if r["stopped"] else ""
-                cells.append(f"{r['samples_per_s']:.2f}{paper}{stop}")
+                cells.append(f"{_rate(r)}{paper}{stop}")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _rate(cell: dict[str, Any]) -> str:
+    """A cell's samples/s, or ``refused`` (the job cannot run there: out of memory, in the paper's words)."""
+    return "refused" if cell.get("refused") else f"{cell['samples_per_s']:.2f}"
 
 
 # -- the MTBF sweep ------------------------------------------------------------------------------------------------
@@ -255,7 +276,7 @@ def render_sweep(rows: list[dict[str, Any]]) -> str:
             cells = []
             for g in sizes:
                 r = next(r for r in rows if (r["source"], r["gpus"], r["combination"]) == (source, g, combination))
-                cells.append(f"{r['goodput']:.3f}" + (" stopped" if r["stopped"] else ""))
+                cells.append("refused" if r.get("refused") else f"{r['goodput']:.3f}" + (" stopped" if r["stopped"] else ""))
             lines.append(f"| {combination} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -271,7 +292,8 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
     fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 3.6), squeeze=False)
     for ax, source in zip(axes[0], sources):
         for combination in dict.fromkeys(r["combination"] for r in rows):
-            points = sorted((r["gpus"], r["goodput"]) for r in rows if (r["source"], r["combination"]) == (source, combination))
+            points = sorted((r["gpus"], r["goodput"]) for r in rows
+                            if (r["source"], r["combination"]) == (source, combination) and not r.get("refused"))  # fmt: skip
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=combination)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs")
@@ -330,7 +352,11 @@ def simulated_run(overrides: list[str]) -> tuple[dict[str, Any], Any]:
 
     cfg = OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
     began = time.perf_counter()
-    result = simulate(cfg).result
+    try:
+        result = simulate(cfg).result
+    except ConfigError as refused:
+        return {"stopped": None, "refused": str(refused), "plans": 0, "wall_s": time.perf_counter() - began,
+                "steady_samples_per_s": None, "pipelines_after": None}, None  # fmt: skip
     cell = {"stopped": result.stopped, "plans": len(result.plans), "wall_s": time.perf_counter() - began}
     return steady(cell, result), result
 
@@ -348,13 +374,15 @@ def recycle_study(models: list[str], layouts: list[str], counts: list[int]) -> l
             for policy in recycle_policies():
                 for count in counts:
                     faults = ["faults=explicit", f"faults.events=[{','.join(failed_gpus(layout, count))}]"]
-                    cell, _ = simulated_run([*base, f"policy={policy}", *(faults if count else ["faults=none"])])
+                    cell, _ = simulated_run([*base, f"policy={policy}", *SETTINGS.get(policy, []),
+                                             *(faults if count else ["faults=none"])])  # fmt: skip
                     rate = cell["steady_samples_per_s"]
                     cell.update(model=model, layout=layout, policy=policy, failed=count, fault_free=fault_free,
                                 relative=None if rate is None else rate / fault_free,
                                 fault_scaled=(nodes * per_node - count) / (nodes * per_node))  # fmt: skip
                     rows.append(cell)
-                    shown = "stopped: " + str(cell["stopped"]) if rate is None else f"{rate:.2f} samples/s ({cell['relative']:.3f})"
+                    shown = (f"refused: {cell['refused']}" if cell.get("refused") else "stopped: " + str(cell["stopped"])
+                             if rate is None else f"{rate:.2f} samples/s ({cell['relative']:.3f})")  # fmt: skip
                     print(f"[recycle] {model} {layout} {policy} {count} failed: {shown}, {cell['wall_s']:.1f} s",
                           flush=True)  # fmt: skip
     return rows
@@ -362,7 +390,8 @@ def recycle_study(models: list[str], layouts: list[str], counts: list[int]) -> l
 
 def render_recycle(rows: list[dict[str, Any]]) -> str:
     lines = ["Throughput after k GPUs fail at once, relative to the fault-free grid (samples/s in brackets); "
-             "fault-scaled = (32 - k) / 32; 'stopped' = the policy cannot continue without a protection", ""]  # fmt: skip
+             "fault-scaled = (32 - k) / 32; 'stopped' = the policy cannot continue without a protection; 'refused' = "
+             "the job cannot run there (out of memory)", ""]  # fmt: skip
     counts = sorted({r["failed"] for r in rows})
     lines.append("| model | layout | policy | " + " | ".join(f"{k} failed" for k in counts) + " |")
     lines.append("|---" * (3 + len(counts)) + "|")
@@ -380,7 +409,7 @@ def render_recycle(rows: list[dict[str, Any]]) -> str:
                     elif r is None:
                         cells.append("")
                     else:
-                        cells.append("stopped" if r["relative"] is None
+                        cells.append("refused" if r.get("refused") else "stopped" if r["relative"] is None
                                      else f"{r['relative']:.3f} ({r['steady_samples_per_s']:.1f})")  # fmt: skip
                 lines.append(f"| {model} | {layout} | {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -427,7 +456,7 @@ def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
         policies = list(dict.fromkeys(r["policy"] for r in rows))
         width = 0.81 / len(policies)  # three bars of 0.27 per trace
         for i, policy in enumerate(policies):
-            values = [next(r["samples_per_s"] for r in rows if (r["model"], r["trace"], r["policy"]) == (model, t, policy))
+            values = [next(r["samples_per_s"] or 0.0 for r in rows if (r["model"], r["trace"], r["policy"]) == (model, t, policy))
                       for t in traces]  # fmt: skip
             offset = width * (i - (len(policies) - 1) / 2)
             ax.bar([j + offset for j in range(len(traces))], values, width=width, label=policy)
@@ -476,7 +505,7 @@ def main() -> None:
     sizes, hours, sources = [int(n) for n in args.sizes.split(",")], args.hours, ["llama3", "meta"]
     recycle_models, layouts, counts = list(RECYCLE_MODELS), list(RECYCLE_LAYOUTS), list(RECYCLE_FAILED)
     if args.smoke:
-        models, traces, sizes, hours = ["gpt3-2.7b"], ["10m"], [16, 64], 6.0
+        models, traces, sizes, hours = ["bert-large"], ["10m"], [16, 64], 6.0
         recycle_models, layouts, counts = ["gpt3-6.7b"], ["4x8"], [0, 2, 8]
     OUT.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(TrackingConfig(uri=args.tracking_uri, experiment="ftlab-sim", run_name="paper-scale"))
@@ -487,7 +516,7 @@ def main() -> None:
         if not args.no_table2:
             rows = found["table2"] = table2(models, traces)
             log_study(tracker, "table2", rows, render_table2, plot_table2, local)
-            for r in rows:
+            for r in (r for r in rows if not r.get("refused")):
                 tracker.log_metrics({f"table2/{r['model']}/{r['trace']}/{r['policy']}": r["samples_per_s"]}, 0)
         if not args.no_recycle:
             rows = found["recycle"] = recycle_study(recycle_models, layouts, counts)
@@ -498,7 +527,7 @@ def main() -> None:
         if not args.no_sweep:
             rows = found["sweep"] = sweep(sizes, hours, sources)
             log_study(tracker, "mtbf_sweep", rows, render_sweep, plot_sweep, local)
-            for r in rows:
+            for r in (r for r in rows if not r.get("refused")):
                 name = r["combination"].replace("+", "_with_")
                 tracker.log_metrics({f"sweep/{r['source']}/{name}/goodput": r["goodput"]}, r["gpus"])
         tracker.log_text("cells.json", json.dumps(found, indent=1, default=str))

@@ -19,20 +19,22 @@ JOB = ["mode=simulate", "policy=bamboo", "cluster=local-6", "cluster.device_memo
        "train.steps=10", "protection=storage", "protection.every=3"]  # fmt: skip
 
 
-def simulate(job_overrides: list[str], *faults: str) -> JobResult:
-    return simulate_job(compose_config([*job_overrides, *JOB, *explicit(*faults)]))
+def simulate(job_overrides: list[str], *faults: str, stages: int = 2) -> JobResult:
+    return simulate_job(compose_config([*job_overrides, *JOB, f"train.stages={stages}", *explicit(*faults)]))
 
 
 def test_the_copies_are_made_at_the_first_boundary_and_their_programs_check(job_overrides: list[str]) -> None:
     result = simulate(job_overrides)
     first, copied = result.plans[0], result.plans[1]
     assert rc.copies_of(first) is None and copied.step == 1
-    assert sorted((k.holder, k.owner) for k in rc.copies_of(copied).values()) == [(0, 1), (2, 3), (4, 5)]
+    pairs = sorted((k.holder, k.owner) for k in rc.copies_of(copied).values())
+    assert pairs == [(0, 1), (1, 0), (2, 3), (3, 2), (4, 5), (5, 4)], "two-stage pipelines: a ring of two"
     programs = rc.programs(copied, rc.copies_of(copied).values())
     check_programs(copied, programs)
     redundant = [i for i in programs[0] if isinstance(i, ins.ForwardRedundant)]
     assert [i.microbatch for i in redundant] == list(first.pipelines[0].microbatches), "every micro-batch sent"
-    assert ins.kept_copy(programs[0]) == range(4, 8) and ins.kept_copy(programs[1]) is None
+    assert ins.kept_copy(programs[0]) == range(4, 8) and ins.kept_copy(programs[1]) == range(0, 4)
+    assert not any(isinstance(i, ins.ForwardRedundant) for i in programs[1]), "no input tokens on a last stage"
 
 
 def test_a_single_failure_is_taken_over_in_place(job_overrides: list[str]) -> None:
@@ -41,7 +43,7 @@ def test_a_single_failure_is_taken_over_in_place(job_overrides: list[str]) -> No
     assert [p.workers for p in last.pipelines] == [(0, 1), (2,), (4, 5)]
     assert last.pipelines[1].spans == ((0, 8),)
     assert result.faults[0].lost_steps == 0 and [s.step for s in result.steps] == list(range(10))
-    assert sorted(rc.copies_of(last)) == [1, 5], "the copies of the untouched pipelines are kept"
+    assert sorted(rc.copies_of(last)) == [0, 1, 4, 5], "the copies of the untouched pipelines are kept"
 
 
 def test_two_adjacent_failures_restart_from_the_checkpoint(job_overrides: list[str]) -> None:
@@ -53,8 +55,15 @@ def test_two_adjacent_failures_restart_from_the_checkpoint(job_overrides: list[s
     assert rc.copies_of(result.plans[-1]) is not None, "the restart's plan gets its copies back"
 
 
-def test_a_first_stage_has_no_copy_and_restarts(job_overrides: list[str]) -> None:
+def test_a_first_stage_is_taken_over_by_its_successor_in_a_two_stage_pipeline(job_overrides: list[str]) -> None:
     result = simulate(job_overrides, node(2, 5, "backward"))
+    assert result.faults[0].lost_steps == 0
+    assert [p.workers for p in result.plans[-1].pipelines] == [(0, 1), (3,), (4, 5)]
+
+
+def test_a_first_stage_of_a_deeper_pipeline_has_no_copy_and_restarts(job_overrides: list[str]) -> None:
+    result = simulate(job_overrides, node(3, 5, "backward"), stages=3)
+    assert 3 not in rc.copies_of(result.plans[1]), "the first stage of (3, 4, 5) has no copy"
     assert result.faults[0].lost_steps == 2, "restarted from the checkpoint of step 3"
 
 

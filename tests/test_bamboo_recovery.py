@@ -1,9 +1,9 @@
 """``policy=bamboo`` on real processes, held to the fault-free trajectory (``tests/oracle.py``): a killed node's
-stage is taken over by its predecessor from the copy it keeps, with no restart and no step lost; a stage lost with
-the worker keeping its copy restarts every worker from the protection's checkpoint.
+stage is taken over from the copy a neighbour keeps, with no restart and no step lost; a stage lost with the worker
+keeping its copy restarts every worker from the protection's checkpoint.
 
-Six local nodes of one worker each, ``train.stages=2``: pipelines (0, 1), (2, 3), (4, 5), each first stage keeping
-a copy of its second stage (kept current from step 1 on).
+Six local nodes of one worker each, ``train.stages=2``: pipelines (0, 1), (2, 3), (4, 5), each stage keeping a copy
+of the other (kept current from step 1 on).
 """
 
 from __future__ import annotations
@@ -50,3 +50,10 @@ def test_a_stage_and_the_worker_keeping_its_copy_lost_restart_from_the_checkpoin
     assert result.faults[0].lost_steps == 0, "the first failure is taken over in place"
     assert result.faults[1].lost_steps == 2, "the second restarts from the checkpoint of step 5"
     assert any(len(pids) > 1 for pids in result.worker_pids.values()), "every worker restarted"
+
+
+def test_a_killed_first_stage_is_taken_over_by_its_successor(run, fault_free: JobResult) -> None:  # noqa: ANN001
+    result = run(*JOB, *explicit(node(4, 4, "reduce")))
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
+    assert [r.step for r in result.steps] == list(range(STEPS)) and result.faults[0].lost_steps == 0
+    assert [p.workers for p in result.plans[-1].pipelines] == [(0, 1), (2, 3), (5,)], "worker 5 kept stage 0's copy"

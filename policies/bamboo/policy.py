@@ -12,7 +12,7 @@ Where the papers leave it open, this module chooses:
   holder of its copy (``SendReduced``/``RecvReduced``), and the holder steps the copy with them at the commit, as
   it steps its own layers. The copy is then bit for bit the owner's layers with their optimizer state at every
   committed step (the same optimizer on the same gradient), so a takeover is exact, and an aborted iteration steps
-  neither. The copies are made by copying each stage's layers with their optimizer state to its predecessor in
+  neither. The copies are made by copying each stage's layers with their optimizer state to its holder in
   place at the first step boundary of a plan without copies (the first plan, a restart's): from then on they are
   kept, not copied again.
 - **Forward redundant computation**: the holder runs the owner's forward on the activation it sends the owner,
@@ -20,9 +20,12 @@ Where the papers leave it open, this module chooses:
   dropped (Bamboo keeps it for a backward redundant computation after a failure mid-iteration; here the two-phase
   commit aborts that iteration, and the takeover's first iteration runs both stages' forward and backward, which is
   the backward redundant computation it needs).
-- **The last stage** has no successor, so the first stage has no copy: losing a first stage means a restart, as
-  losing a stage and its predecessor does. A copy is kept only where the holder's own stage (no activation
-  checkpointing) and the copy's state fit its device; a job where no copy fits is refused before any worker starts.
+- **The first stage**: Bamboo's ring wraps around (its last node keeps the first stage). A worker here runs one
+  contiguous range of layers, so the wrap-around copy is kept where taking it over stays contiguous, in a pipeline of
+  two stages (the second keeps the first); in a deeper pipeline losing a first stage means a restart, as losing a
+  stage and the one keeping its copy does. The holder of a first stage's copy has no input tokens and runs no
+  redundant forward for it. A job where a stage and its copy do not fit a device (no activation checkpointing) is
+  refused before any worker starts.
 - **After a takeover** the grown stage and the stage after it have no copy (their holder is the grown worker, or
   lost); a failure of either restarts. Copies are not rebuilt until a restart, which rebuilds them all.
 - **Joins** wait for the next restart, as in checkpoint-restart (Bamboo's own scheduler adds nodes to pipelines;
@@ -61,25 +64,26 @@ class Bamboo(Policy):
             raise ConfigError("policy=bamboo does not use activation checkpointing (its memory model keeps every "
                               "stage's activations and the successor's state): set train.activation_checkpointing=false")  # fmt: skip
         plan = grid(job.workers, job, generation=0, step=job.start_step)
-        for pipeline in plan.pipelines:
-            for s, (stage, nxt) in enumerate(zip(pipeline.stages, pipeline.stages[1:])):
-                need = rc.memory_with_copy(job, stage, len(pipeline.stages) - s, nxt)
-                if need > job.device_memory_bytes:
-                    raise ConfigError(
-                        f"policy=bamboo keeps each stage's state and its successor's (twice the model state): stage "
-                        f"{s} of {job.model.name} with its copy of stage {s + 1} needs {need / 2**30:.3f} GiB where "
-                        f"a device has {job.device_memory_bytes / 2**30:.3f} GiB: raise cluster.device_memory_gb, "
-                        f"raise train.stages (smaller stages), or use a policy without redundant copies (oobleck, "
-                        f"recycle, checkpoint_restart)"
-                    )
+        ranges = plan.layer_ranges()
+        for copy, in_flight in rc.ring_copies(plan):
+            need = rc.memory_with_copy(job, ranges[copy.holder], in_flight, copy)
+            if need > job.device_memory_bytes:
+                held, kept = ranges[copy.holder], (copy.start, copy.stop)
+                raise ConfigError(
+                    f"policy=bamboo keeps each stage's state and a neighbour's (twice the model state): worker "
+                    f"{copy.holder} with layers {held[0]}..{held[1] - 1} and its copy of layers {kept[0]}..{kept[1] - 1} "
+                    f"of {job.model.name} needs {need / 2**30:.3f} GiB where a device has "
+                    f"{job.device_memory_bytes / 2**30:.3f} GiB: raise cluster.device_memory_gb, raise train.stages "
+                    f"(smaller stages), or use a policy without redundant copies (oobleck, recycle, checkpoint_restart)"
+                )
         return decision(plan, "the PP x DP grid of train.stages; copies at the first step boundary", restore=job.start)
 
     def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:
         if rc.copies_of(change.plan) is not None:
             return Keep("every copy this plan can keep is kept")
-        copies = rc.successor_copies(change.plan, job)
+        copies = rc.fitting_copies(change.plan, job)
         plan = rc.with_copies(change.plan, copies, change.generation, change.step)
-        reason = f"{change.describe()}: {len(copies)} stages' layers copied to their predecessors"
+        reason = f"{change.describe()}: {len(copies)} stages' layers copied to the neighbours keeping them"
         return Decision(plan, rc.programs(plan, copies), transfers=rc.transfers(copies), reason=reason,
                         details={"copies": len(copies)})  # fmt: skip
 

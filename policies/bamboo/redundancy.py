@@ -1,7 +1,10 @@
 """Bamboo's redundancy over a plan: who keeps a copy of whose layers, the programs that keep the copies current, and
 the plan after predecessors take failed stages over.
 
-A copy is a ``Kept``: worker ``holder`` keeps layers ``[start, stop)`` of ``owner``, the next stage of its pipeline.
+A copy is a ``Kept``: worker ``holder`` keeps layers ``[start, stop)`` of ``owner``, the next stage of its pipeline,
+or, in a pipeline of two stages, the first stage's copy kept by the second (Bamboo's ring wraps around: its last node
+keeps the first stage; here a worker runs one contiguous range of layers, so the wrap-around copy is kept only where
+taking it over leaves the range contiguous).
 The plan records its copies in ``plan.notes[NOTE]`` (plans travel as plain data and come back in ``Change.plan``),
 so what a failure leaves is read from the plan every worker ran, not from the policy's memory.
 """
@@ -42,22 +45,32 @@ def with_copies(plan: Plan, copies: Iterable[Kept], generation: int, step: int) 
     return dataclasses.replace(plan, generation=generation, step=step, notes={**plan.notes, NOTE: json.dumps(rows)})
 
 
-def successor_copies(plan: Plan, job: Job) -> list[Kept]:
-    """Every stage's copy of the next stage of its pipeline, where the two fit the holder's device (the last stage
-    has no successor: a first stage lost always means a restart)."""
-    return [
-        Kept(stage.worker, nxt.worker, nxt.start, nxt.stop)
-        for pipeline in plan.pipelines
-        for s, (stage, nxt) in enumerate(zip(pipeline.stages, pipeline.stages[1:]))
-        if memory_with_copy(job, stage, len(pipeline.stages) - s, nxt) <= job.device_memory_bytes
-    ]
+def ring_copies(plan: Plan) -> list[tuple[Kept, int]]:
+    """Every copy a plan's pipelines keep, each with its holder's micro-batches in flight (1F1B keeps ``S - s`` at
+    stage ``s``): each stage keeps the next one; in a two-stage pipeline the second keeps the first too."""
+    copies = []
+    for pipeline in plan.pipelines:
+        stages = pipeline.stages
+        for s, (stage, nxt) in enumerate(zip(stages, stages[1:])):
+            copies.append((Kept(stage.worker, nxt.worker, nxt.start, nxt.stop), len(stages) - s))
+        if len(stages) == 2:
+            first, last = stages
+            copies.append((Kept(last.worker, first.worker, first.start, first.stop), 1))
+    return copies
 
 
-def memory_with_copy(job: Job, stage: Stage, in_flight: int, copy: Stage) -> float:
+def fitting_copies(plan: Plan, job: Job) -> list[Kept]:
+    """The ring's copies whose holder's stage and copy fit its device."""
+    ranges = plan.layer_ranges()
+    return [k for k, in_flight in ring_copies(plan)
+            if memory_with_copy(job, ranges[k.holder], in_flight, k) <= job.device_memory_bytes]  # fmt: skip
+
+
+def memory_with_copy(job: Job, stage: tuple[int, int], in_flight: int, copy: Kept) -> float:
     """A stage's memory (its state and the activations of ``in_flight`` micro-batches, no activation checkpointing)
     with the state of the copy it keeps: parameters, gradients and optimizer state (its forward keeps nothing)."""
     costs = job.costs
-    return costs.stage_memory(stage.start, stage.stop, in_flight) + costs.state_bytes(copy.start, copy.stop)
+    return costs.stage_memory(*stage, in_flight) + costs.state_bytes(copy.start, copy.stop)
 
 
 def transfers(copies: Iterable[Kept]) -> tuple[LayerTransfer, ...]:
@@ -68,8 +81,8 @@ def transfers(copies: Iterable[Kept]) -> tuple[LayerTransfer, ...]:
 def programs(plan: Plan, copies: Iterable[Kept]) -> dict[int, ins.Program]:
     """1F1B programs with the redundant work: a holder runs the owner's forward of every micro-batch it sends the
     owner (eager forward redundant computation), at its next wait (a receive, or its ReduceGrads: a bubble of the
-    pipeline where there is one); after ReduceGrads each owner sends its reduced gradients to its holder, who steps
-    the copy with them at the commit."""
+    pipeline where there is one); the holder of a first stage's copy has no input tokens and runs none. After
+    ReduceGrads each owner sends its reduced gradients to its holder, who steps the copy with them at the commit."""
     base = one_f_one_b(plan)
     by_holder = {k.holder: k for k in copies}
     by_owner = {k.owner: k for k in by_holder.values()}
@@ -95,19 +108,24 @@ def programs(plan: Plan, copies: Iterable[Kept]) -> dict[int, ins.Program]:
 
 
 def taken_over(plan: Plan, lost: set[int], copies: Mapping[int, Kept], generation: int, step: int) -> Plan | None:
-    """The plan after each lost worker's holder runs its stage too (its own layers and the copy, contiguous), or
-    None when a lost worker has no live holder (a first stage, or two adjacent stages lost). The copies that still
-    match their owner's layers, both ends alive and neither stage grown, are kept."""
+    """The plan after each lost worker's holder runs its stage too (its own layers and the copy, contiguous: the
+    holder is the stage before, or for a first stage the one after), or None when a lost worker has no live holder
+    (two adjacent stages lost, or a stage that kept no copy). The copies that still match their owner's layers, both
+    ends alive and neither stage grown, are kept."""
     if any(w not in copies or copies[w].holder in lost for w in lost):
         return None
     pipelines = []
     for pipeline in plan.pipelines:
         stages: list[Stage] = []
+        carried: int | None = None  # a lost first stage's start, which the stage after it takes
         for stage in pipeline.stages:
-            if stage.worker in lost:
-                stages[-1] = Stage(stages[-1].worker, stages[-1].start, stage.stop)  # the holder is the stage before
+            if stage.worker not in lost:
+                stages.append(Stage(stage.worker, stage.start if carried is None else carried, stage.stop))
+                carried = None
+            elif stages:
+                stages[-1] = Stage(stages[-1].worker, stages[-1].start, stage.stop)
             else:
-                stages.append(stage)
+                carried = stage.start
         pipelines.append(Pipeline(tuple(stages), pipeline.microbatches))
     grown = {copies[w].holder for w in lost}
     still = [k for k in copies.values() if not {k.holder, k.owner} & (lost | grown)]

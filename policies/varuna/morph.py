@@ -55,13 +55,38 @@ def protects(protection: Protection, plan: Plan, job: Job) -> bool:
     return True
 
 
+SAMPLED = 2
+"""Micro-batches per pipeline stage beyond which a 1F1B iteration is timed at two shorter lengths and extrapolated."""
+
+
+def step_s(job: Job, workers: Sequence[int], stages: int, micro: int) -> float:
+    """The machine's time for a step of the grid of ``stages`` over ``workers`` at ``micro``. Once each pipeline runs
+    more than ``2 * SAMPLED`` micro-batches per stage, a 1F1B iteration grows linearly with them (the steady state
+    adds one forward and one backward each; fill, drain, reduction and optimizer stay), so it is timed at
+    ``SAMPLED`` and ``2 * SAMPLED`` per stage and extrapolated: a paper-scale batch of thousands of micro-batches is
+    weighed over every configuration in seconds rather than hours."""
+    t, machine = job.train, job.machine()
+    pipelines = len(workers) // stages
+
+    def timed(global_batch: int) -> float:
+        plan = grid_plan(list(workers), stages, len(job.specs), global_batch, micro)
+        return machine.step_s(plan, one_f_one_b(plan))
+
+    longest = -(-(t.global_batch // micro) // pipelines)  # round-robin: the first pipelines get one more
+    few = SAMPLED * stages
+    if longest <= 2 * few:
+        return timed(t.global_batch)
+    short, long_ = timed(few * pipelines * micro), timed(2 * few * pipelines * micro)
+    return short + (long_ - short) * (longest - few) / few
+
+
 def morph(workers: Sequence[int], job: Job, protection: Protection, generation: int, step: int) -> tuple[Morph, list[Morph]]:
     """The fastest configuration over ``workers`` that ``protection`` can protect, and every one weighed. For each
     pipeline depth and micro-batch size that fits memory, as many pipelines as the workers fill and the micro-batches
     feed. Where the protection can protect none, the fastest of all: the preflight check refuses a first plan the
     protection cannot protect, with the protection's own message, and later the protection keeps what it can. Raises
     PlanError, saying what to change, when none fits memory."""
-    t, machine = job.train, job.machine()
+    t = job.train
     weighed: list[Morph] = []
     for stages in range(1, min(len(job.specs), len(workers)) + 1):
         for micro in micro_batches(job):
@@ -70,7 +95,9 @@ def morph(workers: Sequence[int], job: Job, protection: Protection, generation: 
             pipelines = min(len(workers) // stages, t.global_batch // micro)
             plan = grid_plan(list(workers[: stages * pipelines]), stages, len(job.specs), t.global_batch, micro,
                              generation, step)  # fmt: skip
-            weighed.append(Morph(plan, stages, pipelines, micro, machine.step_s(plan, one_f_one_b(plan))))
+            weighed.append(Morph(plan, stages, pipelines, micro, step_s(job, plan.workers, stages, micro)))
+            if t.global_batch // micro >= len(workers) // stages:
+                break  # a smaller micro-batch runs no more pipelines, and is charged as much per micro-batch
     if not weighed:
         raise PlanError(
             f"no configuration of {len(workers)} workers fits {job.model.name} in {job.device_memory_bytes / 2**30:.2f} "

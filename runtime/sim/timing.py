@@ -332,7 +332,7 @@ def _components(programs: Mapping[int, ins.Program]) -> list[list[int]]:
         return w
 
     for worker, program in programs.items():
-        peers = {i.peer for i in program if isinstance(i, (ins.PeerInstruction, ins.LayerInstruction))}
+        peers = {i.peer for i in program if isinstance(i, (ins.PeerInstruction, ins.LayerInstruction, ins.ReducedInstruction))}
         for peer in peers:
             if peer not in parent:
                 raise ProgramError(f"worker {worker} talks to worker {peer}, which has no program")
@@ -357,7 +357,12 @@ def _canonical(
         entries = []
         for instruction in programs[worker]:
             fields = instruction.__dict__
-            if "microbatch" in fields:
+            if isinstance(instruction, ins.ForwardRedundant):  # the copy's layers, as absolute as ``ranges``
+                mb = mb_index.setdefault(instruction.microbatch, len(mb_index))
+                entries.append((type(instruction), mb, instruction.start, instruction.stop))
+            elif isinstance(instruction, ins.ReducedInstruction):
+                entries.append((type(instruction), worker_index[instruction.peer], instruction.start, instruction.stop))
+            elif "microbatch" in fields:
                 mb = mb_index.setdefault(fields["microbatch"], len(mb_index))
                 peer = fields.get("peer")
                 entries.append((type(instruction), mb) if peer is None else (type(instruction), mb, worker_index[peer]))
