@@ -44,7 +44,7 @@ from ftlab.runtime.core.costs import (
     CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint, with_precision,
 )  # fmt: skip
 from ftlab.runtime.control.coordinator import JobStopped
-from ftlab.runtime.training.data import load_tokens, tokenize_corpus
+from ftlab.runtime.training.data import load_tokens, text_file, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES
 from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.precision import needs_norms, numerics_problems
@@ -506,9 +506,11 @@ def run_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult:
 
 
 def check_real(cfg: JobConfig) -> None:
-    """What a real job's config alone can be refused for, before MLflow, torch or a corpus load: ``check_job`` and
-    the folders it writes."""
+    """What a real job's config alone can be refused for, before MLflow, torch or a corpus load: ``check_job``, its
+    training text, and the folders it writes, with room for what its protection keeps."""
     checked = check_job(cfg)
+    if cfg.train.data is not None:
+        text_file(cfg.train.data)
     writable_dir(Path(cfg.train.checkpoint_dir), "train.checkpoint_dir")
     writable_dir(Path(cfg.train.cache_dir), "train.cache_dir")
     check_space(cfg, checked.protection)

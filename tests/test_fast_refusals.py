@@ -24,6 +24,7 @@ REFUSALS = [
     (["model.family=t5"], "model.family='t5'"),
     (["protection=storage", "protection.every=0"], "protection.every=0"),
     (["policy=checkpoint_restart", "protection=none"], "add protection=storage"),
+    (["train.data=/nonexistent/corpus.txt"], "training text '/nonexistent/corpus.txt' does not exist"),
 ]
 
 

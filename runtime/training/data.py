@@ -34,13 +34,18 @@ def load_text(path: str | None) -> str:
     """The text of a local file (gzip or plain), or the bundled WikiText-2 when `path` is None."""
     if path is None:
         return "".join(_read(BUNDLED_DIR / name) for name in BUNDLED_FILES)
+    return _read(text_file(path))
+
+
+def text_file(path: str) -> Path:
+    """The local file ``train.data`` names, or a FileNotFoundError that says what to give instead."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(
             f"training text {str(file)!r} does not exist; set train.data to an existing local text file "
             "(plain or .gz), or leave it unset for the bundled WikiText-2"
         )
-    return _read(file)
+    return file
 
 
 class WordTokenizer:
