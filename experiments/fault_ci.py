@@ -81,6 +81,11 @@ SETTINGS = {
 LOST_ON_RESTART = {"storage": CHECKPOINT_EVERY, "reft": 0}
 
 
+POLICY_SETTINGS = {"bamboo": ["cluster.device_memory_gb=0.08"]}
+"""What a policy needs beyond the shared job: Bamboo keeps a neighbour's stage beside its own, which 40 MB does not
+hold (refused for memory before any worker)."""
+
+
 def protection_settings(protection: str) -> list[str]:
     return SETTINGS.get(protection, [])
 
@@ -96,7 +101,8 @@ def scenario(policy: str, protection: str, workdir: Path, numerics: list[str]) -
             "experiment=plain", f"policy={policy}", f"protection={protection}", *protection_settings(protection),
             *numerics,
             "cluster=local-6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", "progress=false",
-            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints", *extra,
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints",
+            *POLICY_SETTINGS.get(policy, []), *extra,
         ]  # fmt: skip
         return run_job(compose_config(overrides))
 
