@@ -487,17 +487,19 @@ class Refused(Exception):
     """A job its checks refused before its MLflow run was opened: ``error`` says why. The caller shows the message,
     then records the FAILED run (``failed_run``), so a refusal does not wait for MLflow to load and open its store."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, tags: dict[str, str] | None = None) -> None:
         super().__init__(str(error))
         self.error = error
+        self.tags = tags or {}
+        """What the run would have been tagged beside the job's own tags (its backend or mode)."""
 
 
-def refusal(dict_cfg: DictConfig, error: Exception, defer: bool) -> Exception:
+def refusal(dict_cfg: DictConfig, error: Exception, defer: bool, tags: dict[str, str]) -> Exception:
     """What to raise for a job refused before its run opened: ``Refused`` for a caller that says so first and then
-    records it (``defer``), else ``error`` itself, its FAILED run recorded."""
+    records it (``defer``), else ``error`` itself, its FAILED run (tagged ``tags`` too) recorded."""
     if defer:
-        return Refused(error)
-    failed_run(dict_cfg, error)
+        return Refused(error, tags)
+    failed_run(dict_cfg, error, tags)
     return error
 
 
@@ -562,7 +564,7 @@ def tracked(
         cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         check(cfg)
     except REFUSALS as exc:
-        raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
+        raise refusal(dict_cfg, exc, defer_refusal, {"backend": backend})  # noqa: B904 - the refusal is the error
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
         {**OmegaConf.to_container(dict_cfg, resolve=True), **deepspeed}, {**run_tags(cfg), "backend": backend},
@@ -583,13 +585,14 @@ def tracked(
         raise
 
 
-def failed_run(dict_cfg: DictConfig, error: Exception) -> str:
+def failed_run(dict_cfg: DictConfig, error: Exception, tags: dict[str, str] | None = None) -> str:
     """A FAILED run for a job refused before it opened one (by its checks, or an unknown mode), so every job of a
-    sweep has its run; its id."""
+    sweep has its run; its id. ``tags``: what the run would have been tagged beside the job's own (its backend)."""
     cfg: JobConfig = OmegaConf.to_object(dict_cfg)
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
-        OmegaConf.to_container(dict_cfg, resolve=True), run_tags(cfg), OmegaConf.to_yaml(dict_cfg), run_name(cfg),
+        OmegaConf.to_container(dict_cfg, resolve=True), {**run_tags(cfg), **(tags or {})}, OmegaConf.to_yaml(dict_cfg),
+        run_name(cfg),
         f"{describe(cfg)} **Failed**: {str(error).splitlines()[0] if str(error) else type(error).__name__}",
     )  # fmt: skip
     tracker.finish(failure=f"{type(error).__name__}: {error}")
@@ -746,15 +749,6 @@ def _run(cfg: JobConfig, tracker: Tracker) -> JobResult:
     return conclude(cfg, tracker, seen, checked, injector, stopped, dict(cluster.worker_pids))
 
 
-def worker_threads(c: ClusterConfig) -> int:
-    """``cluster.threads_per_worker``, or with 0 the job's share of this machine's CPUs (split among the jobs that
-    run at once, then among the job's workers), at least one."""
-    if c.threads_per_worker > 0:
-        return c.threads_per_worker
-    cpus = len(os.sched_getaffinity(0))
-    return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
-
-
 def update_rule(cfg: JobConfig, first: Decision) -> UpdateRule:
     """The coordinator's rule for each update (clipping, fp16's loss scale), from the loss scaler a resumed
     checkpoint recorded if there is one."""
@@ -762,6 +756,15 @@ def update_rule(cfg: JobConfig, first: Decision) -> UpdateRule:
     if cfg.train.resume_from is not None and isinstance(first.restore, StorageSource):
         start = scaler_from_manifest(json.loads((Path(first.restore.directory) / checkpoint.MANIFEST).read_text()))
     return UpdateRule(cfg.train, first.plan.step, start)
+
+
+def worker_threads(c: ClusterConfig) -> int:
+    """``cluster.threads_per_worker``, or with 0 the job's share of this machine's CPUs (split among the jobs that
+    run at once, then among the job's workers), at least one."""
+    if c.threads_per_worker > 0:
+        return c.threads_per_worker
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus // max(1, c.parallel_jobs) // (c.nodes * c.workers_per_node))
 
 
 PHASE_TAKERS = {

@@ -102,7 +102,7 @@ def record_refusal(cfg: DictConfig, refused: Refused) -> None:
     from ftlab.experiments.job import failed_run
 
     try:
-        failed_run(cfg, refused.error)
+        failed_run(cfg, refused.error, refused.tags)
     except user_errors() as exc:
         print(f"ftlab: the refusal is not recorded: {exc}", file=sys.stderr)
 

@@ -90,7 +90,7 @@ def plan_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> PlanReport:
         cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         _check_shape(cfg)
     except REFUSALS as exc:
-        raise refusal(dict_cfg, exc, defer_refusal)  # noqa: B904 - the refusal is the error, or wraps it
+        raise refusal(dict_cfg, exc, defer_refusal, {"mode": "plan"})  # noqa: B904 - the refusal is the error
     tracker = Tracker(cfg.tracking)
     tags = {**run_tags(cfg), "mode": "plan", "device": cfg.cluster.device}
     run_id = tracker.start(
