@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -567,7 +567,9 @@ def tracked(
         raise refusal(dict_cfg, exc, defer_refusal, {"backend": backend})  # noqa: B904 - the refusal is the error
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
-        {**OmegaConf.to_container(dict_cfg, resolve=True), **deepspeed}, {**run_tags(cfg), "backend": backend},
+        # the model's settings as the job resolved them (model=hf takes its sizes from its config.json)
+        {**OmegaConf.to_container(dict_cfg, resolve=True), "model": asdict(cfg.model), **deepspeed},
+        {**run_tags(cfg), "backend": backend},
         OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg), resumes=resumed_run(cfg),
     )  # fmt: skip
     try:

@@ -209,6 +209,23 @@ def test_an_hf_config_plans_and_simulates_as_the_built_in_model_of_its_shape(job
     assert len(result.result.steps) == 3
 
 
+def test_the_run_records_the_sizes_the_config_json_gave(job_overrides: list[str], tmp_path: Path) -> None:
+    """The MLflow run's model.* params are the model the job trained, not the schema's defaults it started from."""
+    from mlflow.tracking import MlflowClient
+
+    from ftlab.experiments.job import compose_config
+    from ftlab.experiments.simulate import simulate_job
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_7B))
+    result = simulate_job(compose_config([
+        *job_overrides, "model=hf", f"model.config={tmp_path}", "model.seq_len=4096", "cluster=a100-16x8",
+        "cluster.nodes=1", "train.stages=8", "train.global_batch=16", "train.micro_batch=2", "train.steps=1",
+        "train.activation_checkpointing=true", "mode=simulate",
+    ]))  # fmt: skip
+    params = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.run_id).data.params
+    assert (params["model.hidden"], params["model.num_blocks"], params["model.vocab_size"]) == ("4096", "32", "32000")
+
+
 def step0_batch(token_cache: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The job's first global batch (train.global_batch 16, train.micro_batch 2, train.seed 0)."""
     batches = Batches(load_tokens(tokenize_corpus(None, VOCAB, token_cache)), SEQ, 16, 2, seed=0)
