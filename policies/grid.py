@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ftlab.runtime.core.contract import Decision, Job, Source
+from ftlab.runtime.core.contract import Decision, Job, Outcome, Source, Stop
 from ftlab.runtime.core.plan import Plan, PlanError, grid_plan
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -31,6 +31,16 @@ def restart_grid(job: Job, generation: int, source: Source | None) -> tuple[Plan
     state comes from, for the decision's reason. Raises PlanError when no grid fits."""
     plan = largest_grid(job.slots, job, generation, source.step if source else 0)
     return plan, f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
+
+
+def restart(job: Job, generation: int, source: Source | None, why: str) -> Outcome:
+    """Restart every live slot on the largest grid from ``source`` (``restart_grid``), or stop when no grid fits;
+    ``why`` opens the reason."""
+    try:
+        plan, where = restart_grid(job, generation, source)
+    except PlanError as exc:
+        return Stop(f"{why}: no grid fits the surviving nodes: {exc}")
+    return decision(plan, f"{why}: restart {len(plan.workers)} workers from {where}", restore=source, restart=True)
 
 
 def decision(plan: Plan, reason: str, restore: Source | None = None, restart: bool = False, **details: Any) -> Decision:

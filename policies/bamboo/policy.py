@@ -37,11 +37,11 @@ Where the papers leave it open, this module chooses:
 from __future__ import annotations
 
 from ftlab.policies.bamboo import redundancy as rc
-from ftlab.policies.grid import decision, grid, restart_grid
+from ftlab.policies.grid import decision, grid, restart
 from ftlab.runtime.core.contract import (
     Change, ConfigError, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Stop,
 )  # fmt: skip
-from ftlab.runtime.core.plan import Plan, PlanError
+from ftlab.runtime.core.plan import Plan
 
 
 class Bamboo(Policy):
@@ -121,9 +121,4 @@ class Bamboo(Policy):
         if source is None and change.step > 0:
             return Stop(f"{change.describe()}: no live worker keeps a copy of every failed stage, and the protection "
                         f"has no saved state to restart from")  # fmt: skip
-        try:
-            plan, where = restart_grid(job, change.generation, source)
-        except PlanError as exc:
-            return Stop(f"{change.describe()}: no grid fits the surviving nodes: {exc}")
-        reason = f"{change.describe()}: a failed stage has no live copy; restart {len(plan.workers)} workers from {where}"
-        return decision(plan, reason, restore=source, restart=True)
+        return restart(job, change.generation, source, f"{change.describe()}: a failed stage has no live copy")

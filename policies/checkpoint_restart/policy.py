@@ -11,11 +11,10 @@ Warned of a preemption, it checkpoints the warned step at once (``policies.warni
 from __future__ import annotations
 
 from ftlab.policies.warnings import checkpoint_now
-from ftlab.policies.grid import decision, largest_grid, restart_grid
+from ftlab.policies.grid import decision, largest_grid, restart
 from ftlab.runtime.core.contract import (
-    Change, ConfigError, Decision, Heed, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, Roles, Stop,
+    Change, ConfigError, Decision, Heed, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, Roles,
 )  # fmt: skip
-from ftlab.runtime.core.plan import PlanError
 
 
 class CheckpointRestart(Policy):
@@ -38,10 +37,4 @@ class CheckpointRestart(Policy):
     def on_change(self, change: Change, job: Job, protection: Protection) -> Outcome:
         if not change.is_failure:
             return Keep(f"{change.describe()}; they join at the next restart")
-        source = protection.restore_source(change)
-        try:
-            plan, where = restart_grid(job, change.generation, source)
-        except PlanError as exc:
-            return Stop(f"no grid fits the surviving nodes: {exc}")
-        reason = f"{change.describe()}: restart {len(plan.workers)} workers from {where}"
-        return decision(plan, reason, restore=source, restart=True)
+        return restart(job, change.generation, protection.restore_source(change), change.describe())
