@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,3 +95,12 @@ def snapshot_history(store: str, run_id: str) -> dict[str, dict[int, float]]:
     client = MlflowClient(store)
     return {name: {m.step: m.value for m in client.get_metric_history(run_id, f"ft/snapshot_{name}")}
             for name in ("cpu_s", "copy_s", "bytes")}  # fmt: skip
+
+
+def run_apart(tmp_path_factory: pytest.TempPathFactory, token_cache: Path, *overrides: str) -> job_module.JobResult:
+    """A job with a store and checkpoint folder of its own: a module's fault-free reference, run once."""
+    d = tmp_path_factory.mktemp("fault-free")
+    return job_module.run_job(job_module.compose_config([
+        f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
+        "progress=false", *overrides,
+    ]))  # fmt: skip

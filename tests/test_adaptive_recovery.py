@@ -27,11 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.experiments.job import JobResult
 from ftlab.runtime.control import events as ev
 from tests.oracle import assert_on_fault_free_trajectory
 from tests.support import (
-    BURSTY_FAULT_AT_STEP_2, REROUTE_MACHINERY, REVIEW_MACHINERY, analytic_profiles, explicit, node, process,
+    BURSTY_FAULT_AT_STEP_2, REROUTE_MACHINERY, REVIEW_MACHINERY, analytic_profiles, explicit, node, process, run_apart,
 )  # fmt: skip
 
 STEPS = 8
@@ -52,10 +52,7 @@ def deterministic_plans() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    d = tmp_path_factory.mktemp("fault-free")
-    common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
-              "progress=false"]  # fmt: skip
-    return run_job(compose_config([*common, *adaptive("local-4")]))
+    return run_apart(tmp_path_factory, token_cache, *adaptive("local-4"))
 
 
 def choices(result: JobResult) -> list[tuple[str, str]]:

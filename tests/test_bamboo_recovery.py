@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.experiments.job import JobResult
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import explicit, node
+from tests.support import explicit, node, run_apart
 
 STEPS = 10
 JOB = ["experiment=plain", "policy=bamboo", "cluster=local-6", "cluster.device_memory_gb=0.08", "train.stages=2",
@@ -23,10 +23,7 @@ JOB = ["experiment=plain", "policy=bamboo", "cluster=local-6", "cluster.device_m
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    d = tmp_path_factory.mktemp("fault-free")
-    common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
-              "progress=false"]  # fmt: skip
-    return run_job(compose_config([*common, *JOB]))
+    return run_apart(tmp_path_factory, token_cache, *JOB)
 
 
 def test_a_killed_stage_is_taken_over_by_its_predecessor_without_a_restart(run, fault_free: JobResult) -> None:  # noqa: ANN001

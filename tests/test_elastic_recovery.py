@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.experiments.job import JobResult
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.processes.hold import HOLD_DIR_ENV, registered_point, step_point
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import explicit, node
+from tests.support import explicit, node, run_apart
 
 STEPS = 10
 JOB = ["experiment=plain", "policy=elastic", "cluster=local-6", "train.stages=2", f"train.steps={STEPS}",
@@ -25,10 +25,7 @@ JOB = ["experiment=plain", "policy=elastic", "cluster=local-6", "train.stages=2"
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    d = tmp_path_factory.mktemp("fault-free")
-    common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
-              "progress=false"]  # fmt: skip
-    return run_job(compose_config([*common, *JOB]))
+    return run_apart(tmp_path_factory, token_cache, *JOB)
 
 
 def assert_in_place(result: JobResult) -> None:

@@ -21,6 +21,7 @@ from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.state import checkpoint, shm
 from tests.oracle import LOSS_RTOL, committed_losses
+from tests.support import run_apart
 
 STEPS = 6
 JOB = ["experiment=plain", "protection=storage", "protection.every=2", f"train.steps={STEPS}"]
@@ -53,11 +54,7 @@ def small_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    from ftlab.experiments.job import compose_config, run_job
-
-    d = tmp_path_factory.mktemp("fault-free")
-    return run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
-                                   f"train.checkpoint_dir={d}", "progress=false", *JOB]))  # fmt: skip
+    return run_apart(tmp_path_factory, token_cache, *JOB)
 
 
 def files_under(folder: Path) -> list[str]:

@@ -25,6 +25,7 @@ import pytest
 from ftlab.experiments import job as job_module
 from ftlab.runtime.processes.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
 from tests.oracle import LOSS_RTOL, committed_losses
+from tests.support import run_apart
 
 STEPS = 8
 COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
@@ -119,12 +120,7 @@ class DetachedLauncher(Launcher):
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> list[float]:
-    from ftlab.experiments.job import compose_config, run_job
-
-    d = tmp_path_factory.mktemp("fault-free")
-    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
-                 "progress=false", *COMMON]  # fmt: skip
-    return committed_losses(run_job(compose_config(overrides)), STEPS)
+    return committed_losses(run_apart(tmp_path_factory, token_cache, *COMMON), STEPS)
 
 
 def test_independent_agents_on_a_second_address_lose_a_node_and_stay_on_the_fault_free_curve(

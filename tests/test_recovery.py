@@ -21,6 +21,7 @@ from ftlab.experiments.job import JobResult
 from ftlab.runtime.control.coordinator import JobStopped
 from tests.holds import holds, up_before  # noqa: F401 - holds: a fixture
 from tests.oracle import LOSS_RTOL, committed_losses
+from tests.support import run_apart
 
 STEPS = 8
 COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=3", f"train.steps={STEPS}"]
@@ -28,12 +29,7 @@ COMMON = ["experiment=plain", "policy=checkpoint_restart", "protection=storage",
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> list[float]:
-    from ftlab.experiments.job import compose_config, run_job
-
-    d = tmp_path_factory.mktemp("fault-free")
-    overrides = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}", f"train.checkpoint_dir={d}",
-                 "progress=false", *COMMON]  # fmt: skip
-    return committed_losses(run_job(compose_config(overrides)), STEPS)
+    return committed_losses(run_apart(tmp_path_factory, token_cache, *COMMON), STEPS)
 
 
 

@@ -25,6 +25,7 @@ from ftlab.runtime.reporting.stale_runs import (
 )  # fmt: skip
 from tests.holds import HANG_S
 from tests.oracle import LOSS_RTOL, committed_losses
+from tests.support import run_apart
 
 STEPS = 8
 JOB = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "protection.every=2", f"train.steps={STEPS}"]
@@ -32,11 +33,7 @@ JOB = ["experiment=plain", "policy=checkpoint_restart", "protection=storage", "p
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    from ftlab.experiments.job import compose_config, run_job
-
-    d = tmp_path_factory.mktemp("fault-free")
-    return run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
-                                   f"train.checkpoint_dir={d}", "progress=false", *JOB]))  # fmt: skip
+    return run_apart(tmp_path_factory, token_cache, *JOB)
 
 
 def wait_for(path: Path) -> None:

@@ -27,7 +27,7 @@ from ftlab.experiments.job import JobResult, check_job, compose_config
 from ftlab.policies.catalog import build_default, policy_classes
 from ftlab.runtime.core.contract import ConfigError
 from tests.oracle import assert_on_fault_free_trajectory
-from tests.support import analytic_profiles, explicit, node
+from tests.support import analytic_profiles, explicit, node, run_apart
 
 STEPS = 8
 JOB = ["experiment=plain", "cluster=local-4", "train.stages=2", "train.zero=1", f"train.steps={STEPS}",
@@ -37,11 +37,7 @@ JOB = ["experiment=plain", "cluster=local-4", "train.stages=2", "train.zero=1", 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory, token_cache: Path) -> JobResult:
-    from ftlab.experiments.job import run_job
-
-    d = tmp_path_factory.mktemp("fault-free")
-    return run_job(compose_config([f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={token_cache}",
-                                   f"train.checkpoint_dir={d}", "progress=false", "policy=checkpoint_restart", *JOB]))
+    return run_apart(tmp_path_factory, token_cache, "policy=checkpoint_restart", *JOB)
 
 
 def restarted(result: JobResult) -> tuple[int, ...]:
