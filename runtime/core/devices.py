@@ -16,6 +16,9 @@ Sources:
   bidirectional = 150 GB/s per direction). Network: AWS p3.16xlarge, 25 Gb/s per node (shared by its 8 GPUs).
 - H100-80GB (SXM5): NVIDIA H100 datasheet (989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s
   bidirectional = 450 GB/s per direction). Network: DGX H100, one 400 Gb/s ConnectX-7 port per GPU.
+- H100-80GBx8: a DGX H100's eight H100s as one device, tensor-parallel over NVLink (ftlab has no tensor
+  parallelism: a model too large for one GPU runs with one worker per node of eight): eight times an H100's
+  compute, memory, memory bandwidth and network (its eight ports); its tensor-parallel all-reduces are not costed.
 - H200-141GB (SXM): NVIDIA H200 datasheet (the H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s, of which
   ``nvidia-smi`` reports 140 GiB; NVLink 4 as the H100's). Network: DGX H200, one 400 Gb/s ConnectX-7 port per GPU.
 """
@@ -63,6 +66,7 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("A100-80GB", 312e12, 80 * GIB, 2039 * GB_S, 300 * GB_S, 200 * GBIT_S, 10e-6),
         DeviceSpec("V100-16GB", 125e12, 16 * GIB, 900 * GB_S, 150 * GB_S, 25 * GBIT_S / 8, 30e-6, bf16=False),
         DeviceSpec("H100-80GB", 989e12, 80 * GIB, 3350 * GB_S, 450 * GB_S, 400 * GBIT_S, 10e-6),
+        DeviceSpec("H100-80GBx8", 8 * 989e12, 8 * 80 * GIB, 8 * 3350 * GB_S, 450 * GB_S, 8 * 400 * GBIT_S, 10e-6),
         DeviceSpec("H200-141GB", 989e12, 140 * GIB, 4800 * GB_S, 450 * GB_S, 400 * GBIT_S, 10e-6),
     )
 }
