@@ -337,10 +337,51 @@ def machine_for(cluster: ClusterConfig, sim: SimConfig, costs: CostModel) -> Sim
 
 
 # -- restoring saved state -----------------------------------------------------------------------------------------
+def _nic_workers(m: SimMachine) -> int:
+    """How many workers share one network link: a device machine's node has one NIC for its GPUs; each process of a
+    shared host has its own (its measured p2p figure is one process's)."""
+    return m.workers_per_node if isinstance(m, DeviceMachine) else 1
+
+
+def _nic_bytes_per_s(m: SimMachine) -> float:
+    """One link's bandwidth, shared by the sends (or by the receives) of the workers behind it."""
+    return m.costs.profile.p2p_bytes_per_s * _nic_workers(m)
+
+
+def _network_s(m: SimMachine, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
+    """The busiest link's traffic, bytes ``sent`` and ``received`` per link (``worker // _nic_workers``), each
+    direction on its own (full duplex), one message latency included."""
+    busiest = max([*sent.values(), *received.values()], default=0.0)
+    return m.costs.profile.latency_s + busiest / _nic_bytes_per_s(m) if busiest else 0.0
+
+
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimMachine, plan: Plan,
                   serving: Sequence[int]) -> float:  # fmt: skip
-    per_reader = [m.checkpoint_bytes(layers) for layers in readers.values()]
-    return sum(per_reader) / m.sim.storage_read_bytes_per_s + max(per_reader, default=0) / m.codec_bytes_per_s
+    """Restoring from a checkpoint in storage: each layer is read once, by the first worker (in worker order) that
+    restores it, which decodes it and broadcasts it to the others restoring it (a stage is read once, not once per
+    data-parallel replica). The readers share the storage's bandwidth (``sim.storage_read_bytes_per_s``); a
+    broadcast crosses each link with a receiver once, out of the reader's link once (a chain: a node's GPUs pass it
+    on among themselves); the reads, the decoding and the broadcast follow one another."""
+    reader_of: dict[int, int] = {}
+    for worker in sorted(readers):
+        for layer in readers[worker]:
+            reader_of.setdefault(layer, worker)
+    links = {layer: {worker // _nic_workers(m) for worker in readers if layer in readers[worker]} for layer in reader_of}
+    sent: dict[int, float] = {}
+    received: dict[int, float] = {}
+    for layer, reader in reader_of.items():
+        others = links[layer] - {reader // _nic_workers(m)}
+        nbytes = m.checkpoint_bytes((layer,))
+        if others:
+            sent[reader // _nic_workers(m)] = sent.get(reader // _nic_workers(m), 0.0) + nbytes
+        for link in others:
+            received[link] = received.get(link, 0.0) + nbytes
+    read: dict[int, list[int]] = {}
+    for layer, reader in reader_of.items():
+        read.setdefault(reader, []).append(layer)
+    storage_s = m.checkpoint_bytes(reader_of) / m.sim.storage_read_bytes_per_s
+    decode_s = max(m.checkpoint_bytes(layers) for layers in read.values()) / m.codec_bytes_per_s
+    return storage_s + decode_s + _network_s(m, sent, received)
 
 
 def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimMachine, plan: Plan,
@@ -350,35 +391,38 @@ def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimM
     - a record on the reader's own node is read at ``sim.snapshot_bytes_per_s`` (a copy out of host memory with its
       checksum, the rate a snapshot is written at);
     - a record only another node holds is read there by that node's serving worker, at the same rate, and sent
-      over the network (the cost model's p2p latency and bandwidth); a sender reads and sends its records one
-      after another, and a receiver receives its own one after another;
+      over the network: every send and every receive of a node's workers goes through the node's one NIC
+      (``_network_s``), as on the paper's nodes;
     - a shard no live node holds is rebuilt from the parities of the other members (fetched as above) and the other
       shards: XOR at the machine's codec rate over the shard's bytes;
     - the workers loading at once share the machine's copy rate (``copy_bytes_per_s``).
-    The restore takes as long as the busiest worker, reader or sender; building the layers from the loaded state is
-    charged by ``configuring`` as for any restore."""
+    The restore takes as long as the busiest worker's reads and decoding, then the busiest NIC's traffic; building
+    the layers from the loaded state is charged by ``configuring`` as for any restore."""
     assert isinstance(source, MemorySource)
     loads = load_plan(source, plan, list(serving))
     rate = m.copy_bytes_per_s(len(readers))
     busy: dict[int, float] = {}
+    sent: dict[int, float] = {}
+    received: dict[int, float] = {}
 
-    def fetched(fetch: Fetch) -> float:
-        if fetch.sender is None:
-            return fetch.record.nbytes / rate
-        sent = m.costs.p2p_s(fetch.record.nbytes)
-        busy[fetch.sender] = busy.get(fetch.sender, 0.0) + fetch.record.nbytes / rate + sent
-        return sent
+    def fetched(worker: int, fetch: Fetch) -> None:
+        nbytes = fetch.record.nbytes
+        reader = worker if fetch.sender is None else fetch.sender
+        busy[reader] = busy.get(reader, 0.0) + nbytes / rate
+        if fetch.sender is not None:
+            sent[fetch.sender // _nic_workers(m)] = sent.get(fetch.sender // _nic_workers(m), 0.0) + nbytes
+            received[worker // _nic_workers(m)] = received.get(worker // _nic_workers(m), 0.0) + nbytes
 
     for worker in sorted(readers):
-        seconds = 0.0
         for group in loads[worker].groups:
-            seconds += sum(fetched(f) for f in group.shards.values())
+            for fetch in group.shards.values():
+                fetched(worker, fetch)
             for fetches in group.decode.values():
-                seconds += sum(fetched(f) for f in fetches)
+                for fetch in fetches:
+                    fetched(worker, fetch)
                 shard = sum(f.record.nbytes for f in fetches)  # q parities of one sub-chunk each
-                seconds += shard * (group.group.members - 1) / m.codec_bytes_per_s  # a parity and m - 2 shards each
-        busy[worker] = busy.get(worker, 0.0) + seconds
-    return max(busy.values(), default=0.0)
+                busy[worker] = busy.get(worker, 0.0) + shard * (group.group.members - 1) / m.codec_bytes_per_s
+    return max(busy.values(), default=0.0) + _network_s(m, sent, received)
 
 
 register_source(StorageSource, _storage_read)
