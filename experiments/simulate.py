@@ -24,6 +24,7 @@ from ftlab.faults.injector import Injector
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.control.coordinator import Coordinator, JobStopped
 from ftlab.runtime.sim.backend import HorizonReached, SimBackend
+from ftlab.runtime.sim.fault_free import FasterThanFaultFree
 from ftlab.runtime.reporting.tracking import Tracker
 
 
@@ -36,6 +37,9 @@ class Simulated:
     """The job ended at ``sim.horizon_s`` rather than at train.steps or a stop."""
     components: int
     """Distinct plan components the simulator executed (every other pipeline reused one of them)."""
+    faster_than_fault_free: list[FasterThanFaultFree]
+    """Plans after failures that trained faster than the fault-free plan (``runtime.sim.fault_free``): none, unless
+    a plan is timed unlike its fault-free counterpart."""
 
 
 def simulate_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult:
@@ -89,5 +93,6 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     finally:
         injector.stop()
         seen.progress.close()
-    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.machine.timer.components)
+    return Simulated(conclude(cfg, tracker, seen, checked, injector, stopped), horizon, backend.machine.timer.components,
+                     backend.bound.faster)  # fmt: skip
 

@@ -52,6 +52,7 @@ from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.snapshot_layout import load_plan
 from ftlab.runtime.sim.clock import Clock
 from ftlab.runtime.sim.cluster import HorizonReached, SimCluster
+from ftlab.runtime.sim.fault_free import FaultFreeBound
 from ftlab.runtime.sim.machines import SimMachine
 from ftlab.runtime.sim.memory import Part, SnapshotMemory
 from ftlab.runtime.sim.timing import IterationTiming
@@ -136,6 +137,8 @@ class SimBackend(Backend):
         it, and the generation of the plan it was timed on."""
         self._step_timing: IterationTiming | None = None
         """The running step's timing: its plan's, or with the copies that overlap it."""
+        self.bound = FaultFreeBound()
+        """Every plan configured, held to the fault-free plan's samples/s (``runtime.sim.fault_free``)."""
 
     # -- the clock and who is who ------------------------------------------------------------------------------
     def clock(self) -> float:
@@ -189,6 +192,7 @@ class SimBackend(Backend):
         for worker, layers in cost.received.items():  # a copy kept beside the stage (Bamboo) is held too
             cluster.held.setdefault(worker, set()).update(layers)
         self._configured = _Configured(plan.generation, timing, needs, plan, programs)
+        self.bound.timed(plan, self.machine.period_s(timing))
         self._overlapped = None
         self.memory.forget_reductions()
         self._layers_dropped = False

@@ -159,10 +159,15 @@ class SimMachine(Machine):
             return max(overlapped.ready_s, *overlapped.copy_end.values())
         return max(self.iteration(plan, programs).ready_s, *copies_s.values())
 
+    def period_s(self, timing: IterationTiming) -> float:
+        """A step of ``timing`` with nothing beside it: until every worker has reduced, the commit, the slowest
+        optimizer step."""
+        return timing.ready_s + self.sim.control_s + timing.optimizer_s
+
     def step_s(self, plan: Plan, programs: Mapping[int, ins.Program], snapshot: Mapping[int, int] | None = None,
                every: int = 1) -> float:  # fmt: skip
         timing = self.iteration(plan, programs)
-        plain = timing.ready_s + self.sim.control_s + timing.optimizer_s
+        plain = self.period_s(timing)
         if not snapshot:
             return plain
         copies_s = {worker: nbytes / self.sim.snapshot_bytes_per_s for worker, nbytes in snapshot.items()}
