@@ -1,80 +1,105 @@
-"""Paper-scale experiments on the simulator, as tables and plots in the MLflow experiment ``ftlab-sim``.
+"""Published tables of Oobleck, ReCycle and REFT, and Llama 3's scale, reproduced on the simulator.
 
-    .venv/bin/python -m experiments.sim_paper            # the three studies, full size
-    .venv/bin/python -m experiments.sim_paper --smoke    # a few cells of each (what a busy machine can afford)
+    python -m ftlab.experiments.sim_paper                # every study; writes docs/results-paper.md
+    python -m ftlab.experiments.sim_paper --smoke        # a few cells of each study
+    python -m ftlab.experiments.sim_paper --cell ID      # one cell (its id is in the docs table), printed
+    python -m ftlab.experiments.sim_paper --studies table2,recycle   # some studies (the MTBF sweep: sweep)
 
-Every cell is one simulated job (``experiments.simulate``: the real coordinator, policies and programs on a
-simulated cluster); the study's tables, plots and a JSON of every cell are logged to one MLflow run.
+Every cell is one simulated job (``experiments.simulate``: the real coordinator, policies and programs on a simulated
+cluster). The docs table (``--docs``, default ``docs/results-paper.md``) gives per cell the published figure, the
+simulated one, their ratio and the command that prints the cell; the tables and every cell go to one MLflow run of the
+experiment ``ftlab-sim``. The run ends with one JSON line:
+- ``max_cell_error``: the largest relative error over the published cells of Oobleck's Table 2 and ReCycle's Table 1
+  that neither collapse nor were fitted;
+- ``collapses_missed``: published collapses (below ``COLLAPSE`` of the fault-free throughput, OOM, or no progress)
+  that the simulation does not reproduce;
+- ``orderings_reproduced`` / ``orderings_total``: per published cell, every pair of systems the paper orders (one
+  ahead of the other, or level within ``LEVEL``), and how many the simulation orders alike;
+- ``faster_than_fault_free``: plans after failures that run faster than their job's fault-free plan on fewer workers;
+- ``llama3_sim_s``, ``llama3_effective``: wall seconds to simulate Llama 3's pre-training, and its goodput;
+- ``reft_restore_speedup``: storage restore over memory restore in REFT's setup.
 
-**Table 2 of Oobleck (SOSP'23)**: average throughput (samples/s over the whole run) of BERT-Large, GPT-3 medium, 2.7B
-and 6.7B on the paper's cluster (``cluster=a40-30x1``: 30 A40 nodes of one GPU, 40 GB usable, 200 Gb/s) with the paper's batches
-(Table 1: 8192 in micro-batches of 16 for medium, 1024 in micro-batches of 2 for the others), activation checkpointing
-on (Oobleck and Varuna use it), under the bundled synthetic traces ``6h``, ``1h`` and ``10m`` (a node fails every 6
-hours, hour, 10 minutes, never replaced), until 15 of the 30 nodes remain, as in the paper (Section 7.2): a fault-free
-run and, by role (``table2_policies``), every policy that recovers by restarting from saved state alone
-(checkpoint-restart, Varuna) and every one that recovers in place (Oobleck with f = 1, ReCycle, Bamboo, elastic), each
-that can restart with a checkpoint every 10 iterations (the paper's Varuna setting). Bamboo runs as the paper ran it
-(Table 1): no activation checkpointing, BERT-Large in micro-batches of 4; on the GPT-3 models it is refused for
-memory, the paper's OOM cells. The grid of the fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for
-6.7B, whose half of the model does not fit an A40's 40 GB), Oobleck plans its own. The paper's storage (MinIO on six
-NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads, all writers or readers together
-(``STORAGE``): a stated assumption, not a measurement.
+**Calibration**, one per model and cluster (``cluster.device_efficiency``, found by ``experiments.calibration``):
+- Oobleck (cluster ``a40-30x1``, TF32 as the paper trained): the paper publishes no fault-free throughput, so each model
+  is calibrated on its Oobleck 6h cell of Table 2 (a run that averages 30 down to 15 nodes); that cell is fitted and
+  left out of ``max_cell_error``. Figure 10 runs at the same efficiency (same model, same cluster).
+- ReCycle (cluster ``azure-a100-4x8``): each model on its published fault-free DeepSpeed throughput (27.58, 14.87,
+  5.33 samples/s), with ``policy=none``; no cell of Table 1 is fitted.
+- REFT and Llama 3: the default efficiency. Llama 3's published 400 TFLOP/s per GPU needs its interleaved pipeline
+  schedule; ftlab's 1F1B over 16 stages at 16 micro-batches idles half the time, and no efficiency up to 1 reaches it.
 
-**MTBF sweep**: goodput (useful samples per second over the fault-free rate) of ``llama2-6.7b`` against cluster
-size (``--sizes``, nodes of 8 A100-80GB), over ``--hours`` of training, with node failures at published large-cluster
-rates, each failed node replaced an hour later (spares), for every policy with every protection it works with (every
-policy found, with each protection its ``check`` accepts; ``combinations``):
-- Llama 3 (Dubey et al. 2024, Section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 GPUs, i.e. one per
-  1.82e8 GPU-seconds; a cluster of G GPUs fails every 1.82e8 / G seconds;
-- Meta's research clusters (Kokolis et al. 2024): projected job MTTF of 7.9 h at 1,024 GPUs and 1.8 h at 16,384;
-  between and beyond, interpolated on a log-log line (MTTF proportional to G^-0.53).
-The protections: ``storage`` (a checkpoint every 50 steps at ``STORAGE``) and ``reft`` (a snapshot in host memory
-after every step, mode arc, copied at ``SNAPSHOTS``, with a flush to storage every 50 steps).
+**Oobleck's Table 2** (SOSP'23, Section 7.2): average samples/s of BERT-Large, GPT-2 (345M), GPT-3 medium, 2.7B and 6.7B
+on 30 A40 nodes of one GPU, with the paper's batches (Table 1: 8192 in micro-batches of 32 for BERT-Large and GPT-2, 16
+for medium; 1024 in micro-batches of 2 for the others), activation checkpointing on, under the bundled traces ``6h``,
+``1h`` and ``10m`` (a node fails every 6 hours, hour, 10 minutes, never replaced) until 15 of the 30 nodes remain: the
+run ends ``PAST_LAST_FAILURE_S`` after the 15th failure, so that it fires. Rows by role (``table2_policies``): a
+fault-free run, every policy that recovers by restarting from saved state alone (checkpoint-restart, Varuna), every one
+that recovers in place (Oobleck with f = 1, ReCycle, Bamboo, elastic), each that restarts with a checkpoint every 10
+iterations (the paper's Varuna setting). Bamboo runs as the paper ran it (Table 1): no activation checkpointing, BERT-Large
+in micro-batches of 4, GPT-2 of 1; on the GPT-3 models it is refused for memory, the paper's OOM. The grid of the
+fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for 6.7B), Oobleck plans its own. The paper's
+storage (MinIO on six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads (``STORAGE``): a
+stated assumption, not a measurement.
 
-**ReCycle's comparison (SOSP'24, Section 6: "training throughput with increasing failures")**: throughput after 0, 1, 2,
-4, 8 GPUs fail at once, relative to the fault-free run, for ReCycle (``policy=recycle``) and Oobleck
-(``policy=oobleck``, f = 1): every policy that recovers in place (``recycle_policies``). The paper's testbed is 4 Azure
-NC96ads_A100_v4 (8 A100-80GB each, NVLink inside, 640 Gb/s between nodes), GPT-3 medium / 3.35B / 6.7B at
-(PP, DP) = (2, 16), (4, 8), (8, 4), no tensor parallelism.
-Ours: ``cluster=a100-16x8 cluster.nodes=4`` (the analytic A100-80GB profile, one 200 Gb/s port per GPU), the same
-models with ``gpt3-2.7b`` standing in for 3.35B (we have no 3.35B config), ``train.stages`` = the paper's PP and
-activation checkpointing on. Choices where the paper (its slides, /work/shared/papers) is vague:
-- Batch: micro-batches of 2, 8 per pipeline (global batch 16 x DP): the paper gives neither.
-- Which GPUs fail: a seeded random permutation of the 32 GPUs, the first k of it for k failures (the failed sets
-  grow by inclusion), all killed at the start of step ``RECYCLE_FAIL_STEP``, never replaced.
-- Throughput is the steady state after the failures: global batch over the last step's iteration time (iterations
-  of one plan are identical in the simulator), over the fault-free grid's (DeepSpeed's 1F1B on PP x DP, the
-  paper's "Fault-Free"); "fault-scaled" (the paper's large-scale reference) is (32 - k) / 32.
-- Two layouts (``RECYCLE_LAYOUTS``): ``4x8``, the paper's hardware, where a failed GPU is its worker process
-  killed, and Oobleck, whose unit is the node, gives up the whole node (``policies/oobleck``: "a node whose worker
-  process died counts as a lost node"); and ``32x1``, every GPU its own node (as in Oobleck's own evaluation), where
-  a failed GPU is a node lost for both policies.
-- Neither policy has a protection (``protection=none``): when ReCycle loses every replica of a stage, or Oobleck
-  has fewer nodes than f + 1 pipelines need, the policy stops the job; the table says so instead of a figure.
+**Oobleck's Figure 10** (Section 7.3): the same models, cluster and batches under the spot traces ``p3`` and ``scale_gcp``
+replayed for 12 hours, nodes leaving and joining. Without the spot instances' grace period: both traces preempt nodes at
+the same instant, and the injector refuses a notice longer than the gap to the next fault. The paper gives
+no figures in its text, only orderings (Oobleck ahead of Varuna ahead of Bamboo) and collapses (Bamboo runs no GPT-3
+model, Varuna makes no progress on GPT-3 6.7B): those are the published cells.
 
-Faults of the MTBF sweep are drawn from an exponential distribution (``faults=exponential``) with a fixed seed, the
-same for every policy of a cell.
+**ReCycle's Table 1** (SOSP'24): samples/s over 6 hours of GPT-3 medium, 3.35B and 6.7B at (PP, DP) = (2, 16), (4, 8),
+(8, 4) on 4 Azure NC96ads_A100_v4 (8 A100-80GB, 640 Gb/s between nodes), for the fault-free grid, Bamboo, Oobleck and
+ReCycle (every policy that recovers in place: ``recycle_policies``), with a GPU failing every 6 h, 2 h or 30 min, never
+replaced. Choices where the paper is vague: ``gpt3-2.7b`` stands in for 3.35B (no such GPT-3 exists); micro-batches of
+2, 8 per pipeline; failures at the middle of each period (6 h: one at 3 h; 30 min: twelve), on GPUs drawn by a seeded
+permutation; every GPU is a node of its own (``cluster.nodes=32``, each with its share of the node's 640 Gb/s), so that
+Oobleck, whose unit is the node, loses one GPU per failure as in the paper and not eight.
+
+**REFT** (Section 7.4, Figure 12): restoring Llama-2 1.3B trained with (TP, PP, DP) = (4, 4, 8) on 128 V100s from NFS
+(9.27 s) and from host memory (ARC 0.84 s, AEC 0.75 s). ftlab has no tensor parallelism: a worker stands for a TP group
+(``cluster=v100-128x4``, 32 of its nodes of four V100s): 128 workers, 4 stages, 32 pipelines, so each worker holds a
+whole stage where REFT's TP group shared it, and the state restored is the same. NFS is 10 Gb/s for all readers
+(``NFS``). The snapshot overhead (Table 3: less than 3%) is the iteration time with a snapshot every step over without.
+
+**Llama 3 405B** (Dubey et al. 2024, Section 3.3.4): 54 days on 16,384 H100s with 419 unexpected interruptions and more
+than 90% effective training time. A worker is one node's eight H100s, tensor-parallel over NVLink as the paper ran them
+(TP 8: device ``H100-80GBx8``, cluster ``h100-2048x8``), 16 pipeline stages, 128 pipelines, 2048 sequences of 8192
+tokens per step in micro-batches of 1; checkpoint-restart with a checkpoint every ``LLAMA3_EVERY`` steps to storage at
+2 TB/s (Tectonic's sustained throughput, Section 3.3.1); interruptions drawn from an exponential distribution at the
+published rate, each failed node replaced by a spare at once. Effective training time is the run's goodput.
+
+The MTBF sweep (``--studies sweep``): goodput of ``llama2-6.7b`` against cluster size at Llama 3's and Meta's research clusters'
+failure rates, for every policy with every protection it works with (``combinations``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
-import tempfile
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from ftlab.experiments.calibration import calibrated_efficiency, search
 from ftlab.policies import catalog
+from ftlab.runtime.control.events import StateRestored
 from ftlab.runtime.core.contract import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / ".ftlab" / "sim"
+DOCS = REPO / "docs" / "results-paper.md"
+COLLAPSE = 0.15
+"""A throughput below this fraction of the fault-free one is a collapse (the paper's 0.36 and 0.12 samples/s)."""
+LEVEL = 0.03
+"""Two systems within this relative difference are level, not one ahead of the other."""
 STORAGE = ["sim.storage_write_bytes_per_s=5e9", "sim.storage_read_bytes_per_s=1e10"]
 SNAPSHOTS = ["sim.snapshot_bytes_per_s=1e10"]
 """A REFT snapshot's copy from an A100 into its host's memory: PCIe 4.0 x16 peaks near 25 GB/s and a DGX A100 puts
@@ -82,45 +107,469 @@ two GPUs behind each PCIe switch, so 10 GB/s per GPU: a stated assumption, not a
 HOST_MEMORY = ["protection.host_memory_gb=1024"]
 """A DGX A100's 1 TB of host memory, for the snapshots' records."""
 
-TABLE2_MODELS = {
+# -- Oobleck: Table 2 and Figure 10 ---------------------------------------------------------------------------------
+OOBLECK_CLUSTER = ["cluster=a40-30x1", "train.precision=tf32", "train.activation_checkpointing=true", *STORAGE]
+OOBLECK_MODELS = {
     "bert-large": ["model=bert-large", "train.global_batch=8192", "train.micro_batch=32"],
+    "gpt2-medium": ["model=gpt2-medium", "train.global_batch=8192", "train.micro_batch=32"],
     "gpt3-medium": ["model=gpt3-medium", "train.global_batch=8192", "train.micro_batch=16"],
     "gpt3-2.7b": ["model=gpt3-2.7b", "train.global_batch=1024", "train.micro_batch=2"],
     "gpt3-6.7b": ["model=gpt3-6.7b", "train.global_batch=1024", "train.micro_batch=2", "train.stages=6"],
 }
 TABLE2_TRACES = ("6h", "1h", "10m")
-PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Bamboo, Varuna, Oobleck) per model and trace; None: Bamboo's OOM
+PAST_LAST_FAILURE_S = 1.0
+PAPER_TABLE2 = {  # Oobleck's Table 2, samples/s: (Bamboo, Varuna, Oobleck) per model and trace; "OOM": Bamboo's
     "bert-large": {"6h": (77.04, 259.57, 287.10), "1h": (75.60, 245.39, 286.28), "10m": (69.84, 168.15, 282.11)},
-    "gpt3-medium": {"6h": (None, 29.52, 29.30), "1h": (None, 27.61, 29.21), "10m": (None, 20.71, 28.70)},
-    "gpt3-2.7b": {"6h": (None, 7.27, 7.29), "1h": (None, 6.41, 7.23), "10m": (None, 0.36, 6.89)},
-    "gpt3-6.7b": {"6h": (None, 4.02, 4.33), "1h": (None, 2.91, 4.22), "10m": (None, 0.12, 3.55)},
+    "gpt2-medium": {"6h": (17.47, 86.42, 85.59), "1h": (17.13, 83.94, 85.42), "10m": (16.01, 69.67, 84.80)},
+    "gpt3-medium": {"6h": ("OOM", 29.52, 29.30), "1h": ("OOM", 27.61, 29.21), "10m": ("OOM", 20.71, 28.70)},
+    "gpt3-2.7b": {"6h": ("OOM", 7.27, 7.29), "1h": ("OOM", 6.41, 7.23), "10m": ("OOM", 0.36, 6.89)},
+    "gpt3-6.7b": {"6h": ("OOM", 4.02, 4.33), "1h": ("OOM", 2.91, 4.22), "10m": ("OOM", 0.12, 3.55)},
 }
-PAPER_COLUMN = {"bamboo": 0, "varuna": 1, "checkpoint_restart": 1, "oobleck": 2}
-"""Which of the paper's systems a policy is compared with (checkpoint-restart with Varuna, which it resembles)."""
+OOBLECK_SYSTEMS = ("bamboo", "varuna", "oobleck")
+"""The systems of Oobleck's evaluation, in the order of its tables."""
+CALIBRATION_TRACE = "6h"
+"""Each model's Oobleck cell of this trace is what its efficiency is solved for (module docstring)."""
 SETTINGS = {"oobleck": ["policy.fault_threshold=1"], "bamboo": ["train.activation_checkpointing=false"]}
-"""Settings a policy runs with beyond a study's own (which policies run is what their roles say): Bamboo does not
-use activation checkpointing (Oobleck 7.1), which every study turns on for the others."""
-BAMBOO_MICRO_BATCH = {"bert-large": 4}
+"""Settings a policy runs with beyond a study's own: Bamboo does not use activation checkpointing (Oobleck 7.1)."""
+BAMBOO_MICRO_BATCH = {"bert-large": 4, "gpt2-medium": 1}
 """Oobleck's Table 1: the largest micro-batch Bamboo runs per model (GPT-3 models: none, out of memory; there it
 keeps the others' micro-batch and is refused for memory, the paper's OOM cells)."""
+FIGURE10_TRACES = ("p3", "scale_gcp")
+FIGURE10_HOURS = 12.0
+FIGURE10_COLLAPSES = {("gpt3-medium", "bamboo"): "OOM", ("gpt3-2.7b", "bamboo"): "OOM",
+                      ("gpt3-6.7b", "bamboo"): "OOM", ("gpt3-6.7b", "varuna"): "no progress"}  # fmt: skip
+
+# -- ReCycle: Table 1 ----------------------------------------------------------------------------------------------
+RECYCLE_CLUSTER = ["cluster=azure-a100-4x8", "cluster.nodes=32", "cluster.workers_per_node=1",
+                   "cluster.node_network_gbps=80", "train.precision=bf16", "train.activation_checkpointing=true",
+                   "train.micro_batch=2", *STORAGE]  # fmt: skip
+RECYCLE_MODELS = {  # the paper's (PP, DP) on 32 GPUs; gpt3-2.7b stands in for its 3.35B
+    "gpt3-medium": ["model=gpt3-medium", "train.stages=2", "train.global_batch=256"],
+    "gpt3-2.7b": ["model=gpt3-2.7b", "train.stages=4", "train.global_batch=128"],
+    "gpt3-6.7b": ["model=gpt3-6.7b", "train.stages=8", "train.global_batch=64"],
+}
+RECYCLE_PERIODS_S = {"6h": 6 * 3600.0, "2h": 2 * 3600.0, "30m": 1800.0}
+RECYCLE_HOURS = 6.0
+PAPER_RECYCLE = {  # ReCycle's Table 1, samples/s: fault-free DeepSpeed, and per period (Bamboo, Oobleck, ReCycle)
+    "gpt3-medium": (27.58, {"6h": (19.47, 27.26, 27.27), "2h": (18.98, 25.37, 25.42), "30m": (15.24, 19.47, 22.27)}),
+    "gpt3-2.7b": (14.87, {"6h": ("OOM", 14.55, 14.59), "2h": ("OOM", 13.44, 14.17), "30m": ("OOM", 9.78, 12.63)}),
+    "gpt3-6.7b": (5.33, {"6h": ("OOM", 4.98, 5.17), "2h": ("OOM", 4.65, 4.85), "30m": ("OOM", 2.78, 3.53)}),
+}
+RECYCLE_SYSTEMS = ("bamboo", "oobleck", "recycle")
+
+# -- REFT ----------------------------------------------------------------------------------------------------------
+NFS = ["sim.storage_read_bytes_per_s=1.25e9", "sim.storage_write_bytes_per_s=1.25e9"]
+V100_SNAPSHOTS = ["sim.snapshot_bytes_per_s=1e10"]
+"""A V100's copy into its host's memory over PCIe 3.0 x16 (16 GB/s peak): 10 GB/s, an assumption."""
+"""REFT's NFS "via 10Gbps networks" (Section 7.1), read as 10 Gb/s for every reader together: an assumption."""
+REFT_JOB = ["model=llama2-1.3b", "cluster=v100-128x4", "cluster.nodes=32", "cluster.workers_per_node=1", "train.stages=4", "train.precision=fp16",
+            "train.global_batch=64", "train.micro_batch=2", "train.activation_checkpointing=true", "train.steps=8",
+            *NFS, *V100_SNAPSHOTS]  # fmt: skip
+REFT_KILL = "faults.events=[{kind: node, node: 1, at_step: 6}]"
+PAPER_REFT = {"storage": 9.27, "arc": 0.84, "aec": 0.75}
+"""REFT's Figure 12: seconds to load the checkpoint from NFS, and from host memory under ARC and AEC."""
+PAPER_REFT_OVERHEAD = 0.03
+"""REFT's Table 3: a snapshot every iteration costs less than 3% of throughput."""
+
+# -- Llama 3 -------------------------------------------------------------------------------------------------------
+LLAMA3_DAYS = 54.0
+LLAMA3_INTERRUPTIONS = 419
+LLAMA3_EFFECTIVE = 0.90
+LLAMA3_EVERY = 20
+"""Steps between checkpoints: about Young's optimum, sqrt(2 x checkpoint time x MTBF) = sqrt(2 x 4 s x 11,100 s)
+= 300 s, some 20 steps of ftlab's 16 s."""
+LLAMA3_JOB = ["model=llama3-405b", "cluster=h100-2048x8", "train.stages=16", "train.global_batch=2048",
+              "train.micro_batch=1", "train.activation_checkpointing=true", "train.precision=bf16",
+              "policy=checkpoint_restart", "protection=storage", f"protection.every={LLAMA3_EVERY}",
+              "sim.storage_write_bytes_per_s=2e12", "sim.storage_read_bytes_per_s=2e12"]  # fmt: skip
+
+
+@dataclass
+class Cell:
+    """One simulated job beside the figure a paper published for it."""
+
+    study: str
+    model: str
+    setting: str
+    """The failure rate, trace or measure."""
+    system: str
+    """The policy (or ``fault-free``)."""
+    published: float | str | None
+    """The paper's figure; a collapse in words (``OOM``, ``no progress``); None where it publishes none."""
+    overrides: list[str]
+    metric: str = "samples_per_s"
+    """What ``simulated`` is: samples_per_s, goodput, or restore_s (``measure``)."""
+    fitted: bool = False
+    """The calibration solved for this cell: it matches by construction."""
+    simulated: float | None = None
+    """None: refused (out of memory) or stopped before any step."""
+    refused: str | None = None
+    stopped: str | None = None
+    failures: int = 0
+    faster: int = 0
+    """Plans after failures faster than the job's fault-free plan (``runtime.sim.fault_free``)."""
+    wall_s: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return f"{self.study}/{self.model}/{self.setting}/{self.system}"
+
+    @property
+    def collapsed_in_paper(self) -> bool:
+        return isinstance(self.published, str)
+
+
+# -- running a job -------------------------------------------------------------------------------------------------
+def run_job(overrides: list[str]) -> Any:  # noqa: ANN401 - a Simulated
+    from ftlab.experiments.simulate import simulate
+
+    return simulate(job_config(overrides))
+
+
+def job_config(overrides: list[str]) -> Any:  # noqa: ANN401 - a JobConfig
+    from ftlab.experiments.job import compose_config
+
+    return OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
+
+
+def measure(cell: Cell) -> Cell:
+    """Run the cell's job and fill in what it gives; a job refused for memory is the paper's OOM, not a crash."""
+    began = time.perf_counter()
+    try:
+        simulated = run_job(cell.overrides)
+    except ConfigError as refused:
+        cell.refused, cell.wall_s = str(refused), time.perf_counter() - began
+        return cell
+    cell.wall_s = time.perf_counter() - began
+    result = simulated.result
+    cell.stopped = result.stopped
+    cell.failures = sum(f.noticed_at is not None for f in result.faults)
+    cell.faster = len(simulated.faster_than_fault_free)
+    if cell.metric == "restore_s":
+        loads = [e.seconds for e in result.events if isinstance(e, StateRestored)]
+        cell.simulated = max(loads) if loads else None
+    elif cell.metric == "iter_s":
+        cell.simulated = min(s.iter_s for s in result.steps) if result.steps else None
+    else:
+        key = "summary/goodput_ratio" if cell.metric == "goodput" else "summary/samples_per_s"
+        cell.simulated = result.summary.get(key, 0.0)
+    return cell
+
+
+def efficiency(value: float) -> str:
+    return f"cluster.device_efficiency={value:.6g}"
+
+
+# -- Oobleck's Table 2 and Figure 10 -------------------------------------------------------------------------------
+def table2_policies() -> dict[str, list[str]]:
+    """Table 2's rows, by role: the fault-free run, every policy that recovers by restarting from saved state alone
+    and every one that recovers in place."""
+    compared = catalog.policies_with(lambda r: r.recovers and not r.chooses and (r.restarts_only or r.in_place))
+    return {"fault-free": ["policy=none", "faults=none"], **{p: policy_settings(p) for p in compared}}
+
+
+def policy_settings(policy: str) -> list[str]:
+    """The policy, with a checkpoint every 10 iterations where it can restart (the paper's Varuna setting), and its
+    own ``SETTINGS``."""
+    restarts = catalog.roles()[policy].restarts
+    return [f"policy={policy}", *(["protection=storage", "protection.every=10"] if restarts else []),
+            *SETTINGS.get(policy, [])]  # fmt: skip
+
+
+def trace_end_s(trace: str) -> float:
+    """Until half the nodes remain, as the paper measures: just past the synthetic trace's 15th (last) failure."""
+    from ftlab.faults.schedules import ClusterShape, FaultsConfig, build_schedule
+
+    events = build_schedule(FaultsConfig(schedule="trace", trace=trace, time_compression=1.0), ClusterShape(30, 1))
+    return max(e.at_time_s or 0.0 for e in events) + PAST_LAST_FAILURE_S
+
+
+def oobleck_job(model: str, policy: str, settings: list[str], faults: list[str], horizon_s: float) -> list[str]:
+    micro = [f"train.micro_batch={BAMBOO_MICRO_BATCH[model]}"] if policy == "bamboo" and model in BAMBOO_MICRO_BATCH else []
+    return [*OOBLECK_MODELS[model], *OOBLECK_CLUSTER, "train.steps=100000000", f"sim.horizon_s={horizon_s:g}",
+            *settings, *micro, *([] if policy == "fault-free" else faults)]  # fmt: skip
+
+
+def trace_faults(trace: str, *extra: str) -> list[str]:
+    return ["faults=trace", f"faults.trace={trace}", "faults.trace_s_per_step=null", "faults.time_compression=1", *extra]
+
+
+@functools.cache
+def oobleck_efficiency(model: str) -> float:
+    """The efficiency at which the model's Oobleck cell of ``CALIBRATION_TRACE`` gives the published figure."""
+    trace = CALIBRATION_TRACE
+    job = oobleck_job(model, "oobleck", table2_policies()["oobleck"], trace_faults(trace), trace_end_s(trace))
+
+    def throughput(e: float) -> float:
+        return run_job([*job, efficiency(e)]).result.summary["summary/samples_per_s"]
+
+    target = PAPER_TABLE2[model][trace][OOBLECK_SYSTEMS.index("oobleck")]
+    return search(throughput, target, job_config(job).cluster.device_efficiency)[0]
+
+
+def table2_cells(models: list[str], traces: list[str]) -> list[Cell]:
+    cells = []
+    for model in models:
+        for trace in traces:
+            for policy, settings in table2_policies().items():
+                published = PAPER_TABLE2[model][trace][OOBLECK_SYSTEMS.index(policy)] if policy in OOBLECK_SYSTEMS else None
+                job = oobleck_job(model, policy, settings, trace_faults(trace), trace_end_s(trace))
+                cells.append(Cell("table2", model, trace, policy, published, [*job, efficiency(oobleck_efficiency(model))],
+                                  fitted=policy == "oobleck" and trace == CALIBRATION_TRACE))  # fmt: skip
+    return cells
+
+
+def figure10_cells(models: list[str], traces: list[str]) -> list[Cell]:
+    policies = {p: s for p, s in table2_policies().items() if p in (*OOBLECK_SYSTEMS, "fault-free")}
+    cells = []
+    for model in models:
+        for trace in traces:
+            for policy, settings in policies.items():
+                job = oobleck_job(model, policy, settings, trace_faults(trace), FIGURE10_HOURS * 3600)
+                cells.append(Cell("figure10", model, trace, policy, FIGURE10_COLLAPSES.get((model, policy)),
+                                  [*job, efficiency(oobleck_efficiency(model))]))  # fmt: skip
+    return cells
+
+
+# -- ReCycle's Table 1 ---------------------------------------------------------------------------------------------
+def recycle_policies() -> tuple[str, ...]:
+    """ReCycle's comparison, by role: every policy found that recovers in place (ReCycle, Oobleck, Bamboo, ...)."""
+    return catalog.policies_with(lambda roles: roles.in_place and not roles.chooses)
+
+
+def gpu_failures(period_s: float, hours: float, gpus: int = 32, seed: int = 0) -> list[str]:
+    """One GPU (a node of ``RECYCLE_CLUSTER``) failing at the middle of each period, drawn by a seeded permutation."""
+    count = int(hours * 3600 / period_s)
+    chosen = random.Random(seed).sample(range(gpus), gpus)[:count]
+    events = [f"{{kind: node, node: {g}, at_time_s: {(k + 0.5) * period_s:g}}}" for k, g in enumerate(chosen)]
+    return ["faults=explicit", f"faults.events=[{','.join(events)}]"]
+
+
+def recycle_job(model: str, *extra: str) -> list[str]:
+    return [*RECYCLE_MODELS[model], *RECYCLE_CLUSTER, "train.steps=100000000",
+            f"sim.horizon_s={RECYCLE_HOURS * 3600:g}", *extra]  # fmt: skip
+
+
+@functools.cache
+def recycle_efficiency(model: str) -> float:
+    """The efficiency at which DeepSpeed's fault-free grid (``policy=none``) gives the published throughput."""
+    return calibrated_efficiency(job_config([*RECYCLE_MODELS[model], *RECYCLE_CLUSTER, "policy=none", "faults=none",
+                                             f"sim.calibrate_samples_per_s={PAPER_RECYCLE[model][0]}"]))
+
+
+def recycle_cells(models: list[str], periods: list[str]) -> list[Cell]:
+    cells = []
+    for model in models:
+        fault_free, published = PAPER_RECYCLE[model]
+        calibrated = efficiency(recycle_efficiency(model))
+        for period in periods:
+            cells.append(Cell("recycle", model, period, "fault-free", fault_free,
+                              recycle_job(model, "policy=none", "faults=none", calibrated)))  # fmt: skip
+            for policy in recycle_policies():
+                paper = published[period][RECYCLE_SYSTEMS.index(policy)] if policy in RECYCLE_SYSTEMS else None
+                faults = gpu_failures(RECYCLE_PERIODS_S[period], RECYCLE_HOURS)
+                cells.append(Cell("recycle", model, period, policy, paper,
+                                  recycle_job(model, *policy_settings(policy), *faults, calibrated)))
+    return cells
+
+
+# -- REFT ----------------------------------------------------------------------------------------------------------
+def reft_cells() -> list[Cell]:
+    restore = ["policy=checkpoint_restart", "faults=explicit", REFT_KILL]
+    reft = ["protection=reft", "protection.interval=1", "protection.flush_every=1000", *HOST_MEMORY]
+    return [
+        Cell("reft", "llama2-1.3b", "restore", "storage", PAPER_REFT["storage"],
+             [*REFT_JOB, *restore, "protection=storage", "protection.every=5"], metric="restore_s"),
+        Cell("reft", "llama2-1.3b", "restore", "arc", PAPER_REFT["arc"],
+             [*REFT_JOB, *restore, *reft, "protection.mode=arc"], metric="restore_s"),
+        Cell("reft", "llama2-1.3b", "restore", "aec", PAPER_REFT["aec"],
+             [*REFT_JOB, *restore, *reft, "protection.mode=aec"], metric="restore_s"),
+        Cell("reft", "llama2-1.3b", "iteration", "none", None, [*REFT_JOB, "policy=none"], metric="iter_s"),
+        Cell("reft", "llama2-1.3b", "iteration", "arc", None, [*REFT_JOB, "policy=none", *reft, "protection.mode=arc"],
+             metric="iter_s"),
+    ]  # fmt: skip
+
+
+def reft_figures(cells: list[Cell]) -> dict[str, float | None]:
+    by = {(c.setting, c.system): c.simulated for c in cells if c.study == "reft"}
+    storage, memory = by.get(("restore", "storage")), by.get(("restore", "arc"))
+    plain, snapshots = by.get(("iteration", "none")), by.get(("iteration", "arc"))
+    return {
+        "restore_speedup": storage / memory if storage and memory else None,
+        "snapshot_overhead": snapshots / plain - 1 if plain and snapshots else None,
+    }
+
+
+# -- Llama 3 -------------------------------------------------------------------------------------------------------
+def llama3_cell(days: float) -> Cell:
+    mtbf = LLAMA3_DAYS * 86400 / LLAMA3_INTERRUPTIONS
+    faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={mtbf:.6g}", "faults.max_failures=null",
+              f"faults.horizon_s={days * 86400:g}", "faults.replace_after_s=0", "faults.seed=0"]  # fmt: skip
+    return Cell("llama3", "llama3-405b", f"{days:g} days", "checkpoint_restart", LLAMA3_EFFECTIVE,
+                [*LLAMA3_JOB, "train.steps=1000000000", f"sim.horizon_s={days * 86400:g}", *faults], metric="goodput")
+
+
+# -- scoring -------------------------------------------------------------------------------------------------------
+def fault_free(cells: list[Cell], cell: Cell) -> float | None:
+    return next((c.simulated for c in cells if (c.study, c.model, c.setting, c.system) ==
+                 (cell.study, cell.model, cell.setting, "fault-free")), None)  # fmt: skip
+
+
+def collapsed(cells: list[Cell], cell: Cell) -> bool:
+    """The simulation collapses: refused, stopped before any progress, or below ``COLLAPSE`` of fault-free."""
+    reference = fault_free(cells, cell)
+    return cell.simulated is None or not cell.simulated or (reference is not None and cell.simulated < COLLAPSE * reference)
+
+
+def published_collapse(cells: list[Cell], cell: Cell) -> bool:
+    reference = fault_free(cells, cell)
+    if cell.collapsed_in_paper:
+        return True
+    return isinstance(cell.published, float) and reference is not None and cell.published < COLLAPSE * reference
+
+
+def error(cell: Cell) -> float | None:
+    """Relative error of a published number (None where the cell has none, or the simulation has none)."""
+    if not isinstance(cell.published, float) or cell.simulated is None:
+        return None
+    return abs(cell.simulated / cell.published - 1)
+
+
+@dataclass(frozen=True)
+class Ordering:
+    """Two systems of one published cell as the paper orders them: ``ahead`` ahead of ``behind``, or level."""
+
+    where: str
+    ahead: str
+    behind: str
+    level: bool
+    reproduced: bool
+
+
+def orderings(cells: list[Cell]) -> list[Ordering]:
+    """Every pair of systems in a published cell of the tables (a collapse ranks last), and Figure 10's orderings:
+    Oobleck ahead of Varuna ahead of Bamboo, each on every model it runs."""
+    found = []
+    groups: dict[tuple[str, str, str], dict[str, Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.study, c.model, c.setting), {})[c.system] = c
+    for (study, model, setting), systems in groups.items():
+        where = f"{study}/{model}/{setting}"
+        if study == "figure10":
+            chain = [s for s in ("oobleck", "varuna", "bamboo") if s in systems]
+            pairs = [(a, b, False) for i, a in enumerate(chain) for b in chain[i + 1:]
+                     if (model, a) not in FIGURE10_COLLAPSES]  # fmt: skip
+        else:
+            ranked = {s: (0.0 if c.collapsed_in_paper else c.published) for s, c in systems.items()
+                      if c.published is not None}  # fmt: skip
+            pairs = []
+            for a, b in ((a, b) for a in ranked for b in ranked if a < b):
+                hi, lo = (a, b) if ranked[a] >= ranked[b] else (b, a)
+                pairs.append((hi, lo, _level(ranked[hi], ranked[lo])))
+        for ahead, behind, level in pairs:
+            got_a, got_b = (systems[s].simulated or 0.0 for s in (ahead, behind))
+            same = _level(got_a, got_b) if level else got_a > got_b and not _level(got_a, got_b)
+            found.append(Ordering(where, ahead, behind, level, same))
+    return found
+
+
+def _level(a: float, b: float) -> bool:
+    return a == b or abs(a - b) <= LEVEL * max(a, b)
+
+
+def score(cells: list[Cell], llama3_s: float | None) -> dict[str, Any]:
+    tables = [c for c in cells if c.study in ("table2", "recycle") and c.system != "fault-free"]
+    errors = [error(c) for c in tables if not c.fitted and not published_collapse(cells, c)]
+    found = orderings(cells)
+    llama3 = next((c for c in cells if c.study == "llama3"), None)
+    return {
+        "max_cell_error": max((e for e in errors if e is not None), default=None),
+        "collapses_missed": sum(published_collapse(cells, c) and not collapsed(cells, c) for c in cells),
+        "orderings_reproduced": sum(o.reproduced for o in found),
+        "orderings_total": len(found),
+        "faster_than_fault_free": sum(c.faster for c in cells),
+        "llama3_sim_s": llama3_s,
+        "llama3_effective": llama3.simulated if llama3 else None,
+        "reft_restore_speedup": reft_figures(cells)["restore_speedup"],
+    }
+
+
+# -- the docs table ------------------------------------------------------------------------------------------------
+def render(cells: list[Cell], study: str) -> str:
+    lines = ["| cell | published | simulated | ratio | failures | command |", "|---|---|---|---|---|---|"]
+    for c in (c for c in cells if c.study == study):
+        lines.append(f"| {c.model} {c.setting} {c.system} | {_published(c)} | {_simulated(c)} | {_ratio(c, cells)} "
+                     f"| {c.failures} | `python -m ftlab.experiments.sim_paper --cell {c.id}` |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _published(c: Cell) -> str:
+    if c.published is None:
+        return ""
+    if c.study == "llama3":
+        return f"> {c.published:.0%}"
+    return c.published if isinstance(c.published, str) else f"{c.published:g}"
+
+
+def _simulated(c: Cell) -> str:
+    if c.refused:
+        return "OOM (refused)"
+    if c.simulated is None:
+        return f"stopped: {c.stopped}" if c.stopped else "none"
+    text = f"{c.simulated:.1%}" if c.metric == "goodput" else f"{c.simulated:.3g}"
+    return text + (" (stopped)" if c.stopped else "")
+
+
+def _ratio(c: Cell, cells: list[Cell]) -> str:
+    if published_collapse(cells, c):
+        return "collapse " + ("reproduced" if collapsed(cells, c) else "MISSED")
+    if not isinstance(c.published, float) or c.simulated is None:
+        return ""
+    return f"{c.simulated / c.published:.3f}" + (" (fitted)" if c.fitted else "")
+
+
+TITLES = {
+    "table2": ("Oobleck's Table 2: samples/s under a node failure every 6 h, 1 h, 10 min",
+               "Calibrated per model on its Oobleck 6h cell (fitted, left out of max_cell_error); Varuna's column is "
+               "the varuna policy; rows without a published figure are the other policies of the same roles."),
+    "figure10": ("Oobleck's Figure 10: samples/s over 12 h of the P3 and GCP spot traces",
+                 "The paper publishes orderings only (Oobleck ahead of Varuna ahead of Bamboo) and collapses (Bamboo's "
+                 "OOM on GPT-3, Varuna's lack of progress on GPT-3 6.7B)."),
+    "recycle": ("ReCycle's Table 1: samples/s over 6 h with a GPU failing every 6 h, 2 h, 30 min",
+                "Calibrated per model on the fault-free DeepSpeed figure (policy=none); gpt3-2.7b stands in for 3.35B."),
+    "reft": ("REFT: restore from NFS and from host memory (Figure 12), snapshot overhead (Table 3)",
+             "Restore: the slowest worker's load, seconds. Iteration: seconds per iteration without and with a "
+             "snapshot every iteration."),
+    "llama3": ("Llama 3 405B pre-training: effective training time", ""),
+    "sweep": ("Goodput of llama2-6.7b against cluster size at published failure rates", ""),
+}
+
+
+def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: list[str]) -> None:
+    from ftlab.experiments import results_doc
+
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# Published figures against the simulator\n\nWritten by `experiments/sim_paper.py`, whose "
+                        "docstring says how each study is set up and calibrated; each cell's command prints it again.\n")  # fmt: skip
+    for study, (title, note) in TITLES.items():
+        if any(c.study == study for c in cells):
+            extra = reft_figures(cells) if study == "reft" else {}
+            text = render(cells, study) + "".join(f"\n{k}: {v:.3g}" for k, v in extra.items() if v is not None)
+            results_doc.write_section(f"sim_paper_{study}", title, text, argv, module="sim_paper", note=note, path=path)
+    results_doc.write_section("sim_paper_summary", "Summary: the study's JSON line", {"": summary}, argv,
+                              module="sim_paper", path=path)  # fmt: skip
+
+
+# -- the MTBF sweep ------------------------------------------------------------------------------------------------
 PROTECTION_SETTINGS = {
     "storage": ["protection.every=50"],
     "reft": ["protection.interval=1", "protection.flush_every=50", *HOST_MEMORY],
 }
 """The MTBF sweep's protections: a checkpoint every 50 steps; a snapshot after every step, flushed every 50."""
-
-
-def table2_policies() -> dict[str, list[str]]:
-    """Table 2's rows, by role: the fault-free run, every policy that recovers by restarting from saved state alone
-    (checkpoint-restart, Varuna) and every one that recovers in place (Oobleck, ReCycle, Bamboo, elastic); each that
-    can restart checkpoints every 10 iterations (the paper's Varuna setting)."""
-    roles = catalog.roles()
-    compared = catalog.policies_with(lambda r: r.recovers and not r.chooses and (r.restarts_only or r.in_place))
-    return {
-        "fault-free": ["policy=none", "faults=none"],
-        **{p: [f"policy={p}", *(["protection=storage", "protection.every=10"] if roles[p].restarts else []),
-               *SETTINGS.get(p, [])] for p in compared},
-    }  # fmt: skip
+LLAMA3_GPU_S = LLAMA3_DAYS * 24 * 3600 * 16384 / LLAMA3_INTERRUPTIONS
+META_MTTF = ((1024, 7.9 * 3600), (16384, 1.8 * 3600))
+"""Meta's research clusters (Kokolis et al. 2024): projected job MTTF at 1,024 and 16,384 GPUs."""
 
 
 def combinations() -> dict[str, list[str]]:
@@ -145,12 +594,11 @@ def works_with(policy: str, protection: str) -> bool:
     except ConfigError:
         return False
     return True
-LLAMA3_GPU_S = 54 * 24 * 3600 * 16384 / 419
-META_MTTF = ((1024, 7.9 * 3600), (16384, 1.8 * 3600))
 
 
 def cluster_mtbf_s(source: str, gpus: int) -> float:
-    """Seconds between failures of a cluster of ``gpus`` GPUs, by published rates (module docstring)."""
+    """Seconds between failures of a cluster of ``gpus`` GPUs: Llama 3's rate per GPU, or Meta's MTTF interpolated
+    on a log-log line."""
     if source == "llama3":
         return LLAMA3_GPU_S / gpus
     (g0, t0), (g1, t1) = META_MTTF
@@ -158,394 +606,108 @@ def cluster_mtbf_s(source: str, gpus: int) -> float:
     return t0 * (gpus / g0) ** slope
 
 
-def last_failure_s(trace: str) -> float:
-    """Until half the nodes remain, as the paper measures: the synthetic trace's 15th (and last) failure."""
-    from ftlab.faults.schedules import ClusterShape, FaultsConfig, build_schedule
-
-    events = build_schedule(FaultsConfig(schedule="trace", trace=trace, time_compression=1.0), ClusterShape(30, 1))
-    return max(e.at_time_s or 0.0 for e in events)
-
-
-def simulated(overrides: list[str]) -> dict[str, Any]:
-    from ftlab.experiments.job import compose_config
-    from ftlab.experiments.simulate import simulate
-
-    cfg = OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
-    began = time.perf_counter()
-    try:
-        run = simulate(cfg)
-    except ConfigError as refused:  # the paper's OOM cells: a job that cannot run here is a finding, not a crash
-        return {"samples_per_s": None, "goodput": None, "failures": 0, "steps": 0, "plans": 0, "stopped": None,
-                "refused": str(refused), "wall_s": time.perf_counter() - began}  # fmt: skip
-    result = run.result
-    s = result.summary
-    return {
-        "samples_per_s": s.get("summary/samples_per_s", 0.0),
-        "goodput": s.get("summary/goodput_ratio", 0.0),
-        "failures": sum(f.noticed_at is not None for f in result.faults),
-        "steps": len({step.step for step in result.steps}),
-        "plans": len(result.plans),
-        "stopped": result.stopped,
-        "wall_s": time.perf_counter() - began,
-    }
-
-
-# -- Oobleck's Table 2 ---------------------------------------------------------------------------------------------
-def table2(models: list[str], traces: list[str]) -> list[dict[str, Any]]:
-    rows = []
-    for model in models:
-        for trace in traces:
-            horizon = last_failure_s(trace)
-            for policy, settings in table2_policies().items():
-                faults = [] if policy == "fault-free" else ["faults=trace", f"faults.trace={trace}",
-                                                            "faults.trace_s_per_step=null", "faults.time_compression=1"]  # fmt: skip
-                micro = [f"train.micro_batch={BAMBOO_MICRO_BATCH[model]}"] if policy == "bamboo" and model in BAMBOO_MICRO_BATCH else []
-                overrides = [*TABLE2_MODELS[model], "cluster=a40-30x1", "train.activation_checkpointing=true",
-                             "train.steps=100000000", f"sim.horizon_s={horizon}", *STORAGE, *settings, *micro, *faults]  # fmt: skip
-                cell = {"model": model, "trace": trace, "policy": policy, **simulated(overrides)}
-                column = PAPER_COLUMN.get(policy)
-                cell["paper"] = None if column is None else PAPER_TABLE2[model][trace][column] or "OOM"
-                rows.append(cell)
-                print(f"[table2] {model} {trace} {policy}: {_rate(cell)} (paper {cell['paper']}), "
-                      f"{cell['failures']} failures, {cell['wall_s']:.1f} s", flush=True)
-    return rows
-
-
-def render_table2(rows: list[dict[str, Any]]) -> str:
-    lines = ["Throughput (samples/s), simulated; in brackets Oobleck's Table 2 (Varuna for checkpoint-restart, OOM where "
-             "Bamboo could not run); 'refused' = the job does not fit the cluster's memory", ""]  # fmt: skip
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    lines.append("| policy | " + " | ".join(f"{m} {t}" for m in models for t in traces) + " |")
-    lines.append("|---" * (1 + len(models) * len(traces)) + "|")
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        cells = []
-        for m in models:
-            for t in traces:
-                r = next((r for r in rows if (r["model"], r["trace"], r["policy"]) == (m, t, policy)), None)
-                if r is None:
-                    cells.append("")
-                    continue
-                paper = f" ({r['paper']})" if r["paper"] is not None else ""
-                stop = " stopped" if r["stopped"] else ""
-                cells.append(f"{_rate(r)}{paper}{stop}")
-        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _rate(cell: dict[str, Any]) -> str:
-    """A cell's samples/s, or ``refused`` (the job cannot run there: out of memory, in the paper's words)."""
-    return "refused" if cell.get("refused") else f"{cell['samples_per_s']:.2f}"
-
-
-# -- the MTBF sweep ------------------------------------------------------------------------------------------------
-def sweep(sizes: list[int], hours: float, sources: list[str]) -> list[dict[str, Any]]:
-    rows = []
-    for source in sources:
+def sweep_cells(sizes: list[int], hours: float) -> list[Cell]:
+    cells = []
+    for source in ("llama3", "meta"):
         for nodes in sizes:
             gpus = 8 * nodes
-            mtbf = cluster_mtbf_s(source, gpus)
-            faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={mtbf:.6g}", "faults.max_failures=null",
-                      f"faults.horizon_s={hours * 3600:g}",
-                      "faults.replace_after_s=3600", "faults.seed=0"]  # fmt: skip
+            faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={cluster_mtbf_s(source, gpus):.6g}",
+                      "faults.max_failures=null", f"faults.horizon_s={hours * 3600:g}", "faults.replace_after_s=3600",
+                      "faults.seed=0"]  # fmt: skip
             for combination, settings in combinations().items():
-                overrides = [
-                    "model=llama2-6.7b", "cluster=a100-125x8", f"cluster.nodes={nodes}",
-                    "train.activation_checkpointing=true", f"train.global_batch={gpus}", "train.micro_batch=1",
-                    "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *SNAPSHOTS, *settings,
-                    *faults,
-                ]  # fmt: skip
-                cell = {"source": source, "nodes": nodes, "gpus": gpus, "mtbf_s": mtbf, "combination": combination,
-                        **simulated(overrides)}  # fmt: skip
-                rows.append(cell)
-                print(f"[sweep] {source} {gpus} GPUs (MTBF {mtbf / 3600:.2f} h) {combination}: goodput "
-                      f"{cell['goodput']:.3f}, {cell['failures']} failures, {cell['wall_s']:.1f} s", flush=True)
-    return rows
+                job = ["model=llama2-6.7b", "cluster=a100-125x8", f"cluster.nodes={nodes}", "train.precision=bf16",
+                       "train.activation_checkpointing=true", f"train.global_batch={gpus}", "train.micro_batch=1",
+                       "train.steps=100000000", f"sim.horizon_s={hours * 3600:g}", *STORAGE, *SNAPSHOTS, *settings,
+                       *faults]  # fmt: skip
+                cells.append(Cell("sweep", f"{gpus} GPUs", source, combination, None, job, metric="goodput"))
+    return cells
 
 
-def render_sweep(rows: list[dict[str, Any]]) -> str:
-    lines = ["Goodput (useful samples/s over the fault-free rate), simulated llama2-6.7b, by cluster size", ""]
-    for source in dict.fromkeys(r["source"] for r in rows):
-        sizes = sorted({r["gpus"] for r in rows if r["source"] == source})
-        lines.append(f"{source}: " + ", ".join(
-            f"{g} GPUs MTBF {next(r['mtbf_s'] for r in rows if r['gpus'] == g and r['source'] == source) / 3600:.1f} h"
-            for g in sizes))  # fmt: skip
-        lines.append("| policy+protection | " + " | ".join(f"{g} GPUs" for g in sizes) + " |")
-        lines.append("|---" * (1 + len(sizes)) + "|")
-        for combination in dict.fromkeys(r["combination"] for r in rows):
-            cells = []
-            for g in sizes:
-                r = next(r for r in rows if (r["source"], r["gpus"], r["combination"]) == (source, g, combination))
-                cells.append("refused" if r.get("refused") else f"{r['goodput']:.3f}" + (" stopped" if r["stopped"] else ""))
-            lines.append(f"| {combination} | " + " | ".join(cells) + " |")
-        lines.append("")
-    return "\n".join(lines)
+# -- the study -----------------------------------------------------------------------------------------------------
+STUDIES = ("table2", "figure10", "recycle", "reft", "llama3")
 
 
-def plot_sweep(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sources = list(dict.fromkeys(r["source"] for r in rows))
-    fig, axes = plt.subplots(1, len(sources), figsize=(5.5 * len(sources), 3.6), squeeze=False)
-    for ax, source in zip(axes[0], sources):
-        for combination in dict.fromkeys(r["combination"] for r in rows):
-            points = sorted((r["gpus"], r["goodput"]) for r in rows
-                            if (r["source"], r["combination"]) == (source, combination) and not r.get("refused"))  # fmt: skip
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=combination)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel("goodput")
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"failures at {source} rates")
-        ax.legend(fontsize="small")
-    return _saved(fig, path)
-
-
-# -- ReCycle's comparison ------------------------------------------------------------------------------------------
-RECYCLE_MODELS = {  # the paper's (PP, DP) on 32 GPUs; gpt3-2.7b stands in for its 3.35B
-    "gpt3-medium": ["model=gpt3-medium", "train.stages=2", "train.global_batch=256"],
-    "gpt3-2.7b": ["model=gpt3-2.7b", "train.stages=4", "train.global_batch=128"],
-    "gpt3-6.7b": ["model=gpt3-6.7b", "train.stages=8", "train.global_batch=64"],
-}
-RECYCLE_LAYOUTS = {"4x8": (4, 8), "32x1": (32, 1)}
-RECYCLE_FAILED = (0, 1, 2, 4, 8)
-RECYCLE_FAIL_STEP = 3
-RECYCLE_STEPS = 8
-PAPER_RECYCLE = {  # ReCycle's Table 1, samples/s: fault-free DeepSpeed, and (Oobleck, ReCycle) per failure frequency
-    "gpt3-medium": (27.58, {"6h": (27.26, 27.27), "2h": (25.37, 25.42), "30m": (19.47, 22.27)}),
-    "gpt3-2.7b": (14.87, {"6h": (14.55, 14.59), "2h": (13.44, 14.17), "30m": (9.78, 12.63)}),
-    "gpt3-6.7b": (5.33, {"6h": (4.98, 5.17), "2h": (4.65, 4.85), "30m": (2.78, 3.53)}),
-}
+def study_cells(studies: list[str], smoke: bool) -> list[Cell]:
+    """Every cell of the studies named (with ``smoke``, a few of each, Table 2 with the paper's systems only);
+    calibrations run here, as the cells need them."""
+    full = {
+        "table2": lambda: table2_cells(list(OOBLECK_MODELS), list(TABLE2_TRACES)),
+        "figure10": lambda: figure10_cells(list(OOBLECK_MODELS), list(FIGURE10_TRACES)),
+        "recycle": lambda: recycle_cells(list(RECYCLE_MODELS), list(RECYCLE_PERIODS_S)),
+        "reft": reft_cells,
+        "llama3": lambda: [llama3_cell(LLAMA3_DAYS)],
+        "sweep": lambda: sweep_cells([16, 32, 64, 128, 256, 512], 24.0),
+    }
+    small = {
+        "table2": lambda: [c for c in table2_cells(["bert-large"], ["10m"]) if c.system in ("fault-free", *OOBLECK_SYSTEMS)],
+        "figure10": lambda: figure10_cells(["gpt3-6.7b"], ["scale_gcp"]),
+        "recycle": lambda: recycle_cells(["gpt3-medium"], ["30m"]),
+        "reft": reft_cells,
+        "llama3": lambda: [llama3_cell(1.0)],
+        "sweep": lambda: sweep_cells([16], 2.0),
+    }
+    return [cell for study in studies for cell in (small if smoke else full)[study]()]
 
 
-def recycle_policies() -> tuple[str, ...]:
-    """ReCycle's comparison, by role: every policy found that recovers in place (ReCycle, Oobleck), by name."""
-    return catalog.policies_with(lambda roles: roles.in_place and not roles.chooses)
+def find_cell(cell_id: str) -> Cell:
+    """The cell of that id, built with only the calibration it needs."""
+    study, model, setting, system = cell_id.split("/")
+    builders: dict[str, Callable[[], list[Cell]]] = {
+        "table2": lambda: table2_cells([model], [setting]),
+        "figure10": lambda: figure10_cells([model], [setting]),
+        "recycle": lambda: recycle_cells([model], [setting]),
+        "reft": reft_cells,
+        "llama3": lambda: [llama3_cell(float(setting.split()[0]))],
+    }
+    found = [c for c in builders[study]() if c.id == cell_id]
+    if not found:
+        raise SystemExit(f"no cell {cell_id!r}: ids are study/model/setting/system, as the docs table gives them")
+    return found[0]
 
 
-def failed_gpus(layout: str, count: int, seed: int = 0) -> list[str]:
-    """The explicit fault events of ``count`` GPUs failing at once: the first ``count`` of a seeded permutation."""
-    nodes, per_node = RECYCLE_LAYOUTS[layout]
-    gpus = random.Random(seed).sample(range(nodes * per_node), nodes * per_node)[:count]
-    if per_node == 1:
-        return [f"{{kind: node, node: {g}, at_step: {RECYCLE_FAIL_STEP}}}" for g in gpus]
-    return [f"{{kind: process, node: {g // per_node}, worker: {g % per_node}, at_step: {RECYCLE_FAIL_STEP}}}"
-            for g in gpus]  # fmt: skip
+def show(cell: Cell) -> None:
+    shown = f"refused: {cell.refused}" if cell.refused else _simulated(cell)
+    print(f"[{cell.study}] {cell.model} {cell.setting} {cell.system}: {shown} (published {_published(cell) or '-'}), "
+          f"{cell.failures} failures, {cell.wall_s:.1f} s", flush=True)  # fmt: skip
 
 
-def steady(cell: dict[str, Any], result: Any) -> dict[str, Any]:
-    """Samples/s of the last step, if it ran after the failures (module docstring)."""
-    last = result.steps[-1] if result.steps else None
-    after = last is not None and last.step > RECYCLE_FAIL_STEP and result.stopped is None
-    cell["steady_samples_per_s"] = last.samples / last.iter_s if after else None
-    cell["pipelines_after"] = last.pipelines if after else None
-    return cell
-
-
-def simulated_run(overrides: list[str]) -> tuple[dict[str, Any], Any]:
-    """``simulated`` with the job's result too (the steady state needs its steps)."""
-    from ftlab.experiments.job import compose_config
-    from ftlab.experiments.simulate import simulate
-
-    cfg = OmegaConf.to_object(compose_config(["experiment=plain", "mode=simulate", "progress=false", *overrides]))
-    began = time.perf_counter()
-    try:
-        result = simulate(cfg).result
-    except ConfigError as refused:
-        return {"stopped": None, "refused": str(refused), "plans": 0, "wall_s": time.perf_counter() - began,
-                "steady_samples_per_s": None, "pipelines_after": None}, None  # fmt: skip
-    cell = {"stopped": result.stopped, "plans": len(result.plans), "wall_s": time.perf_counter() - began}
-    return steady(cell, result), result
-
-
-def recycle_study(models: list[str], layouts: list[str], counts: list[int]) -> list[dict[str, Any]]:
-    rows = []
-    for model in models:
-        for layout in layouts:
-            nodes, per_node = RECYCLE_LAYOUTS[layout]
-            base = [*RECYCLE_MODELS[model], "cluster=a100-16x8", f"cluster.nodes={nodes}",
-                    f"cluster.workers_per_node={per_node}", "train.activation_checkpointing=true",
-                    "train.micro_batch=2", f"train.steps={RECYCLE_STEPS}", "protection=none"]  # fmt: skip
-            reference, _ = simulated_run([*base, "policy=none", "faults=none"])
-            fault_free = reference["steady_samples_per_s"]
-            for policy in recycle_policies():
-                for count in counts:
-                    faults = ["faults=explicit", f"faults.events=[{','.join(failed_gpus(layout, count))}]"]
-                    cell, _ = simulated_run([*base, f"policy={policy}", *SETTINGS.get(policy, []),
-                                             *(faults if count else ["faults=none"])])  # fmt: skip
-                    rate = cell["steady_samples_per_s"]
-                    cell.update(model=model, layout=layout, policy=policy, failed=count, fault_free=fault_free,
-                                relative=None if rate is None else rate / fault_free,
-                                fault_scaled=(nodes * per_node - count) / (nodes * per_node))  # fmt: skip
-                    rows.append(cell)
-                    shown = (f"refused: {cell['refused']}" if cell.get("refused") else "stopped: " + str(cell["stopped"])
-                             if rate is None else f"{rate:.2f} samples/s ({cell['relative']:.3f})")  # fmt: skip
-                    print(f"[recycle] {model} {layout} {policy} {count} failed: {shown}, {cell['wall_s']:.1f} s",
-                          flush=True)  # fmt: skip
-    return rows
-
-
-def render_recycle(rows: list[dict[str, Any]]) -> str:
-    lines = ["Throughput after k GPUs fail at once, relative to the fault-free grid (samples/s in brackets); "
-             "fault-scaled = (32 - k) / 32; 'stopped' = the policy cannot continue without a protection; 'refused' = "
-             "the job cannot run there (out of memory)", ""]  # fmt: skip
-    counts = sorted({r["failed"] for r in rows})
-    lines.append("| model | layout | policy | " + " | ".join(f"{k} failed" for k in counts) + " |")
-    lines.append("|---" * (3 + len(counts)) + "|")
-    for model in dict.fromkeys(r["model"] for r in rows):
-        for layout in dict.fromkeys(r["layout"] for r in rows):
-            for policy in (*dict.fromkeys(r["policy"] for r in rows), "fault-scaled"):
-                cells = []
-                for k in counts:
-                    at = [r for r in rows if (r["model"], r["layout"], r["failed"]) == (model, layout, k)]
-                    r = next((r for r in at if r["policy"] == policy), None)
-                    if not at:
-                        cells.append("")
-                    elif policy == "fault-scaled":
-                        cells.append(f"{at[0]['fault_scaled']:.3f}")
-                    elif r is None:
-                        cells.append("")
-                    else:
-                        cells.append("refused" if r.get("refused") else "stopped" if r["relative"] is None
-                                     else f"{r['relative']:.3f} ({r['steady_samples_per_s']:.1f})")  # fmt: skip
-                lines.append(f"| {model} | {layout} | {policy} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_recycle(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    layouts = list(dict.fromkeys(r["layout"] for r in rows))
-    fig, axes = plt.subplots(len(layouts), len(models), figsize=(4.2 * len(models), 3.2 * len(layouts)), squeeze=False)
-    for i, layout in enumerate(layouts):
-        for ax, model in zip(axes[i], models):
-            mine = [r for r in rows if (r["model"], r["layout"]) == (model, layout)]
-            counts = sorted({r["failed"] for r in mine})
-            ax.plot(counts, [next(r["fault_scaled"] for r in mine if r["failed"] == k) for k in counts], "k--",
-                    label="fault-scaled")  # fmt: skip
-            for policy in dict.fromkeys(r["policy"] for r in mine):
-                points = [(r["failed"], r["relative"]) for r in mine if r["policy"] == policy and r["relative"] is not None]
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
-                lost = [r["failed"] for r in mine if r["policy"] == policy and r["relative"] is None]
-                ax.plot(lost, [0.0] * len(lost), marker="x", linestyle="none", color=ax.lines[-1].get_color())
-            ax.set_ylim(0, 1.1)
-            ax.set_xlabel("failed GPUs (x: stopped)")
-            ax.set_ylabel("throughput / fault-free")
-            ax.set_title(f"{model}, {layout}")
-            ax.legend(fontsize="small")
-    return _saved(fig, path)
-
-
-def plot_table2(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.4), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        policies = list(dict.fromkeys(r["policy"] for r in rows))
-        width = 0.81 / len(policies)  # three bars of 0.27 per trace
-        for i, policy in enumerate(policies):
-            values = [next(r["samples_per_s"] or 0.0 for r in rows if (r["model"], r["trace"], r["policy"]) == (model, t, policy))
-                      for t in traces]  # fmt: skip
-            offset = width * (i - (len(policies) - 1) / 2)
-            ax.bar([j + offset for j in range(len(traces))], values, width=width, label=policy)
-        ax.set_xticks(range(len(traces)), traces)
-        ax.set_title(model)
-        ax.set_ylabel("samples/s")
-        ax.legend(fontsize="small")
-    return _saved(fig, path)
-
-
-def _saved(fig: Any, path: Path) -> Path:  # noqa: ANN401 - a matplotlib Figure
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def log_study(
-    tracker: Any, name: str, rows: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str],
-    plot: Callable[[list[dict[str, Any]], Path], Path], local: Path,
-) -> None:  # fmt: skip  # noqa: ANN401 - a Tracker
-    """Print a study's table and log it with its plot (``<name>.md``, ``<name>.png``)."""
-    text = render(rows)
-    print(text)
-    tracker.log_text(f"{name}.md", text)
-    tracker.log_file(plot(rows, local / f"{name}.png"))
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="one model and trace, two cluster sizes, 6 hours; one model, layout 4x8 and 0, 2, 8 failed GPUs")
-    parser.add_argument("--sizes", default="16,32,64,128,256,512", help="nodes of 8 GPUs for the MTBF sweep")
-    parser.add_argument("--hours", type=float, default=24.0)
+    parser.add_argument("--smoke", action="store_true", help="a few cells of each study, one day of Llama 3")
+    parser.add_argument("--cell", help="run one cell, by the id the docs table gives, and print it")
+    parser.add_argument("--studies", default=",".join(STUDIES), help=f"comma-separated, of {', '.join(STUDIES)}, sweep")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the markdown file the tables are written into")
     parser.add_argument("--tracking-uri", default=f"sqlite:///{REPO / 'mlflow.db'}")
-    parser.add_argument("--no-table2", action="store_true")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-recycle", action="store_true")
-    parser.add_argument("--write-docs", action="store_true", help="write the studies' tables into docs/results.md")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.cell:
+        show(measure(find_cell(args.cell)))
+        return
     from ftlab.runtime.core.config import TrackingConfig
     from ftlab.runtime.reporting.tracking import Tracker
 
-    models, traces = list(TABLE2_MODELS), list(TABLE2_TRACES)
-    sizes, hours, sources = [int(n) for n in args.sizes.split(",")], args.hours, ["llama3", "meta"]
-    recycle_models, layouts, counts = list(RECYCLE_MODELS), list(RECYCLE_LAYOUTS), list(RECYCLE_FAILED)
-    if args.smoke:
-        models, traces, sizes, hours = ["bert-large"], ["10m"], [16, 64], 6.0
-        recycle_models, layouts, counts = ["gpt3-6.7b"], ["4x8"], [0, 2, 8]
-    OUT.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(TrackingConfig(uri=args.tracking_uri, experiment="ftlab-sim", run_name="paper-scale"))
-    tracker.start({"smoke": args.smoke, "sizes": sizes, "hours": hours}, {"backend": "sim", "study": "paper-scale"}, "")
-    found: dict[str, Any] = {}
+    studies = args.studies.split(",")
+    tracker.start({"smoke": args.smoke, "studies": studies}, {"backend": "sim", "study": "paper-scale"}, "")
     try:
-        local = Path(tempfile.mkdtemp(prefix="ftlab-sim-paper-"))
-        if not args.no_table2:
-            rows = found["table2"] = table2(models, traces)
-            log_study(tracker, "table2", rows, render_table2, plot_table2, local)
-            for r in (r for r in rows if not r.get("refused")):
-                tracker.log_metrics({f"table2/{r['model']}/{r['trace']}/{r['policy']}": r["samples_per_s"]}, 0)
-        if not args.no_recycle:
-            rows = found["recycle"] = recycle_study(recycle_models, layouts, counts)
-            log_study(tracker, "recycle", rows, render_recycle, plot_recycle, local)
-            for r in rows:
-                if r["relative"] is not None:
-                    tracker.log_metrics({f"recycle/{r['model']}/{r['layout']}/{r['policy']}": r["relative"]}, r["failed"])
-        if not args.no_sweep:
-            rows = found["sweep"] = sweep(sizes, hours, sources)
-            log_study(tracker, "mtbf_sweep", rows, render_sweep, plot_sweep, local)
-            for r in (r for r in rows if not r.get("refused")):
-                name = r["combination"].replace("+", "_with_")
-                tracker.log_metrics({f"sweep/{r['source']}/{name}/goodput": r["goodput"]}, r["gpus"])
-        tracker.log_text("cells.json", json.dumps(found, indent=1, default=str))
+        cells = study_cells(studies, args.smoke)
+        llama3_s = None
+        for cell in cells:
+            show(measure(cell))
+            if cell.study == "llama3":
+                llama3_s = cell.wall_s
+        summary = score(cells, llama3_s)
+        for study in dict.fromkeys(c.study for c in cells):
+            tracker.log_text(f"{study}.md", render(cells, study))
+        tracker.log_text("cells.json", json.dumps([asdict(c) for c in cells], indent=1, default=str))
+        tracker.log_metrics({k: float(v) for k, v in summary.items() if v is not None}, 0)
         tracker.finish()
     except BaseException as exc:
         tracker.finish(failure=f"{type(exc).__name__}: {exc}")
         raise
-    (OUT / "paper.json").write_text(json.dumps(found, default=str))
-    print(json.dumps({k: len(v) for k, v in found.items()}))
-    if args.write_docs:
-        from ftlab.experiments import results_doc
-
-        studies = (("table2", "Oobleck's Table 2 on the simulator", render_table2),
-                   ("recycle", "ReCycle's comparison on the simulator", render_recycle),
-                   ("sweep", "Goodput against cluster size at published failure rates", render_sweep))
-        for study, title, render in studies:
-            if study in found:
-                results_doc.write_section(f"sim_paper_{study}", title, render(found[study]), module="sim_paper")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "paper.json").write_text(json.dumps([asdict(c) for c in cells], default=str))
+    write_docs(cells, summary, args.docs, list(sys.argv[1:] if argv is None else argv))
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
