@@ -831,6 +831,7 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
     fault_free = sum(s.samples for s in reference) / sum(s.iter_s for s in reference)
     recovered = [r.recover_s for r in ledger.records if r.recover_s is not None]
     lost = [r.lost_steps for r in ledger.records if r.lost_steps is not None]
+    skipped = steps[-1].numerics.skipped_steps if steps[-1].numerics is not None else None
     return {
         "summary/samples_per_s": rate,
         "summary/fault_free_samples_per_s": fault_free,
@@ -841,6 +842,7 @@ def summarise(steps: list[ev.StepCommitted], ledger: FaultLedger, first_generati
         "summary/median_iter_s": statistics.median(s.iter_s for s in reference),
         "summary/final_loss": steps[-1].loss,
         "summary/steps": float(len({s.step for s in steps})),
+        **({} if skipped is None else {"summary/skipped_steps": float(skipped)}),  # fp16's, since training began
     }
 
 

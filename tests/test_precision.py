@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ftlab.experiments.job import JobResult, check_job, compose_config
-from ftlab.runtime.control.update import ScalerState, UpdateRule, UpdateStopped
+from ftlab.runtime.control.update import ScalerState, StepNumerics, UpdateRule, UpdateStopped
 from ftlab.runtime.core.config import TrainConfig
 from ftlab.runtime.core.contract import ConfigError
 from tests.oracle import LOSS_RTOL, PARAM_ATOL, committed_losses, final_state
@@ -138,9 +138,27 @@ def test_a_rewind_restores_the_scaler_of_that_step() -> None:
     rule.rewind(1)
     assert rule.loss_scale(1) == 8
     assert rule.manifest(1) == {"loss_scaler": {"scale": 8, "hysteresis": 1, "iteration": 1, "last_overflow": 0,
-                                                "skipped": 1}}  # fmt: skip
+                                                "skipped": 1, "skipped_total": 1}}  # fmt: skip
     resumed = UpdateRule(TrainConfig(precision="fp16"), 1, ScalerState(**rule.manifest(1)["loss_scaler"]))
     assert resumed.loss_scale(1) == 8
+
+
+def test_a_committed_update_reports_its_norm_its_scale_and_the_skips_so_far() -> None:
+    rule = UpdateRule(TrainConfig(precision="fp16", initial_scale_power=4, hysteresis=1, grad_clip=0.5), 0)
+    rule.decide(0, {(0, 0): float("inf")})
+    assert rule.committed(0) == StepNumerics(grad_norm=None, loss_scale=16, skipped_steps=1)
+    rule.decide(1, {(0, 0): 8.0**2, (1, 0): 6.0**2})  # the scaled norm 10 at scale 8
+    assert rule.committed(1) == StepNumerics(grad_norm=10 / 8, loss_scale=8, skipped_steps=1)
+    rule.decide(2, {(0, 0): float("nan")})
+    assert rule.committed(2).skipped_steps == 2
+    rule.rewind(1)  # step 1 redone: its skip is not counted again
+    rule.decide(1, {(0, 0): float("inf")})
+    assert rule.committed(1) == StepNumerics(grad_norm=None, loss_scale=8, skipped_steps=2)
+    fp32 = UpdateRule(TrainConfig(grad_clip=0.5), 0)
+    fp32.decide(0, {(0, 0): 9.0})
+    assert fp32.committed(0) == StepNumerics(grad_norm=3.0, loss_scale=None, skipped_steps=None)
+    fp32.decide(1, None)  # nobody computed (the simulator): nothing measured
+    assert fp32.committed(1) is None
 
 
 def test_consecutive_skips_stop_with_the_reason() -> None:

@@ -26,7 +26,7 @@ from typing import NoReturn
 
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Backend, Failure, Membership
-from ftlab.runtime.control.update import UpdateRule, UpdateStopped
+from ftlab.runtime.control.update import StepNumerics, UpdateRule, UpdateStopped
 from ftlab.runtime.core.contract import (
     Action, Change, Decision, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, SaveCheckpoint, Stop,
 )  # fmt: skip
@@ -148,14 +148,14 @@ class Coordinator:
             if isinstance(result, Failure):
                 return self._recover(result, plan, step)
             self._absorb_saves()
-            self._commit(plan, step, result.grad_sq)
+            numerics = self._commit(plan, step, result.grad_sq)
             step += 1
             committed_at = self.backend.clock()
             unreported = ev.StepCommitted(
                 at=committed_at, step=step - 1, loss=result.loss, iter_s=committed_at - started,
                 compute_s=result.compute_s, generation=plan.generation, samples=plan.global_batch,
                 alive_nodes=len(self.backend.membership().nodes), pipelines=len(plan.pipelines),
-                snapshot_s=result.snapshot_s,
+                snapshot_s=result.snapshot_s, numerics=numerics,
             )  # fmt: skip
             for action in self.protection.after_commit(step, plan):
                 self._report(unreported)
@@ -184,13 +184,14 @@ class Coordinator:
                     return failure
         return None
 
-    def _commit(self, plan: Plan, step: int, grad_sq: dict[tuple[int, int], float] | None) -> None:
-        """Commit ``step`` with the update the rule decides from the workers' gradient norms; a rule that cannot go
-        on stops the job (after the commit when it is the committed step that says so: too many skipped steps)."""
+    def _commit(self, plan: Plan, step: int, grad_sq: dict[tuple[int, int], float] | None) -> StepNumerics | None:
+        """Commit ``step`` with the update the rule decides from the workers' gradient norms, and answer what that
+        update was (for the step's report); a rule that cannot go on stops the job (after the commit when it is the
+        committed step that says so: too many skipped steps)."""
         rule = self.update_rule
         if rule is None:
             self.backend.commit(plan, step)
-            return
+            return None
         try:
             update = rule.decide(step, grad_sq)
         except UpdateStopped as exc:
@@ -198,7 +199,7 @@ class Coordinator:
             self._halt(str(exc))
         self.backend.commit(plan, step, update)
         try:
-            rule.committed(step)
+            return rule.committed(step)
         except UpdateStopped as exc:
             self._halt(str(exc))
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ftlab.runtime.control.update import StepNumerics
 from ftlab.runtime.core.plan import Plan
 
 
@@ -45,6 +46,8 @@ class StepCommitted(Event):
     pipelines: int
     snapshot_s: float | None = None
     """Time a snapshot took on the critical path of this iteration (the slowest worker's); None: none was taken."""
+    numerics: StepNumerics | None = None
+    """The update the step committed with (gradient norm, fp16's loss scale); None where no norms are reported."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,11 @@ the step (DeepSpeed's static scaler would apply it). Choices:
   stop the job with the reason; so does a norm that is not finite in fp32 or bf16, which no scale can help.
 - The scaler's state is committed state: ``UpdateRule`` keeps it per committed step, a decision that resumes from an
   earlier step (a restore from storage or REFT) rewinds it (``rewind``), and storage checkpoints record it in their
-  manifest (``manifest``) for ``train.resume_from``.
+  manifest (``manifest``) for ``train.resume_from``. Its count of every skipped step is committed state too, so a
+  step redone after a rewind is not counted twice.
+
+What each committed update was (``StepNumerics``: the global norm, the loss scale, the skipped steps so far) is what
+``committed`` answers, for the coordinator to report with the step.
 """
 
 from __future__ import annotations
@@ -58,13 +62,27 @@ class Update:
 
 @dataclass(frozen=True)
 class ScalerState:
-    """DeepSpeed's DynamicLossScaler's fields, and the consecutive skips."""
+    """DeepSpeed's DynamicLossScaler's fields, the consecutive skips and all of them."""
 
     scale: float = 1.0
     hysteresis: int = 1
     iteration: int = 0
     last_overflow: int = -1
     skipped: int = 0
+    skipped_total: int = 0
+    """Every step skipped since training began (a checkpoint's count goes on in the job that resumes it)."""
+
+
+@dataclass(frozen=True)
+class StepNumerics:
+    """A committed update as the run records it (a step whose workers reported their gradients' norms)."""
+
+    grad_norm: float | None
+    """The global gradient norm, unscaled, before clipping; None for a skipped step (it was not finite)."""
+    loss_scale: float | None
+    """fp16: the loss scale the step ran with."""
+    skipped_steps: int | None
+    """fp16: steps skipped since training began, this one included."""
 
 
 class UpdateStopped(RuntimeError):
@@ -82,7 +100,8 @@ class UpdateRule:
             first = ScalerState(scale=t.loss_scale or 2.0**t.initial_scale_power, hysteresis=t.hysteresis)
         self._states = {start_step: start or first}
         """The scaler's state before each step, from the first one this job runs to the next one."""
-        self._next: tuple[int, ScalerState] | None = None
+        self._next: tuple[int, ScalerState, float | None] | None = None
+        """The step decided last, the scaler's state after it and its unscaled norm (None: no norms reported)."""
 
     def loss_scale(self, step: int) -> float:
         return self._states[step].scale
@@ -91,26 +110,28 @@ class UpdateRule:
         """The update of ``step`` from the workers' squared norms (None: nobody computes, as in the simulator)."""
         state = self._states[step]
         if not self.norms or grad_sq is None:
-            self._next = step, state
+            self._next = step, state, None
             return Update()
         scaled = math.sqrt(math.fsum(grad_sq[piece] for piece in sorted(grad_sq)))
         if self.t.precision != "fp16":
             if not math.isfinite(scaled):
                 raise UpdateStopped(f"the gradient's norm is {scaled} at step {step}: the model diverged; lower "
                                     f"train.lr or set train.grad_clip")  # fmt: skip
-            self._next = step, state
+            self._next = step, state, scaled
             return Update(factor=self._clip(scaled))
         if not math.isfinite(scaled):
             after = self._overflow(step, state)
-            self._next = step, after
+            self._next = step, after, scaled
             return Update(skip=True)
-        self._next = step, self._no_overflow(state)
+        self._next = step, self._no_overflow(state), scaled / state.scale
         return Update(factor=self._clip(scaled / state.scale) / state.scale)
 
-    def committed(self, step: int) -> None:
-        """``step`` committed with the update ``decide`` answered last."""
+    def committed(self, step: int) -> StepNumerics | None:
+        """``step`` committed with the update ``decide`` answered last: what that update was, when the workers
+        reported their norms (None otherwise: nothing was measured)."""
         assert self._next is not None and self._next[0] == step, f"step {step} committed with no update decided"
-        self._states[step + 1] = self._next[1]
+        _, after, norm = self._next
+        self._states[step + 1] = after
         self._next = None
         if self._states[step + 1].skipped >= self.t.max_skipped_steps:
             raise UpdateStopped(
@@ -119,6 +140,14 @@ class UpdateRule:
                 f"{'train.loss_scale' if self.t.loss_scale > 0 else 'train.initial_scale_power'} or train.lr, or "
                 f"check the model and data for values fp16 cannot hold"
             )
+        if norm is None:
+            return None
+        fp16 = self.t.precision == "fp16"
+        return StepNumerics(
+            grad_norm=norm if math.isfinite(norm) else None,
+            loss_scale=self._states[step].scale if fp16 else None,
+            skipped_steps=after.skipped_total if fp16 else None,
+        )
 
     def rewind(self, step: int) -> None:
         """Training resumes from committed ``step``: the scaler is as it was then."""
@@ -138,7 +167,8 @@ class UpdateRule:
         return coef if coef < 1.0 else 1.0
 
     def _overflow(self, step: int, s: ScalerState) -> ScalerState:
-        after = replace(s, iteration=s.iteration + 1, last_overflow=s.iteration, skipped=s.skipped + 1)
+        after = replace(s, iteration=s.iteration + 1, last_overflow=s.iteration, skipped=s.skipped + 1,
+                        skipped_total=s.skipped_total + 1)  # fmt: skip
         if self.t.loss_scale > 0:
             return after
         if s.hysteresis > 1:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ftlab.runtime.control import events as ev
+from ftlab.runtime.control.update import StepNumerics
 from ftlab.runtime.core.config import TrackingConfig
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.reporting.held_signals import store_access
@@ -332,6 +333,9 @@ class Tracker:
 class RunRecorder:
     """The event stream as an MLflow run: metrics of every step and every fault, each plan, ``events.jsonl``.
 
+    A step's metrics include its update's (``train/grad_norm``, and in fp16 ``train/loss_scale`` and the running
+    count ``train/skipped_steps``) where the workers report their gradients' norms (``update.StepNumerics``).
+
     A step without a loss (a simulated one) logs no ``train/loss``. With ``repeats=False`` a run of steps whose
     metrics are all equal is logged as its first and last step, which draws the same chart: the simulator's steps
     of one plan are identical, and a day of them would otherwise be tens of thousands of equal points.
@@ -379,6 +383,8 @@ class RunRecorder:
                     metrics["ft/snapshot_s"] = event.snapshot_s
                 if math.isnan(event.loss):
                     del metrics["train/loss"]
+                if event.numerics is not None:
+                    metrics |= _numerics(event.numerics)
                 self._log_step(metrics, event.step)
             case ev.SnapshotTaken():
                 # At the index of the last step the snapshot holds, as train/loss of that step.
@@ -423,6 +429,12 @@ class RunRecorder:
             self.tracker.write_event(
                 {"t": round(event.at - self.origin, 6), "wall": time.time(), "kind": event.kind, **event.fields()}
             )
+
+
+def _numerics(n: StepNumerics) -> dict[str, float]:
+    """A committed update's metrics: those it has (no norm for a skipped step, no loss scale but in fp16)."""
+    metrics = {"train/grad_norm": n.grad_norm, "train/loss_scale": n.loss_scale, "train/skipped_steps": n.skipped_steps}
+    return {k: float(v) for k, v in metrics.items() if v is not None}
 
 
 def _same(a: dict[str, float], b: dict[str, float]) -> bool:
