@@ -32,10 +32,10 @@ experiment ``ftlab-sim``. The run ends with one JSON line:
 on 30 A40 nodes of one GPU, with the paper's batches (Table 1: 8192 in micro-batches of 32 for BERT-Large and GPT-2, 16
 for medium; 1024 in micro-batches of 2 for the others), activation checkpointing on, under the bundled traces ``6h``,
 ``1h`` and ``10m`` (a node fails every 6 hours, hour, 10 minutes, never replaced) until 15 of the 30 nodes remain: the
-run ends ``PAST_LAST_FAILURE_S`` after the 15th failure, so that it fires. Rows by role (``table2_policies``): a
-fault-free run, every policy that recovers by restarting from saved state alone (checkpoint-restart, Varuna), every one
-that recovers in place (Oobleck with f = 1, ReCycle, Bamboo, elastic), each that restarts with a checkpoint every 10
-iterations (the paper's Varuna setting). Bamboo runs as the paper ran it (Table 1): no activation checkpointing, BERT-Large
+run ends ``PAST_LAST_FAILURE_S`` after the 15th failure, so that it fires. Rows: a fault-free run and the paper's
+systems (Oobleck with f = 1, Varuna, Bamboo); with ``--by-role``, by role (``table2_policies``), every policy that
+recovers by restarting from saved state alone (checkpoint-restart, Varuna) and every one that recovers in place (Oobleck,
+ReCycle, Bamboo, elastic). Each that can restart checkpoints every 10 iterations (the paper's Varuna setting). Bamboo runs as the paper ran it (Table 1): no activation checkpointing, BERT-Large
 in micro-batches of 4, GPT-2 of 1; on the GPT-3 models it is refused for memory, the paper's OOM. The grid of the
 fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for 6.7B), Oobleck plans its own. The paper's
 storage (MinIO on six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads (``STORAGE``): a
@@ -307,11 +307,13 @@ def oobleck_efficiency(model: str) -> float:
     return search(throughput, target, job_config(job).cluster.device_efficiency)[0]
 
 
-def table2_cells(models: list[str], traces: list[str]) -> list[Cell]:
+def table2_cells(models: list[str], traces: list[str], by_role: bool) -> list[Cell]:
+    """The paper's systems and the fault-free run; with ``by_role``, every other policy of the same roles too."""
+    policies = {p: s for p, s in table2_policies().items() if by_role or p in ("fault-free", *OOBLECK_SYSTEMS)}
     cells = []
     for model in models:
         for trace in traces:
-            for policy, settings in table2_policies().items():
+            for policy, settings in policies.items():
                 published = PAPER_TABLE2[model][trace][OOBLECK_SYSTEMS.index(policy)] if policy in OOBLECK_SYSTEMS else None
                 job = oobleck_job(model, policy, settings, trace_faults(trace), trace_end_s(trace))
                 cells.append(Cell("table2", model, trace, policy, published, [*job, efficiency(oobleck_efficiency(model))],
@@ -627,11 +629,11 @@ def sweep_cells(sizes: list[int], hours: float) -> list[Cell]:
 STUDIES = ("table2", "figure10", "recycle", "reft", "llama3")
 
 
-def study_cells(studies: list[str], smoke: bool) -> list[Cell]:
-    """Every cell of the studies named (with ``smoke``, a few of each, Table 2 with the paper's systems only);
-    calibrations run here, as the cells need them."""
+def study_cells(studies: list[str], smoke: bool, by_role: bool) -> list[Cell]:
+    """Every cell of the studies named (with ``smoke``, a few of each); calibrations run here, as the cells need
+    them."""
     full = {
-        "table2": lambda: table2_cells(list(OOBLECK_MODELS), list(TABLE2_TRACES)),
+        "table2": lambda: table2_cells(list(OOBLECK_MODELS), list(TABLE2_TRACES), by_role),
         "figure10": lambda: figure10_cells(list(OOBLECK_MODELS), list(FIGURE10_TRACES)),
         "recycle": lambda: recycle_cells(list(RECYCLE_MODELS), list(RECYCLE_PERIODS_S)),
         "reft": reft_cells,
@@ -639,7 +641,7 @@ def study_cells(studies: list[str], smoke: bool) -> list[Cell]:
         "sweep": lambda: sweep_cells([16, 32, 64, 128, 256, 512], 24.0),
     }
     small = {
-        "table2": lambda: [c for c in table2_cells(["bert-large"], ["10m"]) if c.system in ("fault-free", *OOBLECK_SYSTEMS)],
+        "table2": lambda: table2_cells(["bert-large"], ["10m"], by_role),
         "figure10": lambda: figure10_cells(["gpt3-6.7b"], ["scale_gcp"]),
         "recycle": lambda: recycle_cells(["gpt3-medium"], ["30m"]),
         "reft": reft_cells,
@@ -653,7 +655,7 @@ def find_cell(cell_id: str) -> Cell:
     """The cell of that id, built with only the calibration it needs."""
     study, model, setting, system = cell_id.split("/")
     builders: dict[str, Callable[[], list[Cell]]] = {
-        "table2": lambda: table2_cells([model], [setting]),
+        "table2": lambda: table2_cells([model], [setting], by_role=True),
         "figure10": lambda: figure10_cells([model], [setting]),
         "recycle": lambda: recycle_cells([model], [setting]),
         "reft": reft_cells,
@@ -676,6 +678,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a few cells of each study, one day of Llama 3")
     parser.add_argument("--cell", help="run one cell, by the id the docs table gives, and print it")
     parser.add_argument("--studies", default=",".join(STUDIES), help=f"comma-separated, of {', '.join(STUDIES)}, sweep")
+    parser.add_argument("--by-role", action="store_true", help="Table 2 with every policy of the paper's systems' roles")
     parser.add_argument("--docs", type=Path, default=DOCS, help="the markdown file the tables are written into")
     parser.add_argument("--tracking-uri", default=f"sqlite:///{REPO / 'mlflow.db'}")
     args = parser.parse_args(argv)
@@ -687,9 +690,9 @@ def main(argv: list[str] | None = None) -> None:
 
     tracker = Tracker(TrackingConfig(uri=args.tracking_uri, experiment="ftlab-sim", run_name="paper-scale"))
     studies = args.studies.split(",")
-    tracker.start({"smoke": args.smoke, "studies": studies}, {"backend": "sim", "study": "paper-scale"}, "")
+    tracker.start({"smoke": args.smoke, "studies": studies, "by_role": args.by_role}, {"backend": "sim", "study": "paper-scale"}, "")
     try:
-        cells = study_cells(studies, args.smoke)
+        cells = study_cells(studies, args.smoke, args.by_role)
         llama3_s = None
         for cell in cells:
             show(measure(cell))
