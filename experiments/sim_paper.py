@@ -392,14 +392,17 @@ def reft_cells() -> list[Cell]:
     ]  # fmt: skip
 
 
-def reft_figures(cells: list[Cell]) -> dict[str, float | None]:
+def reft_figures(cells: list[Cell]) -> dict[str, tuple[str, float | None]]:
+    """REFT's ratios, published (in words) and simulated: the restore from storage over the restore from memory,
+    and what a snapshot every iteration adds to the iteration time."""
     by = {(c.setting, c.system): c.simulated for c in cells if c.study == "reft"}
     storage, memory = by.get(("restore", "storage")), by.get(("restore", "arc"))
     plain, snapshots = by.get(("iteration", "none")), by.get(("iteration", "arc"))
     return {
-        "restore_speedup": storage / memory if storage and memory else None,
-        "snapshot_overhead": snapshots / plain - 1 if plain and snapshots else None,
-    }
+        "restore_speedup": (f"{PAPER_REFT['storage'] / PAPER_REFT['arc']:.1f} (ARC; target: at least 10)",
+                            storage / memory if storage and memory else None),
+        "snapshot_overhead": (f"less than {PAPER_REFT_OVERHEAD:.0%}", snapshots / plain - 1 if plain and snapshots else None),
+    }  # fmt: skip
 
 
 # -- Llama 3 -------------------------------------------------------------------------------------------------------
@@ -407,7 +410,7 @@ def llama3_cell(days: float) -> Cell:
     mtbf = LLAMA3_DAYS * 86400 / LLAMA3_INTERRUPTIONS
     faults = ["faults=exponential", "faults.mtbf_steps=null", f"faults.mtbf_s={mtbf:.6g}", "faults.max_failures=null",
               f"faults.horizon_s={days * 86400:g}", "faults.replace_after_s=0", "faults.seed=0"]  # fmt: skip
-    return Cell("llama3", "llama3-405b", f"{days:g} days", "checkpoint_restart", LLAMA3_EFFECTIVE,
+    return Cell("llama3", "llama3-405b", f"{days:g}d", "checkpoint_restart", LLAMA3_EFFECTIVE,
                 [*LLAMA3_JOB, "train.steps=1000000000", f"sim.horizon_s={days * 86400:g}", *faults], metric="goodput")
 
 
@@ -492,7 +495,7 @@ def score(cells: list[Cell], llama3_s: float | None) -> dict[str, Any]:
         "faster_than_fault_free": sum(c.faster for c in cells),
         "llama3_sim_s": llama3_s,
         "llama3_effective": llama3.simulated if llama3 else None,
-        "reft_restore_speedup": reft_figures(cells)["restore_speedup"],
+        "reft_restore_speedup": reft_figures(cells)["restore_speedup"][1],
     }
 
 
@@ -556,8 +559,11 @@ def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: lis
                         "docstring says how each study is set up and calibrated; each cell's command prints it again.\n")  # fmt: skip
     for study, (title, note) in TITLES.items():
         if any(c.study == study for c in cells):
-            extra = reft_figures(cells) if study == "reft" else {}
-            text = render(cells, study) + "".join(f"\n{k}: {v:.3g}" for k, v in extra.items() if v is not None)
+            text = render(cells, study)
+            if study == "reft":
+                text += "\n| ratio | published | simulated |\n|---|---|---|\n" + "".join(
+                    f"| {name} | {paper} | {'' if got is None else f'{got:.3g}'} |\n"
+                    for name, (paper, got) in reft_figures(cells).items())  # fmt: skip
             results_doc.write_section(f"sim_paper_{study}", title, text, argv, module="sim_paper", note=note, path=path)
     results_doc.write_section("sim_paper_summary", "Summary: the study's JSON line", {"": summary}, argv,
                               module="sim_paper", path=path)  # fmt: skip
@@ -659,7 +665,7 @@ def find_cell(cell_id: str) -> Cell:
         "figure10": lambda: figure10_cells([model], [setting]),
         "recycle": lambda: recycle_cells([model], [setting]),
         "reft": reft_cells,
-        "llama3": lambda: [llama3_cell(float(setting.split()[0]))],
+        "llama3": lambda: [llama3_cell(float(setting.rstrip("d")))],
     }
     found = [c for c in builders[study]() if c.id == cell_id]
     if not found:
