@@ -3,7 +3,9 @@
 A Hydra callback (``SweepCallback``, named in ``conf/hydra/ftlab.yaml``) runs in the launching process:
 
 - before any job starts it creates the MLflow store and experiment (several jobs creating a SQLite store at once
-  collide) and the sweep's parent run (its overrides as params, its sweep id as a tag), and writes both ids to a
+  collide) and the sweep's parent run (its overrides as params, its sweep id as a tag, and this process with a
+  heartbeat kept up while the sweep runs, so that the next ``ftlab`` on the store marks the parent KILLED if this
+  process is killed outright: ``stale_runs``), and writes both ids to a
   sweep state folder that it names to the jobs in ``FTLAB_SWEEP`` (an environment variable: the basic launcher runs
   jobs in this process, joblib in processes it starts, submitit wherever SLURM puts them, and every one of them
   inherits the environment, while Hydra's sweep folder is worked out again in each job process);
@@ -29,6 +31,7 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +41,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ftlab.runtime.reporting.held_signals import store_access
+from ftlab.runtime.reporting.stale_runs import SWEEP_TAGS, coordinator_tags, keep_beating
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -117,10 +121,11 @@ class SweepCallback(Callback):
     def __init__(self) -> None:
         self._progress: SweepProgress | None = None
         self._sweep: SweepContext | None = None
+        self._stop_heartbeat: Callable[[], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # Launchers pickle the callbacks into every job; the progress thread stays in this process.
-        return {"_progress": None, "_sweep": None}
+        # Launchers pickle the callbacks into every job; the progress and heartbeat threads stay in this process.
+        return {"_progress": None, "_sweep": None, "_stop_heartbeat": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from ftlab.runtime.reporting.tracking import open_store
@@ -133,6 +138,7 @@ class SweepCallback(Callback):
         sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         total = count_jobs(overrides)
         parent_run_id = open_parent_run(client, experiment_id, sweep_id, overrides, total)
+        self._stop_heartbeat = keep_beating(client, parent_run_id)
         folder = Path(str(config.hydra.sweep.dir)) / "ftlab-sweep"
         folder.mkdir(parents=True, exist_ok=True)
         self._sweep = SweepContext(sweep_id, parent_run_id, uri, experiment, str(folder))
@@ -159,6 +165,7 @@ class SweepCallback(Callback):
 
         from ftlab.runtime.reporting.tracking import PARENT_TAG
 
+        self._heartbeat_stopped()
         sweep = self._sweep
         client = MlflowClient(sweep.tracking_uri)
         experiment = client.get_experiment_by_name(sweep.experiment)
@@ -177,6 +184,7 @@ class SweepCallback(Callback):
             return
         if self._progress is not None:
             self._progress.stop()
+        self._heartbeat_stopped()
         os.environ.pop(SWEEP_ENV, None)
         sweep, folder = self._sweep, Path(self._sweep.folder)
         done = outcomes(folder)
@@ -194,6 +202,11 @@ class SweepCallback(Callback):
         self._sweep = None  # closed: nothing left for _abandoned
         print("\n".join(lines), flush=True)
 
+    def _heartbeat_stopped(self) -> None:
+        if self._stop_heartbeat is not None:
+            self._stop_heartbeat()
+            self._stop_heartbeat = None
+
 
 @store_access
 def open_parent_run(client: MlflowClient, experiment_id: str, sweep_id: str, overrides: list[str], total: int) -> str:
@@ -202,9 +215,10 @@ def open_parent_run(client: MlflowClient, experiment_id: str, sweep_id: str, ove
         experiment_id,
         run_name=f"sweep-{sweep_id}",
         tags={
+            **SWEEP_TAGS,
+            **coordinator_tags(),  # this process keeps the parent run (``stale_runs``)
             "sweep_id": sweep_id,
             "sweep_overrides": " ".join(overrides),
-            "kind": "sweep",
             "mlflow.note.content": f"Sweep of {total or 'several'} jobs: `ftlab -m {' '.join(overrides)}`. "
             "The comparison of its jobs is written here when the sweep ends.",
         },

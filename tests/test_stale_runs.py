@@ -1,8 +1,10 @@
-"""A run whose coordinator died is marked FAILED by the next ``ftlab`` on its store, and a resumed job continues it.
+"""A run whose coordinator died is marked FAILED by the next ``ftlab`` on its store, and a resumed job continues it;
+a sweep whose process died has its parent run marked KILLED, and its unfinished children FAILED.
 
 The coordinator is the real ``ftlab`` command in a process of its own, held before step 4 (``runtime.processes.hold``:
 its checkpoint of step 4 is written by then) and SIGKILLed there, as the OOM killer would. Its agents and workers
-exit on their own; its run stays RUNNING until another ``ftlab`` opens the store.
+exit on their own; its run stays RUNNING until another ``ftlab`` opens the store. The sweep is ``ftlab -m`` in a
+process group of its own, SIGKILLed whole while its second job is held before its first step.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from mlflow.tracking import MlflowClient
 from ftlab.experiments.job import JobResult
 from ftlab.runtime.processes.hold import HOLD_DIR_ENV, step_point
 from ftlab.runtime.reporting.stale_runs import (
-    HEARTBEAT_TAG, HOST_TAG, PID_TAG, STALE_AFTER_S, continuation, coordinator_tags, lost, reconcile,
+    HEARTBEAT_TAG, HOST_TAG, PID_TAG, STALE_AFTER_S, SWEEP_TAGS, continuation, coordinator_tags, keep_beating,
+    lost, reconcile,
 )  # fmt: skip
 from tests.holds import HANG_S
 from tests.oracle import LOSS_RTOL, committed_losses
@@ -85,6 +88,59 @@ def test_a_killed_coordinators_run_is_failed_by_the_next_ftlab_and_the_resumed_j
     assert len(client.search_runs([experiment])) == 2  # the killed (now finished) job's run and the refused one
 
 
+def test_a_killed_sweeps_parent_is_killed_by_the_next_ftlab_with_its_unfinished_children(
+    job_overrides: list[str], tmp_path: Path  # noqa: ANN001
+) -> None:
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    (holds / f"{step_point(0)}.hold").touch()
+    # Job 0 plans and finishes; job 1 trains, held before step 0 with its run open.
+    ftlab = [sys.executable, "-m", "ftlab.experiments.main"]
+    job = [*job_overrides, "cluster.nodes=1", "train.stages=1", "train.steps=2", f"hydra.sweep.dir={tmp_path}/multirun",
+           f"hydra.run.dir={tmp_path}/hydra"]  # fmt: skip
+    sweep = subprocess.Popen([*ftlab, "-m", *job, "mode=plan,train"], cwd=tmp_path,
+                             env={**os.environ, HOLD_DIR_ENV: str(holds)}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(holds / f"{step_point(0)}.reached")
+    finally:
+        os.killpg(sweep.pid, signal.SIGKILL)  # the sweep, its agents and workers
+        sweep.wait()
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.get_experiment_by_name("ftlab").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.kind = 'sweep'")
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    planned, trained = sorted(children, key=lambda r: r.info.start_time)
+    assert parent.info.status == trained.info.status == "RUNNING" and planned.info.status == "FINISHED"
+    assert parent.data.tags[PID_TAG] == trained.data.tags[PID_TAG] == str(sweep.pid)  # the jobs ran in the sweep
+
+    refused = subprocess.run([*ftlab, *job, "train.global_batch=15"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=HANG_S)  # fmt: skip
+    assert refused.returncode == 1
+    parent, planned, trained = (client.get_run(r.info.run_id) for r in (parent, planned, trained))
+    assert parent.info.status == "KILLED"
+    assert parent.data.tags["failure_reason"].startswith(f"sweep lost: its process {sweep.pid} ")
+    assert trained.info.status == "FAILED"
+    assert trained.data.tags["failure_reason"].startswith(f"coordinator lost: its process {sweep.pid} ")
+    assert planned.info.status == "FINISHED" and "failure_reason" not in planned.data.tags
+
+
+def test_a_sweeps_heartbeat_keeps_its_parent_alive_elsewhere(tmp_path: Path) -> None:
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("ftlab")
+    old = f"{time.time() - STALE_AFTER_S - 1:.0f}"
+    tags = {**SWEEP_TAGS, **coordinator_tags(), HOST_TAG: "another-host.invalid", HEARTBEAT_TAG: old}
+    parent = client.create_run(experiment, tags=tags).info.run_id
+    stop = keep_beating(client, parent, every_s=0.01)
+    deadline = time.monotonic() + HANG_S
+    while client.get_run(parent).data.tags[HEARTBEAT_TAG] == old:
+        assert time.monotonic() < deadline, "no heartbeat was written"
+        time.sleep(0.05)
+    stop()
+    assert reconcile(client) == []
+    assert lost(tags, time.time()).startswith("sweep lost: no heartbeat from process")
+
+
 def test_a_coordinator_is_lost_when_its_process_is_gone_here_or_its_heartbeat_is_old_elsewhere() -> None:
     now = time.time()
     here = coordinator_tags()
@@ -96,7 +152,7 @@ def test_a_coordinator_is_lost_when_its_process_is_gone_here_or_its_heartbeat_is
     assert lost(elsewhere, now) is None
     old = {**elsewhere, HEARTBEAT_TAG: f"{now - STALE_AFTER_S - 1:.0f}"}
     assert lost(old, now).startswith("coordinator lost: no heartbeat from process")
-    assert lost({}, now) is None  # a run no coordinator wrote (a sweep's parent)
+    assert lost({}, now) is None  # a run of an ftlab without heartbeats
 
 
 def test_a_resumed_job_links_to_a_run_it_cannot_continue(tmp_path: Path) -> None:

@@ -7,6 +7,11 @@ next (``reconcile``) marks a RUNNING run FAILED, reason "coordinator lost", when
 host, when its process is gone; on any host, when its heartbeat is older than ``STALE_AFTER_S``, which is longer than
 any phase a live coordinator spends without flushing (nodes starting, a recovery).
 
+A sweep's parent run is kept by the sweep's own process (``experiments/sweep.py``), which writes nothing to it while
+its jobs run: it records that process the same way, and a thread of it rewrites the heartbeat (``keep_beating``). Found gone,
+it is marked KILLED, reason "sweep lost", as a sweep stopped from outside is closed; its children are runs like any
+other, each marked by its own coordinator's tags (a child whose coordinator still runs goes on and closes its run).
+
 A job resumed from a checkpoint (``train.resume_from``; checkpoints live under ``<checkpoint_dir>/<run id>``)
 continues the run that wrote it: the same run id, its metrics going on from the resumed step (``continuation``).
 Where it cannot (that run is still RUNNING with a live coordinator, it is in another experiment, the job is one of a
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -31,7 +38,7 @@ if TYPE_CHECKING:
 HOST_TAG = "ftlab.coordinator.host"
 PID_TAG = "ftlab.coordinator.pid"
 HEARTBEAT_TAG = "ftlab.heartbeat"
-"""Seconds since the epoch when the coordinator last wrote to its run."""
+"""Seconds since the epoch when the run's process (its coordinator, or a sweep's) was last heard of."""
 RESUMES_TAG = "ftlab.resumes_run"
 """On a run linked to the run whose checkpoint it resumed from: that run's id."""
 SETTINGS_A_RESUME_MAY_CHANGE = ("train.resume_from", "tracking.", "progress")
@@ -39,11 +46,43 @@ SETTINGS_A_RESUME_MAY_CHANGE = ("train.resume_from", "tracking.", "progress")
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 900.0
 LOST = "coordinator lost"
+SWEEP_TAGS = {"kind": "sweep"}
+"""The tags that make a run a sweep's parent."""
+SWEEP_LOST = "sweep lost"
+
+
+def beat() -> str:
+    """The heartbeat tag's value now."""
+    return f"{time.time():.0f}"
 
 
 def coordinator_tags() -> dict[str, str]:
     """Who writes this run: this process on this host, heard of now."""
-    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), HEARTBEAT_TAG: f"{time.time():.0f}"}
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), HEARTBEAT_TAG: beat()}
+
+
+def keep_beating(client: MlflowClient, run_id: str, every_s: float = HEARTBEAT_S) -> Callable[[], None]:
+    """Rewrite run ``run_id``'s heartbeat every ``every_s`` from a thread of its own, for a run its process writes
+    nothing else to for long (a sweep's parent, while the jobs run); the function that stops it."""
+    from mlflow.exceptions import MlflowException
+
+    stop = threading.Event()
+
+    def beating() -> None:
+        while not stop.wait(every_s):
+            try:
+                client.set_tag(run_id, HEARTBEAT_TAG, beat())
+            except MlflowException:
+                pass  # a store busy with the jobs' writes: the next beat comes long before the run would look stale
+
+    thread = threading.Thread(target=beating, daemon=True, name="heartbeat")
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join()
+
+    return stopped
 
 
 def _process_gone(pid: int) -> bool:
@@ -64,19 +103,24 @@ def lost(tags: dict[str, str], now: float) -> str | None:
     """Why the coordinator of a RUNNING run with these tags is gone, or None (alive, or not a coordinator's run)."""
     host, pid, beat = tags.get(HOST_TAG), tags.get(PID_TAG), tags.get(HEARTBEAT_TAG)
     if host is None or pid is None or beat is None:
-        return None  # a sweep's parent run, or a run of an ftlab without heartbeats
+        return None  # a run of an ftlab without heartbeats
     age = now - float(beat)
+    what = SWEEP_LOST if _is_sweep(tags) else LOST
     if host == socket.gethostname() and _process_gone(int(pid)):
-        return f"{LOST}: its process {pid} on {host} is gone (last heard of {age:.0f} s ago)"
+        return f"{what}: its process {pid} on {host} is gone (last heard of {age:.0f} s ago)"
     if age > STALE_AFTER_S:
-        return f"{LOST}: no heartbeat from process {pid} on {host} for {age:.0f} s"
+        return f"{what}: no heartbeat from process {pid} on {host} for {age:.0f} s"
     return None
+
+
+def _is_sweep(tags: dict[str, str]) -> bool:
+    return all(tags.get(k) == v for k, v in SWEEP_TAGS.items())
 
 
 @store_access
 def reconcile(client: MlflowClient) -> list[str]:
-    """Mark FAILED every RUNNING run of the store whose coordinator is gone (``lost``), ended at its last heartbeat;
-    the ids of the runs marked."""
+    """Mark FAILED every RUNNING run of the store whose coordinator is gone (``lost``), KILLED a sweep's parent whose
+    process is, ended at its last heartbeat; the ids of the runs marked."""
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return []
@@ -87,7 +131,8 @@ def reconcile(client: MlflowClient) -> list[str]:
         if why is None:
             continue
         client.set_tag(run.info.run_id, "failure_reason", why)
-        client.set_terminated(run.info.run_id, "FAILED", end_time=int(float(run.data.tags[HEARTBEAT_TAG]) * 1000))
+        status = "KILLED" if _is_sweep(run.data.tags) else "FAILED"
+        client.set_terminated(run.info.run_id, status, end_time=int(float(run.data.tags[HEARTBEAT_TAG]) * 1000))
         marked.append(run.info.run_id)
     return marked
 

@@ -43,7 +43,7 @@ from ftlab.runtime.core.config import TrackingConfig
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.reporting.held_signals import store_access
 from ftlab.runtime.reporting.stale_runs import (
-    HEARTBEAT_S, HEARTBEAT_TAG, RESUMES_TAG, continuation, coordinator_tags, reconcile, reopen,
+    HEARTBEAT_S, HEARTBEAT_TAG, RESUMES_TAG, beat, continuation, coordinator_tags, reconcile, reopen,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -268,14 +268,14 @@ class Tracker:
         from mlflow.entities import RunTag
 
         assert self.run_id is not None
-        beat = []
+        heartbeat = []
         if time.monotonic() - self._beat_at >= HEARTBEAT_S:
-            beat, self._beat_at = [RunTag(HEARTBEAT_TAG, f"{time.time():.0f}")], time.monotonic()
+            heartbeat, self._beat_at = [RunTag(HEARTBEAT_TAG, beat())], time.monotonic()
         batches = [self._metrics[i : i + _METRICS_PER_BATCH] for i in range(0, len(self._metrics), _METRICS_PER_BATCH)]
         for batch in batches or [[]]:
-            if batch or beat:
-                self.client.log_batch(self.run_id, metrics=batch, tags=beat)
-                beat = []
+            if batch or heartbeat:
+                self.client.log_batch(self.run_id, metrics=batch, tags=heartbeat)
+                heartbeat = []
         self._metrics.clear()
         self._flushed_at = time.monotonic()
 
