@@ -35,8 +35,8 @@ for medium; 1024 in micro-batches of 2 for the others), activation checkpointing
 run ends ``PAST_LAST_FAILURE_S`` after the 15th failure, so that it fires. Rows: a fault-free run and the paper's
 systems (Oobleck with f = 1, Varuna, Bamboo); with ``--by-role``, by role (``table2_policies``), every policy that
 recovers by restarting from saved state alone (checkpoint-restart, Varuna) and every one that recovers in place (Oobleck,
-ReCycle, Bamboo, elastic). Each that can restart checkpoints every 10 iterations (the paper's Varuna setting). Bamboo runs as the paper ran it (Table 1): no activation checkpointing, BERT-Large
-in micro-batches of 4, GPT-2 of 1; on the GPT-3 models it is refused for memory, the paper's OOM. The grid of the
+ReCycle, Bamboo, elastic). Each that can restart checkpoints every 10 iterations (the paper's Varuna setting). Bamboo
+runs as the paper ran it (Table 1): no activation checkpointing, BERT-Large in micro-batches of 4, GPT-2 of 1; on the GPT-3 models it is refused for memory, the paper's OOM. The grid of the
 fault-free run and checkpoint-restart has ``train.stages`` stages (2; 6 for 6.7B), Oobleck plans its own. The paper's
 storage (MinIO on six NVMe servers over 200 Gb/s) is taken as 5 GB/s of writes and 10 GB/s of reads (``STORAGE``): a
 stated assumption, not a measurement.
@@ -53,13 +53,16 @@ ReCycle (every policy that recovers in place: ``recycle_policies``), with a GPU 
 replaced. Choices where the paper is vague: ``gpt3-2.7b`` stands in for 3.35B (no such GPT-3 exists); micro-batches of
 2, 8 per pipeline; failures at the middle of each period (6 h: one at 3 h; 30 min: twelve), on GPUs drawn by a seeded
 permutation; every GPU is a node of its own (``cluster.nodes=32``, each with its share of the node's 640 Gb/s), so that
-Oobleck, whose unit is the node, loses one GPU per failure as in the paper and not eight.
+Oobleck, whose unit is the node, loses one GPU per failure as in the paper and not eight; the policies that can restart
+(Bamboo, ReCycle) checkpoint every 10 iterations to ``STORAGE``, for when they must.
 
 **REFT** (Section 7.4, Figure 12): restoring Llama-2 1.3B trained with (TP, PP, DP) = (4, 4, 8) on 128 V100s from NFS
-(9.27 s) and from host memory (ARC 0.84 s, AEC 0.75 s). ftlab has no tensor parallelism: a worker stands for a TP group
-(``cluster=v100-128x4``, 32 of its nodes of four V100s): 128 workers, 4 stages, 32 pipelines, so each worker holds a
-whole stage where REFT's TP group shared it, and the state restored is the same. NFS is 10 Gb/s for all readers
-(``NFS``). The snapshot overhead (Table 3: less than 3%) is the iteration time with a snapshot every step over without.
+(9.27 s) and from host memory (ARC 0.84 s, AEC 0.75 s), after a node is lost. ftlab has no tensor parallelism: on
+REFT's cluster (``v100-128x4``, 32 of its nodes of four V100s) one worker per node stands for the node's TP group, so
+4 stages x 8 pipelines with each node holding one stage, as REFT's nodes do (its compute is one V100's, which the
+restore does not depend on). NFS is 10 Gb/s for all readers together (``NFS``), a snapshot is copied at
+``V100_SNAPSHOTS``. The snapshot overhead (Table 3: less than 3%) is the iteration time with a snapshot every
+iteration over without.
 
 **Llama 3 405B** (Dubey et al. 2024, Section 3.3.4): 54 days on 16,384 H100s with 419 unexpected interruptions and more
 than 90% effective training time. A worker is one node's eight H100s, tensor-parallel over NVLink as the paper ran them
@@ -68,8 +71,8 @@ tokens per step in micro-batches of 1; checkpoint-restart with a checkpoint ever
 2 TB/s (Tectonic's sustained throughput, Section 3.3.1); interruptions drawn from an exponential distribution at the
 published rate, each failed node replaced by a spare at once. Effective training time is the run's goodput.
 
-The MTBF sweep (``--studies sweep``): goodput of ``llama2-6.7b`` against cluster size at Llama 3's and Meta's research clusters'
-failure rates, for every policy with every protection it works with (``combinations``).
+The MTBF sweep (``--studies sweep``): goodput of ``llama2-6.7b`` against cluster size at Llama 3's and Meta's research
+clusters' failure rates, for every policy with every protection it works with (``combinations``).
 """
 
 from __future__ import annotations
