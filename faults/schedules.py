@@ -78,7 +78,8 @@ Schedules (``FaultsConfig.schedule``):
 Warnings. A node fault may carry ``warning_s`` (``faults.warning_s`` gives it to every node fault of a schedule: a spot
 trace's grace period): at its firing point the injector gives notice of the preemption, and the node is killed that
 many seconds later on the backend's clock, whatever the policy did meanwhile (``Policy.on_warning``, asked at the
-next iteration boundary). A warning longer than the gap to the next fault is refused where both are in seconds.
+next iteration boundary). A warning longer than the gap to the next fault is refused where both are in seconds
+(faults at the same instant are warned together).
 
 Settings that the chosen schedule does not use are rejected rather than ignored, so that a sweep over
 ``faults.mtbf_steps`` under ``faults=fixed`` fails loudly instead of running the same job several times; so are
@@ -302,13 +303,14 @@ def _warned(event: FaultEvent, warning_s: float) -> FaultEvent:
 
 
 def _check_warnings(events: list[FaultEvent]) -> None:
-    """A warned kill comes before the next fault fires: a grace period longer than the gap would reorder them. On
-    the step clock steps and seconds cannot be compared before the run; there the kill comes when it is due."""
+    """A warned kill comes before the next fault fires: a grace period longer than the gap would reorder them.
+    Faults at the same instant (a spot trace preempts several nodes at once) fire together, warned together. On the
+    step clock steps and seconds cannot be compared before the run; there the kill comes when it is due."""
     for event, after in zip(events, events[1:]):
         if event.warning_s is None or event.at_time_s is None or after.at_time_s is None:
             continue
         gap = after.at_time_s - event.at_time_s
-        if event.warning_s > gap:
+        if event.warning_s > gap > 0:
             raise FaultConfigError(
                 f"the preemption of node {event.node} at {event.when} is warned {event.warning_s:g} s ahead, longer "
                 f"than the {gap:g} s until the next fault ({after.kind} of node {after.node} at {after.when}): lower "

@@ -40,6 +40,13 @@ def test_a_warning_longer_than_the_gap_to_the_next_fault_is_refused() -> None:
     assert "longer than the 10 s until the next fault" in message and "lower warning_s to at most 10" in message
 
 
+def test_preemptions_at_the_same_instant_are_warned_together() -> None:
+    events = build_schedule({"schedule": "explicit", "warning_s": 30.0, "events": [
+        {"kind": "node", "node": 1, "at_time_s": 10.0}, {"kind": "node", "node": 2, "at_time_s": 10.0}]},
+        ClusterShape(nodes=4, workers_per_node=1))  # fmt: skip
+    assert [e.warning_s for e in events] == [30.0, 30.0]
+
+
 def test_the_schedule_warns_every_preemption_it_replays() -> None:
     events = build_schedule({"schedule": "trace", "trace": "p3", "trace_s_per_step": 120, "max_failures": 2,
                              "node_map": None, "warning_s": 30.0}, ClusterShape(nodes=8, workers_per_node=1))  # fmt: skip
