@@ -8,15 +8,19 @@ A scenario draws a model (the three families, varied depth, width, heads, sequen
 workers per node, up to 8 workers), a policy (every policy found that recovers, ``DRAW_WEIGHTS``) with a protection, and
 a fault schedule: explicit events of every kind (node, process, hang, join) at random steps and phases, simultaneous
 ones included, or a generated schedule (fixed, exponential with a mean time between failures shorter than a restart,
-Weibull) or a replayed spot trace, so faults land during recoveries too. Scenario ``i`` of seed ``s`` depends on (s, i)
-alone.
+Weibull) or a replayed spot trace, so faults land during recoveries too. A quarter of the scenarios that checkpoint to
+storage do it on a small disk (``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses
+every later one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint. Scenario ``i``
+of seed ``s`` depends on (s, i) alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
 job with ``faults=none``, run once per distinct job). Checks:
 - the job finished and its MLflow run is FINISHED;
 - every step's loss, as finally committed, equals the twin's within the equivalence tolerance (rel 1e-5);
 - every fault that was noticed has its lost steps measured, and within what the recovery promises: none when the
-  survivors kept running, at most the checkpoint interval when workers restarted;
+  survivors kept running, at most the checkpoint interval when workers restarted (one interval more for each save
+  that failed);
+- on a small disk, saves did fail;
 - no process of the job and no shared-memory segment of it is left behind (nor of its twin).
 
 The generator keeps every scenario recoverable by its policy, from what the policy says of itself (``Roles``): one
@@ -24,6 +28,9 @@ that restarts from saved state gets a protection that keeps it and may lose all 
 ``policy.fault_threshold`` node failures in place (Oobleck) keeps enough nodes for its f + 1 pipelines; any other
 meets joins only. So a stop is a finding too. A failing scenario prints the one command that reproduces it. The last
 line is one JSON object: scenarios run, passed, failed, and the failures with their commands.
+
+A small disk is mounted in a mount namespace of the job's own (``unshare``), as an unprivileged user in a user namespace
+too: no root is needed where the kernel lets users create namespaces.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from ftlab.policies import catalog
 from ftlab.runtime.state import shm
 from ftlab.runtime.processes.agent import terminate_with_parent
 from ftlab.runtime.core.costs import layer_bytes, stage_memory
+from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.model_spec import ModelConfig, layer_specs
 
 LOSS_RTOL = 1e-5
@@ -65,6 +73,8 @@ drawn; one not named here weighs ``DEFAULT_WEIGHT``. Oobleck weighs two: its sce
 (one or two nodes) and f. The order is the draw's, after it the other policies by name: the policies named here keep
 the scenarios every seed drew before policies were found rather than listed."""
 DEFAULT_WEIGHT = 1
+SMALL_DISK_SHARE = 0.25
+"""Of the scenarios that checkpoint to storage, the share whose checkpoints go to a small disk."""
 
 
 @dataclass
@@ -77,6 +87,8 @@ class Scenario:
     """The most committed steps a restart may lose (the storage checkpoint or REFT flush interval), when the
     protection keeps state."""
     notes: list[str] = field(default_factory=list)
+    disk_mib: int | None = None
+    """The size of the small disk its checkpoints go to, if they do (``small_disk_mib``)."""
 
     @property
     def overrides(self) -> list[str]:
@@ -165,7 +177,17 @@ def draw(seed: int, index: int) -> Scenario:
             job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
     faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)))
-    return Scenario(index, job, faults, every, notes)
+    # From a generator of its own, so the scenarios drawn before small disks were are drawn as they were.
+    disk_mib = None
+    if "protection=storage" in job and random.Random(f"{seed}/{index}/disk").random() < SMALL_DISK_SHARE:
+        disk_mib = small_disk_mib(cfg)
+        job += [f"protection.max_failed_saves={steps}", "protection.allow_low_space=true"]  # every save may fail
+    return Scenario(index, job, faults, every, notes, disk_mib)
+
+
+def small_disk_mib(cfg: ModelConfig) -> int:
+    """A disk that holds one checkpoint of the model and not two (the second is written before the first goes)."""
+    return math.ceil(1.5 * checkpoint_bytes(layer_specs(cfg), cfg.seq_len) / MIB)
 
 
 def draw_protection(rng: random.Random, every: int, replicated: bool = True) -> list[str]:
@@ -235,13 +257,20 @@ class Outcome:
     seconds: float
 
 
-def run_ftlab(overrides: list[str], workdir: Path, cache: Path, mark: str) -> tuple[subprocess.CompletedProcess[str], str]:
-    """Run one job through the ftlab command; its completed process (``args`` holds the command and, last, the
-    coordinator's pid, which names the job's node memories in /dev/shm) and its MLflow store."""
+def run_ftlab(
+    overrides: list[str], workdir: Path, cache: Path, mark: str, disk_mib: int | None = None
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run one job through the ftlab command, its checkpoints on a small disk of ``disk_mib`` if given; its completed
+    process (``args`` holds the command and, last, the coordinator's pid, which names the job's node memories in
+    /dev/shm) and its MLflow store."""
     workdir.mkdir(parents=True, exist_ok=True)
     store = f"sqlite:///{workdir}/mlflow.db"
+    checkpoints = workdir / "checkpoints"
     command = [sys.executable, "-m", "ftlab.experiments.main", *overrides, "progress=false", f"tracking.uri={store}",
-               f"train.cache_dir={cache}", f"train.checkpoint_dir={workdir}/checkpoints", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
+               f"train.cache_dir={cache}", f"train.checkpoint_dir={checkpoints}", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
+    if disk_mib is not None:
+        checkpoints.mkdir(exist_ok=True)
+        command = on_small_disk(command, checkpoints, disk_mib)
     env = {**os.environ, MARK: mark}
     # The job stops with the campaign (a SIGTERM, which it answers by marking its run FAILED and freeing its workers
     # and memory), and so does a job that outlives its time.
@@ -257,6 +286,13 @@ def run_ftlab(overrides: list[str], workdir: Path, cache: Path, mark: str) -> tu
                 proc.kill()
                 out, err = proc.communicate()
     return subprocess.CompletedProcess([*command, str(proc.pid)], proc.returncode, out, err), store
+
+
+def on_small_disk(command: list[str], folder: Path, mib: int) -> list[str]:
+    """``command`` run with ``folder`` a tmpfs of ``mib`` MiB, mounted in a user and mount namespace of its own (it
+    needs no root, and the mount goes with the job); the job's pid stays the command's (``exec``)."""
+    mount = 'mount -t tmpfs -o size="$1"m tmpfs "$2" && shift 2 && exec "$@"'
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, "sh", str(mib), str(folder), *command]
 
 
 def final_losses(store: str) -> tuple[str, dict[int, float], list[dict]]:
@@ -312,7 +348,7 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
             return Outcome(False, left, time.monotonic() - began)
         twins[key] = final_losses(store)[1]
     mark = f"scenario-{scenario.index}-{os.getpid()}"
-    done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark)
+    done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark, scenario.disk_mib)
     time.sleep(1.0)  # processes ended by the job's shutdown finish dying
     if done.returncode != 0:
         problems.append(f"exit {done.returncode}: {done.stderr.strip()[-600:]}")
@@ -327,15 +363,19 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
         if wrong:
             problems.append(f"losses differ from the fault-free twin at steps {wrong[:5]}")
         problems += lost_step_problems(events, scenario.every)
+        if scenario.disk_mib is not None and not any(e["kind"] == "save_failed" for e in events):
+            problems.append(f"the small disk ({scenario.disk_mib} MiB) refused no save")
     problems += [f"{what} left behind: {found}" for what, found in leftover_problems(done, mark) if found]
     return Outcome(not problems, problems, time.monotonic() - began)
 
 
 def lost_step_problems(events: list[dict], every: int | None) -> list[str]:
-    """Each noticed fault's lost steps are measured and within what its recovery promised."""
+    """Each noticed fault's lost steps are measured and within what its recovery promised: a restart goes back to
+    the newest save, at most ``every`` steps behind and one interval more for each save that failed."""
     decisions = [e for e in events if e["kind"] == "recovery_decision"]
     restarted = any(e["outcome"] == "restart" for e in decisions)
-    promise = (every or 0) if restarted else 0
+    failed_saves = len([e for e in events if e["kind"] == "save_failed"])
+    promise = (every or 0) * (1 + failed_saves) if restarted else 0
     problems = []
     for e in (e for e in events if e["kind"] == "recovered"):
         if e["lost_steps"] is None:
@@ -366,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     for index in indices:
         scenario = draw(args.seed, index)
         outcome = check(scenario, root, twins, cache)
-        print(f"{'PASS' if outcome.ok else 'FAIL'} scenario {index} ({outcome.seconds:.0f} s): {scenario.command()}", flush=True)
+        disk = f" (checkpoints on a {scenario.disk_mib} MiB disk)" if scenario.disk_mib is not None else ""
+        print(f"{'PASS' if outcome.ok else 'FAIL'} scenario {index} ({outcome.seconds:.0f} s): {scenario.command()}{disk}",
+              flush=True)  # fmt: skip
         if not outcome.ok:
             reproduce = f"python -m ftlab.experiments.soak --seed {args.seed} --only {index}"
             for problem in outcome.problems:

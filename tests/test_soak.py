@@ -10,6 +10,8 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments import soak
 from ftlab.experiments.job import compose_config
+from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
+from ftlab.runtime.core.model_spec import layer_specs
 from ftlab.faults.schedules import ClusterShape, build_schedule
 
 
@@ -35,6 +37,22 @@ def test_reft_is_drawn_only_where_the_grid_holds_every_stage_twice() -> None:
         if drawn.get("protection") == "reft" and drawn["policy"] in ("checkpoint_restart", "recycle"):
             workers = int(drawn["cluster.nodes"]) * int(drawn["cluster.workers_per_node"])
             assert workers >= 2 * int(drawn["train.stages"]), drawn
+
+
+def test_a_small_disk_holds_the_first_checkpoint_and_refuses_the_second() -> None:
+    scenario = next(s for s in (soak.draw(2026, i) for i in range(20)) if s.disk_mib is not None)
+    cfg = OmegaConf.to_object(compose_config(scenario.overrides))
+    one = checkpoint_bytes(layer_specs(cfg.model), cfg.model.seq_len)
+    assert one < scenario.disk_mib * MIB < 2 * one
+    assert cfg.protection.name == "storage" and cfg.protection.allow_low_space
+    assert cfg.protection.max_failed_saves >= cfg.train.steps  # every save but the first may fail: the job goes on
+
+
+def test_a_lost_step_is_promised_one_interval_more_for_each_failed_save() -> None:
+    restart = {"kind": "recovery_decision", "outcome": "restart"}
+    lost_5 = {"kind": "recovered", "fault": 0, "lost_steps": 5}
+    assert soak.lost_step_problems([restart, lost_5], 3) == ["fault 0 lost 5 committed steps, more than 3"]
+    assert soak.lost_step_problems([{"kind": "save_failed", "step": 6}, restart, lost_5], 3) == []
 
 
 @pytest.mark.slow
