@@ -372,7 +372,7 @@ def recycle_cells(models: list[str], periods: list[str]) -> list[Cell]:
         calibrated = efficiency(recycle_efficiency(model))
         for period in periods:
             cells.append(Cell("recycle", model, period, "fault-free", fault_free,
-                              recycle_job(model, "policy=none", "faults=none", calibrated)))  # fmt: skip
+                              recycle_job(model, "policy=none", "faults=none", calibrated), fitted=True))  # fmt: skip
             for policy in recycle_policies():
                 paper = published[period][RECYCLE_SYSTEMS.index(policy)] if policy in RECYCLE_SYSTEMS else None
                 faults = gpu_failures(RECYCLE_PERIODS_S[period], RECYCLE_HOURS)
@@ -421,9 +421,15 @@ def llama3_cell(days: float) -> Cell:
 
 
 # -- scoring -------------------------------------------------------------------------------------------------------
-def fault_free(cells: list[Cell], cell: Cell) -> float | None:
-    return next((c.simulated for c in cells if (c.study, c.model, c.setting, c.system) ==
+def reference_of(cells: list[Cell], cell: Cell) -> Cell | None:
+    """The fault-free run beside ``cell``."""
+    return next((c for c in cells if (c.study, c.model, c.setting, c.system) ==
                  (cell.study, cell.model, cell.setting, "fault-free")), None)  # fmt: skip
+
+
+def fault_free(cells: list[Cell], cell: Cell) -> float | None:
+    reference = reference_of(cells, cell)
+    return None if reference is None else reference.simulated
 
 
 def collapsed(cells: list[Cell], cell: Cell) -> bool:
@@ -507,11 +513,24 @@ def score(cells: list[Cell], llama3_s: float | None) -> dict[str, Any]:
 
 # -- the docs table ------------------------------------------------------------------------------------------------
 def render(cells: list[Cell], study: str) -> str:
-    lines = ["| cell | published | simulated | ratio | failures | command |", "|---|---|---|---|---|---|"]
+    lines = ["| cell | published | simulated | ratio | of fault-free, published / simulated | failures | command |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for c in (c for c in cells if c.study == study):
         lines.append(f"| {c.model} {c.setting} {c.system} | {_published(c)} | {_simulated(c)} | {_ratio(c, cells)} "
-                     f"| {c.failures} | `python -m ftlab.experiments.sim_paper --cell {c.id}` |")  # fmt: skip
+                     f"| {_of_fault_free(c, cells)} | {c.failures} "
+                     f"| `python -m ftlab.experiments.sim_paper --cell {c.id}` |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _of_fault_free(c: Cell, cells: list[Cell]) -> str:
+    """The cell as a fraction of its fault-free run: published where the paper gives both figures, and simulated."""
+    reference = reference_of(cells, c)
+    if reference is None or c is reference or c.metric != "samples_per_s":
+        return ""
+    paper = (f"{c.published / reference.published:.3f}" if isinstance(c.published, float)
+             and isinstance(reference.published, float) else "-")  # fmt: skip
+    got = f"{c.simulated / reference.simulated:.3f}" if c.simulated is not None and reference.simulated else "-"
+    return f"{paper} / {got}"
 
 
 def _published(c: Cell) -> str:
