@@ -14,6 +14,16 @@ Two forms, both with Pyomo:
 
 When B is not a multiple of b, or gives fewer micro-batches than pipelines, no distribution exists; as the paper
 does, we do not change B but say which global batch to use.
+
+Where this differs from the paper, it is never slower. Eq. 6 gives every pipeline of one template the same count
+(its constraint sums N_b,i b x_i over the templates) and minimises the variance of the pipelines' times; ``minmax``
+lets pipelines of one template differ by one micro-batch and minimises the slowest pipeline, which is the job's
+iteration time. Neither escapes integer counts at a fixed b: B / b micro-batches over k equal pipelines take as long
+as ceil(B / (b k)) of them. With the paper's batches (Table 1: 512 micro-batches over at most 30 pipelines) losing
+one pipeline of 30 costs about what it removes (17.1 to 17.7 micro-batches a pipeline, rounded up to 18 either way),
+but with 2 micro-batches a pipeline (64 over 32 one-GPU pipelines) losing one makes two pipelines run 3 and the job
+a third slower, and it stays there until fewer than 22 pipelines are left. That loss is Oobleck's at such a batch
+(where Eq. 6 has no solution at all: 31 equal counts cannot add up to 64), not a rounding of ours.
 """
 
 from __future__ import annotations

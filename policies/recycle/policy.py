@@ -9,8 +9,10 @@ throughput (Table 1, GPT-3 Medium: 27.58 fault-free, 27.27 / 25.42 / 22.27 with 
 a reroute only adds work to the survivors. Our list scheduler decouples the backward pass of every worker, the
 healthy pipelines' too, and on a GPU fills bubbles that 1F1B leaves; a rerouted plan measured against a 1F1B grid
 would credit the failure with the scheduler's gain and come out faster than the job without it. So the fault-free
-grid gets the scheduler's quality too, and what a failure costs is the reroute alone. Where a decoupled pass costs
-more than the bubble it fills (processes sharing a CPU host, each instruction with its own overhead), 1F1B stays.
+grid gets the scheduler's quality too, and what a failure costs is the reroute alone; the paper's bound (at or below
+the fault-free throughput) then holds against this grid, which on a GPU is faster than another policy's 1F1B grid by
+the bubbles decoupled backward fills. Where a decoupled pass costs more than the bubble it fills (processes sharing a
+CPU host, each instruction with its own overhead), 1F1B stays.
 
 A failure (a node, a worker process, a fenced hang) restarts no process and copies no layer: the layout keeps the
 dead workers in their slots, and the planner (``planner.plan_recycle``) sends every micro-batch that would pass

@@ -36,7 +36,7 @@ from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.processes import messages as msg
 from ftlab.runtime.processes.comm import Aborted, CommError, GenerationComm
-from ftlab.runtime.core.contract import MemorySource, Source, StorageSource
+from ftlab.runtime.core.contract import MemoryRecord, MemorySource, Source, StorageSource
 from ftlab.runtime.training.data import Batches
 from ftlab.runtime.processes.executor import Executor
 from ftlab.runtime.processes.hold import hold, worker_point
@@ -513,8 +513,11 @@ class Worker:
         bit."""
         assert self.comm is not None
         mine = load_plan(source, plan, helpers)[self.worker]
+        read: dict[MemoryRecord, torch.Tensor] = {}  # a record several peers need is read (and checked) once
         for record, receiver, tag in mine.sends:
-            self.comm.send(read_record(self.memory, record, source.step, record.nbytes), receiver, _LOAD_TAG + tag)
+            if record not in read:
+                read[record] = read_record(self.memory, record, source.step, record.nbytes)
+            self.comm.send(read[record], receiver, _LOAD_TAG + tag)
         model = self.setup["model"]
         crcs = {(layers_, index): crc for layers_, index, crc in source.shard_crcs}
         nbytes, decoded = 0, False

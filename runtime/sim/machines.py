@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.config import ClusterConfig, SimConfig
-from ftlab.runtime.core.contract import MemorySource, Source, StorageSource
+from ftlab.runtime.core.contract import MemoryRecord, MemorySource, Source, StorageSource
 from ftlab.runtime.core.costs import CostModel
 from ftlab.runtime.core.machine import Machine
 from ftlab.runtime.core.model_spec import FP32
@@ -367,23 +367,22 @@ def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: Sim
     data-parallel replica). The readers share the storage's bandwidth (``sim.storage_read_bytes_per_s``); a
     broadcast crosses each link with a receiver once, out of the reader's link once (a chain: a node's GPUs pass it
     on among themselves); the reads, the decoding and the broadcast follow one another."""
+    per_link = _nic_workers(m)
     reader_of: dict[int, int] = {}
     for worker in sorted(readers):
         for layer in readers[worker]:
             reader_of.setdefault(layer, worker)
-    links = {layer: {worker // _nic_workers(m) for worker in readers if layer in readers[worker]} for layer in reader_of}
+    read: dict[int, list[int]] = {}
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
     for layer, reader in reader_of.items():
-        others = links[layer] - {reader // _nic_workers(m)}
+        read.setdefault(reader, []).append(layer)
+        others = {worker // per_link for worker, layers in readers.items() if layer in layers} - {reader // per_link}
         nbytes = m.checkpoint_bytes((layer,))
         if others:
-            sent[reader // _nic_workers(m)] = sent.get(reader // _nic_workers(m), 0.0) + nbytes
+            sent[reader // per_link] = sent.get(reader // per_link, 0.0) + nbytes
         for link in others:
             received[link] = received.get(link, 0.0) + nbytes
-    read: dict[int, list[int]] = {}
-    for layer, reader in reader_of.items():
-        read.setdefault(reader, []).append(layer)
     storage_s = m.checkpoint_bytes(reader_of) / m.sim.storage_read_bytes_per_s
     decode_s = max(m.checkpoint_bytes(layers) for layers in read.values()) / m.codec_bytes_per_s
     return storage_s + decode_s + _network_s(m, sent, received)
@@ -395,9 +394,9 @@ def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimM
     workers do it. Assumptions, kept simple:
     - a record on the reader's own node is read at ``sim.snapshot_bytes_per_s`` (a copy out of host memory with its
       checksum, the rate a snapshot is written at);
-    - a record only another node holds is read there by that node's serving worker, at the same rate, and sent
-      over the network: every send and every receive of a node's workers goes through the node's one NIC
-      (``_network_s``), as on the paper's nodes;
+    - a record only another node holds is read there by that node's serving worker, at the same rate and once for
+      all the workers it is sent to, and sent over the network: every send and every receive of a node's workers
+      goes through the node's one NIC (``_network_s``), as on the paper's nodes;
     - a shard no live node holds is rebuilt from the parities of the other members (fetched as above) and the other
       shards: XOR at the machine's codec rate over the shard's bytes;
     - the workers loading at once share the machine's copy rate (``copy_bytes_per_s``).
@@ -409,14 +408,18 @@ def _memory_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimM
     busy: dict[int, float] = {}
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
+    served: set[tuple[int, MemoryRecord]] = set()
+    per_link = _nic_workers(m)
 
     def fetched(worker: int, fetch: Fetch) -> None:
-        nbytes = fetch.record.nbytes
-        reader = worker if fetch.sender is None else fetch.sender
-        busy[reader] = busy.get(reader, 0.0) + nbytes / rate
-        if fetch.sender is not None:
-            sent[fetch.sender // _nic_workers(m)] = sent.get(fetch.sender // _nic_workers(m), 0.0) + nbytes
-            received[worker // _nic_workers(m)] = received.get(worker // _nic_workers(m), 0.0) + nbytes
+        nbytes, sender = fetch.record.nbytes, fetch.sender
+        if sender is None or (sender, fetch.record) not in served:
+            reader = worker if sender is None else sender
+            busy[reader] = busy.get(reader, 0.0) + nbytes / rate
+        if sender is not None:
+            served.add((sender, fetch.record))
+            sent[sender // per_link] = sent.get(sender // per_link, 0.0) + nbytes
+            received[worker // per_link] = received.get(worker // per_link, 0.0) + nbytes
 
     for worker in sorted(readers):
         for group in loads[worker].groups:
