@@ -35,9 +35,11 @@ from ftlab.policies.oobleck.batch import distribute_batch
 from ftlab.policies.oobleck.instantiate import assign_nodes, instantiate
 from ftlab.policies.oobleck.templates import TemplatePlanner, generate_templates
 from ftlab.policies.recycle import ReCyclePlan, StageCosts, plan_recycle
+from ftlab.runtime.core.config import ClusterConfig
 from ftlab.runtime.core.model_spec import layer_specs, load_model_config
 from ftlab.runtime.core.plan import even_split, grid_plan
 from ftlab.runtime.core.costs import ModelProfile, profile_from_specs
+from ftlab.runtime.core.devices import node_spec
 from ftlab.runtime.processes.profiler import analytic_profile
 
 PAPER_TABLE_3 = {  # (nodes, GPUs per node) -> seconds for 24, 32, 64, 96 layers
@@ -53,6 +55,7 @@ PAPER_TABLE_3 = {  # (nodes, GPUs per node) -> seconds for 24, 32, 64, 96 layers
 }
 LAYERS = (24, 32, 64, 96)
 INSTANTIATE_NODES = (16, 48, 128, 512)
+A40, A100 = node_spec(ClusterConfig(device="A40")), node_spec(ClusterConfig(device="A100-80GB"))
 MIN_REPEATS, MAX_REPEATS, BUDGET_S = 3, 50, 0.25
 RECYCLE_PP, RECYCLE_DP, RECYCLE_MICROBATCHES, RECYCLE_MICRO_BATCH = 8, 4, 16, 2
 RECYCLE_FAILED = ((0, 3), (1, 5), (2, 1), (3, 6))  # (pipeline, stage), taken in this order
@@ -76,7 +79,7 @@ def uniform_gpt(layers: int) -> ModelProfile:
     cfg = load_model_config("gpt3-2.7b")
     block = layer_specs(cfg)[1]
     specs = [dataclasses.replace(block, index=i) for i in range(layers)]
-    return profile_from_specs(f"uniform-gpt-{layers}", specs, "A40", micro_batch=2, seq_len=cfg.seq_len)
+    return profile_from_specs(f"uniform-gpt-{layers}", specs, A40, micro_batch=2, seq_len=cfg.seq_len)
 
 
 def bench_templates() -> list[dict]:
@@ -102,7 +105,7 @@ def _all(profile: ModelProfile, gpus: int, nodes: int) -> None:
 
 def bench_instantiate() -> dict[int, dict]:
     cfg = load_model_config("gpt3-6.7b")
-    profile = analytic_profile(cfg, "A40", micro_batch=2, seq_len=cfg.seq_len)
+    profile = analytic_profile(cfg, A40, micro_batch=2, seq_len=cfg.seq_len)
     global_batch, micro_batch, f = 1024, 2, 2
     out = {}
     for nodes in INSTANTIATE_NODES:
@@ -130,7 +133,7 @@ def bench_instantiate() -> dict[int, dict]:
 def recycle_costs() -> list[StageCosts]:
     """Per-stage costs of GPT-3 6.7B on A100-80GB split evenly over RECYCLE_PP stages (seconds)."""
     cfg = load_model_config("gpt3-6.7b")
-    profile = analytic_profile(cfg, "A100-80GB", micro_batch=RECYCLE_MICRO_BATCH, seq_len=cfg.seq_len)
+    profile = analytic_profile(cfg, A100, micro_batch=RECYCLE_MICRO_BATCH, seq_len=cfg.seq_len)
     costs = []
     for start, stop in even_split(profile.num_layers, RECYCLE_PP):
         layers = profile.layers[start:stop]

@@ -45,7 +45,7 @@ from ftlab.runtime.core.costs import (
 )  # fmt: skip
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, text_file, tokenize_corpus
-from ftlab.runtime.core.devices import DEVICES
+from ftlab.runtime.core.devices import DEVICES, node_spec
 from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.precision import needs_norms, numerics_problems
 from ftlab.runtime.control.update import UpdateRule, scaler_from_manifest
@@ -102,9 +102,8 @@ def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict
     model, micro_batch = cfg.model, cfg.train.micro_batch
     checkpointing = cfg.train.activation_checkpointing
     if device in DEVICES:
-        profile = analytic_profile(model, device, micro_batch, model.seq_len)
-        profile = with_precision(replace(profile, activation_checkpointing=checkpointing), cfg.train.precision)
-        return profile, {"kind": "analytic", "device": device}
+        profile = analytic_profile(model, node_spec(cfg.cluster), micro_batch, model.seq_len, cfg.train.precision)
+        return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
         cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker, again=again,
@@ -168,6 +167,16 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError("; ".join(launch))
     if c.device_memory_gb <= 0:
         raise ConfigError(f"cluster.device_memory_gb={c.device_memory_gb}: give the memory of one device in GiB")
+    if not 0 < c.device_efficiency <= 1:
+        raise ConfigError(f"cluster.device_efficiency={c.device_efficiency}: give the fraction of the devices' peak "
+                          f"that training reaches, above 0 and at most 1")  # fmt: skip
+    for name, link in (("node_network_gbps", c.node_network_gbps), ("intra_node_gbps", c.intra_node_gbps)):
+        if link is not None and not (link > 0 and math.isfinite(link)):
+            raise ConfigError(f"cluster.{name}={link}: give the link's Gb/s in one direction, or null for the "
+                              f"device's")  # fmt: skip
+    if cfg.sim.calibrate_samples_per_s is not None and cfg.mode != "simulate":
+        raise ConfigError(f"sim.calibrate_samples_per_s={cfg.sim.calibrate_samples_per_s} calibrates a simulation: "
+                          f"use it with mode=simulate, or set cluster.device_efficiency")  # fmt: skip
     if c.heartbeat_s <= 0:
         raise ConfigError(f"cluster.heartbeat_s={c.heartbeat_s}: workers must heartbeat at a positive interval")
     if c.heartbeat_timeout_s < 2 * c.heartbeat_s:
@@ -254,7 +263,7 @@ def writable_dir(path: Path, setting: str) -> None:
 
 def sim_problems(sim: SimConfig) -> list[str]:
     """The machinery constants no machine has (a real job's adaptive policy predicts with them too): each as
-    ``sim.name=value``. ``sim.horizon_s`` is the simulator's own to check."""
+    ``sim.name=value``. ``sim.horizon_s`` and ``sim.calibrate_samples_per_s`` are the simulator's own to check."""
     bad = []
     for name in (f.name for f in fields(sim)):
         value = getattr(sim, name)
@@ -266,7 +275,7 @@ def sim_problems(sim: SimConfig) -> list[str]:
             continue
         if name.endswith("bytes_per_s"):
             ok = value > 0
-        elif (name.endswith("_s") and name != "horizon_s") or name == "host_cores":
+        elif (name.endswith("_s") and name not in ("horizon_s", "calibrate_samples_per_s")) or name == "host_cores":
             ok = value >= 0
         else:
             continue
@@ -378,6 +387,9 @@ def resolve_backend(cfg: JobConfig) -> tuple[str, str]:
     if backend == "nccl" and cfg.train.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"train.precision=bf16: this machine's GPU ({torch.cuda.get_device_name()}) does not compute "
                           f"bf16; use train.precision=fp16 or fp32")  # fmt: skip
+    if backend == "nccl" and cfg.train.precision == "tf32" and torch.cuda.get_device_capability() < (8, 0):
+        raise ConfigError(f"train.precision=tf32: this machine's GPU ({torch.cuda.get_device_name()}) has no TF32 "
+                          f"tensor cores (Ampere and later do); use train.precision=fp32 or fp16")  # fmt: skip
     return backend, why
 
 
@@ -567,8 +579,10 @@ def tracked(
         raise refusal(dict_cfg, exc, defer_refusal, {"backend": backend})  # noqa: B904 - the refusal is the error
     tracker = Tracker(cfg.tracking)
     run_id = tracker.start(
-        # the model's settings as the job resolved them (model=hf takes its sizes from its config.json)
-        {**OmegaConf.to_container(dict_cfg, resolve=True), "model": asdict(cfg.model), **deepspeed},
+        # the model's and cluster's settings as the job resolved them (model=hf takes its sizes from its
+        # config.json; a calibrated simulation finds its cluster.device_efficiency)
+        {**OmegaConf.to_container(dict_cfg, resolve=True), "model": asdict(cfg.model), "cluster": asdict(cfg.cluster),
+         **deepspeed},
         {**run_tags(cfg), "backend": backend},
         OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg), resumes=resumed_run(cfg),
     )  # fmt: skip

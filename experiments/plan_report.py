@@ -50,7 +50,7 @@ from ftlab.policies.oobleck.policy import Oobleck
 from ftlab.policies.oobleck.templates import PipelineTemplate
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Protection
 from ftlab.runtime.core.costs import ModelProfile
-from ftlab.runtime.core.devices import DEVICES, UTILISATION
+from ftlab.runtime.core.devices import DEVICES
 from ftlab.runtime.core.plan import Plan, PlanError
 from ftlab.runtime.core.program_check import simulate
 from ftlab.runtime.reporting.tracking import Tracker
@@ -159,7 +159,8 @@ def _profile(cfg: JobConfig) -> tuple[ModelProfile, dict[str, Any]]:
     """The job's profile (the one its policy plans with), its memory the configured ``cluster.device_memory_gb``."""
     profile, source = job_profile(cfg)
     if source["kind"] == "analytic":
-        source["utilisation"] = UTILISATION
+        source["device_efficiency"] = cfg.cluster.device_efficiency
+        source["precision"] = cfg.train.precision
     return dataclasses.replace(profile, device_memory_bytes=int(cfg.cluster.device_memory_gb * GIB)), source
 
 
@@ -295,7 +296,8 @@ def render(d: dict[str, Any]) -> str:
     m, c, p, b = d["model"], d["cluster"], d["policy"], d["batch"]
     src = d["profile"]
     if src["kind"] == "analytic":
-        source = f"analytic: {src['device']} datasheet figures at {src['utilisation']:.0%} of peak"
+        source = (f"analytic: {src['device']} datasheet figures, {src['precision']} at {src['device_efficiency']:.0%} "
+                  f"of peak")  # fmt: skip
     else:
         when = "from the cache" if src["seconds"] < 0.5 else f"in {src['seconds']:.1f} s, now cached"
         source = f"measured on {src['device']} ({when})"

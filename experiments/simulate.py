@@ -8,6 +8,8 @@ one a policy predicts with: the job's profile (analytic for a GPU type of ``runt
 (process start, detection, storage: ``conf/sim``, measured by ``experiments/measure_sim_constants.py``).
 
 ``sim.horizon_s`` ends the job after that much simulated training, whatever ``train.steps`` (then a cap) says.
+``sim.calibrate_samples_per_s`` sets ``cluster.device_efficiency`` first (``experiments.calibration``): the run records
+the efficiency found, and the policies plan and predict at it as the simulator charges at it.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from ftlab.experiments.calibration import calibrated_efficiency
 from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import (
-    JobResult, check_device, check_job, conclude, everyone, observe, record_checks, tracked,
+    JobResult, check_device, check_job, check_settings, conclude, everyone, observe, record_checks, tracked,
 )
 from ftlab.faults.injector import Injector
 from ftlab.runtime.core.contract import ConfigError
@@ -49,13 +52,15 @@ def simulate_job(dict_cfg: DictConfig, defer_refusal: bool = False) -> JobResult
 
 
 def check_simulation(cfg: JobConfig) -> None:
-    """Everything a simulation is checked for (``simulate`` checks the same, in the run's folder)."""
+    """Everything a simulation is checked for (``simulate`` checks the same, in the run's folder), at the calibrated
+    device efficiency where the job states a throughput (``check_sim``)."""
     check_sim(cfg)
     check_job(cfg)
 
 
 def check_sim(cfg: JobConfig) -> None:
-    """What only a simulation needs: a profile for the device, a positive horizon, a protection it can cost."""
+    """What only a simulation needs: a profile for the device, a positive horizon, a protection it can cost; with
+    ``sim.calibrate_samples_per_s``, ``cfg.cluster.device_efficiency`` becomes the calibrated one."""
     check_device(cfg)
     if cfg.protection.name == "reft" and cfg.protection.mode == "aor":
         raise ConfigError(
@@ -66,6 +71,9 @@ def check_sim(cfg: JobConfig) -> None:
     horizon = cfg.sim.horizon_s
     if horizon is not None and not horizon > 0:
         raise ConfigError(f"sim.horizon_s={horizon}: give the simulated seconds of training, > 0, or null")
+    if cfg.sim.calibrate_samples_per_s is not None:
+        check_settings(cfg)  # calibrating plans the job: its settings first
+        cfg.cluster.device_efficiency = calibrated_efficiency(cfg)
 
 
 def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
@@ -77,6 +85,9 @@ def simulate(cfg: JobConfig, tracker: Tracker | None = None) -> Simulated:
     seen = observe(cfg, tracker, clock_origin=0.0, repeats=False)
     seen.progress.on_simulated_clock()  # no loss to show: the simulated time instead
     record_checks(cfg, tracker, seen, checked, 0.0)
+    if tracker is not None and cfg.sim.calibrate_samples_per_s is not None:
+        tracker.set_tag("calibration", f"cluster.device_efficiency={c.device_efficiency:.6g} from "
+                                       f"sim.calibrate_samples_per_s={cfg.sim.calibrate_samples_per_s:g}")  # fmt: skip
     backend = SimBackend(c.nodes, c.workers_per_node, job.machine(), c.heartbeat_timeout_s, seen.bus)
     injector = Injector(checked.faults, backend.cluster, seen.bus, clock=backend.clock, schedule=backend.call_at)
     coordinator = Coordinator(

@@ -12,7 +12,9 @@ import pytest
 from ftlab.experiments import job as job_module
 from ftlab.policies.grid import decision
 from ftlab.policies.none.policy import NoRecovery
+from ftlab.runtime.core.config import ClusterConfig
 from ftlab.runtime.core.contract import Decision, Job, Protection
+from ftlab.runtime.core.devices import node_spec
 from ftlab.runtime.core.plan import Pipeline, Plan, Stage
 
 
@@ -73,17 +75,30 @@ micro-batches is the iteration's tail, and reconfiguring is predicted cheaper fo
 rerouting it costs 1.7% less."""
 
 
+A100_40GB = node_spec(ClusterConfig(device="A100-40GB", device_efficiency=0.9))
+A100_PRECISION = "tf32"
+"""An A100-40GB computing at 140 TFLOP/s in tf32 (90% of its tf32 peak, 45% of its bf16 one) with fp32's bytes: the
+costs the scenarios of these tests are set on."""
+ON_A100_40GB = (f"cluster.device={A100_40GB.gpu.name}", f"cluster.device_efficiency={A100_40GB.efficiency}",
+                f"train.precision={A100_PRECISION}")  # fmt: skip
+"""A job's settings for those costs."""
+
+
+def a100_profile(cfg: Any) -> tuple[Any, dict]:  # noqa: ANN401 - a JobConfig and its ModelProfile
+    """The job's model on ``A100_40GB``: the same profile on every run, where one measured on this (loaded) machine
+    differs."""
+    from ftlab.runtime.processes.profiler import analytic_profile
+
+    profile = analytic_profile(cfg.model, A100_40GB, cfg.train.micro_batch, cfg.model.seq_len, A100_PRECISION)
+    return profile, {"kind": "analytic"}
+
+
 @contextmanager
 def analytic_profiles() -> Iterator[None]:
     """Plans from the analytic A100 profile instead of one measured on this (loaded) machine: the same plans on
     every run, so a test knows which layout it kills."""
-    from ftlab.runtime.processes.profiler import analytic_profile
-
-    def analytic(cfg: Any) -> tuple[Any, dict]:  # noqa: ANN401 - a JobConfig and its ModelProfile
-        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job_module, "job_profile", analytic)
+        patch.setattr(job_module, "job_profile", a100_profile)
         yield
 
 

@@ -18,7 +18,7 @@ from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Stop
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.program_check import check_programs
-from tests.support import BURSTY_FAULT_AT_STEP_2, REVIEW_MACHINERY, analytic_profiles
+from tests.support import BURSTY_FAULT_AT_STEP_2, ON_A100_40GB, REVIEW_MACHINERY, a100_profile, analytic_profiles
 
 
 class Cluster:
@@ -26,8 +26,7 @@ class Cluster:
 
     def __init__(self, *overrides: str) -> None:
         dict_cfg = compose_config(["experiment=plain", "policy=adaptive", "cluster=local-8", "train.stages=2",
-                                   "cluster.device=A100-40GB", "model=gpt2-small", "train.steps=1000",
-                                   *overrides])  # fmt: skip
+                                   *ON_A100_40GB, "model=gpt2-small", "train.steps=1000", *overrides])  # fmt: skip
         self.cfg: JobConfig = OmegaConf.to_object(dict_cfg)
         self.make_job = job_factory(self.cfg, None)
         wpn = self.cfg.cluster.workers_per_node
@@ -260,10 +259,8 @@ def test_its_predictions_are_what_the_simulator_charges(
     from ftlab.experiments import job as job_module
     from ftlab.experiments.simulate import simulate
     from ftlab.runtime.control import events as ev
-    from ftlab.runtime.processes.profiler import analytic_profile
 
-    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
-        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    monkeypatch.setattr(job_module, "job_profile", a100_profile)
     kills = "[{kind: process, node: 1, worker: 0, at_step: 2}, {kind: node, node: 3, at_step: 4}, " \
             "{kind: node, node: 5, at_step: 6}, {kind: node, node: 4, at_step: 8}]"  # fmt: skip
     # A failure expected every step: the pauses decide, and the first failure is rerouted by a margin (3%) that
@@ -291,10 +288,8 @@ def test_its_iterations_carry_the_snapshot_copies_the_simulator_charges(
     from ftlab.experiments import job as job_module
     from ftlab.experiments.simulate import simulate
     from ftlab.runtime.control import events as ev
-    from ftlab.runtime.processes.profiler import analytic_profile
 
-    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
-        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    monkeypatch.setattr(job_module, "job_profile", a100_profile)
     overrides = [*job_overrides, "mode=simulate", "experiment=plain", "policy=adaptive", "cluster=local-6",
                  "cluster.device_memory_gb=0.04", "train.stages=2", "train.steps=10", "sim.host_cores=1",
                  "faults=explicit", "faults.events=[{kind: process, node: 1, worker: 0, at_step: 3}]"]  # fmt: skip

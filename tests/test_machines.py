@@ -18,8 +18,8 @@ from ftlab.experiments.config import JobConfig
 from ftlab.experiments.job import compose_config, everyone, job_factory
 from ftlab.experiments.simulate import simulate
 from ftlab.runtime.control import events as ev
-from ftlab.runtime.processes.profiler import analytic_profile
 from ftlab.runtime.sim.machines import DeviceMachine, SharedHostMachine
+from tests.support import a100_profile
 
 STEPS = 10
 
@@ -27,11 +27,7 @@ STEPS = 10
 @pytest.fixture(autouse=True)
 def fixed_profile(monkeypatch: pytest.MonkeyPatch) -> None:
     """An analytic profile for every device, so no test waits for this machine to be measured."""
-
-    def analytic(cfg: JobConfig) -> tuple:
-        return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
-
-    monkeypatch.setattr(job_module, "job_profile", analytic)
+    monkeypatch.setattr(job_module, "job_profile", a100_profile)
 
 
 def config(job_overrides: list[str], *overrides: str) -> JobConfig:

@@ -2,7 +2,9 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ftlab.runtime.core.config import ClusterConfig
 from ftlab.runtime.core.costs import CostModel, profile_from_specs
+from ftlab.runtime.core.devices import node_spec
 from ftlab.runtime.training.model import StageModule, build_layer
 from ftlab.runtime.core.model_spec import LayerSpec, ModelConfig, available_models, layer_specs, load_model_config, num_layers
 
@@ -219,16 +221,19 @@ def test_saved_activation_estimate_matches_autograd(family):
         assert spec.saved_bytes_per_token <= measured <= spec.saved_bytes_per_token * 1.03 + 64, spec
 
 
+A100 = node_spec(ClusterConfig(device="A100-80GB"))
+
+
 def test_stage_memory_counts_optimizer_state_and_in_flight_activations():
     specs = [
         LayerSpec(0, "embedding", 10, 0.0, 8, 0),
         LayerSpec(1, "block", 100, 1.0, 8, 40),
         LayerSpec(2, "head", 1000, 1.0, 0, 7),
     ]
-    costs = CostModel(profile_from_specs("t", specs, "A100-80GB", micro_batch=2, seq_len=5))
+    costs = CostModel(profile_from_specs("t", specs, A100, micro_batch=2, seq_len=5))
     assert costs.stage_memory(1, 3, in_flight=3) == 16 * 1100 + 3 * 2 * 5 * 47
     assert costs.stage_memory(0, 1, in_flight=3) == 160
     cfg = load_model_config("llama2-6.7b")
-    llama = CostModel(profile_from_specs(cfg.name, layer_specs(cfg), "A100-80GB", micro_batch=1, seq_len=cfg.seq_len))
+    llama = CostModel(profile_from_specs(cfg.name, layer_specs(cfg), A100, micro_batch=1, seq_len=cfg.seq_len))
     # 202M parameters x 16 B = 3.24 GB, plus 4096 tokens x 340 kB of activations = 1.39 GB
     assert 4.5e9 < llama.stage_memory(1, 2, in_flight=1) < 4.8e9

@@ -207,10 +207,12 @@ def test_bad_numerics_are_refused_before_any_worker(overrides: list[str], messag
 def test_half_precision_halves_activations_and_keeps_the_state() -> None:
     from ftlab.runtime.core.costs import CostModel, with_precision
     from ftlab.runtime.core.model_spec import load_model_config
+    from ftlab.runtime.core.config import ClusterConfig
+    from ftlab.runtime.core.devices import node_spec
     from ftlab.runtime.processes.profiler import analytic_profile
 
     cfg = load_model_config("gpt2-small")
-    fp32 = CostModel(analytic_profile(cfg, "A100-80GB", 2, cfg.seq_len))
+    fp32 = CostModel(analytic_profile(cfg, node_spec(ClusterConfig(device="A100-80GB")), 2, cfg.seq_len))
     bf16 = CostModel(with_precision(fp32.profile, "bf16"))
     layers = fp32.num_layers
     assert bf16.boundary_bytes(3) * 2 == fp32.boundary_bytes(3)

@@ -13,7 +13,8 @@ import pytest
 
 from ftlab.experiments.check_device_profile import matching_spec
 from ftlab.runtime.processes import profiler
-from ftlab.runtime.core.devices import DEVICES
+from ftlab.runtime.core.config import ClusterConfig
+from ftlab.runtime.core.devices import DEVICES, node_spec
 from ftlab.runtime.core.model_spec import layer_specs, load_model_config
 from ftlab.runtime.core.costs import LayerProfile
 from ftlab.runtime.processes.profiler import ProfileKey, analytic_profile, measure_links, measure_profile
@@ -101,7 +102,8 @@ def test_measured_again_the_cache_keeps_each_layers_fastest(tmp_path) -> None:
 @pytest.mark.parametrize("name", sorted(DEVICES))
 def test_analytic_profiles_are_positive_and_scale_with_the_micro_batch(name: str) -> None:
     cfg = load_model_config("gpt3-2.7b")
-    one, two = analytic_profile(cfg, name, 1, 2048), analytic_profile(cfg, name, 2, 2048)
+    node = node_spec(ClusterConfig(device=name))
+    one, two = analytic_profile(cfg, node, 1, 2048), analytic_profile(cfg, node, 2, 2048)
     assert one.device_memory_bytes == DEVICES[name].memory_bytes > 0
     assert min(one.p2p_bytes_per_s, one.intra_node_allreduce_bytes_per_s, one.inter_node_allreduce_bytes_per_s) > 0
     for a, b in zip(one.layers, two.layers):
@@ -113,7 +115,8 @@ def test_analytic_profiles_are_positive_and_scale_with_the_micro_batch(name: str
 
 def test_faster_gpus_give_faster_profiles() -> None:
     cfg = load_model_config("gpt3-medium")
-    v100, h100 = analytic_profile(cfg, "V100-16GB", 1, 2048), analytic_profile(cfg, "H100-80GB", 1, 2048)
+    v100, h100 = (analytic_profile(cfg, node_spec(ClusterConfig(device=name)), 1, 2048)
+                  for name in ("V100-16GB", "H100-80GB"))  # fmt: skip
     assert h100.layers[1].fwd_s < v100.layers[1].fwd_s
 
 
@@ -149,7 +152,7 @@ def test_a_layers_checkpoint_bytes_are_what_the_runtime_writes_of_it() -> None:
     from ftlab.runtime.training.model import build_layer
     from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
 
-    profile = analytic_profile(TINY, "A100-40GB", 1, 16)
+    profile = analytic_profile(TINY, node_spec(ClusterConfig(device="A100-40GB")), 1, 16)
     for index, costed in enumerate(profile.layers):
         layer = build_layer(TINY, index, seed=0)
         optimizer = layer_optimizer(layer, OptimSettings(1e-3, 1e-4, 1, 10, 0.01, 0.9, 0.95))

@@ -28,7 +28,7 @@ from ftlab.runtime.core.contract import MemorySource
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.processes.local_backend import LocalBackend
 from tests.oracle import LOSS_RTOL, assert_on_fault_free_trajectory, committed_losses
-from tests.support import explicit, snapshot_history
+from tests.support import a100_profile, explicit, snapshot_history
 
 STEPS = 8
 REFT = ["experiment=plain", "policy=checkpoint_restart", "protection=reft", f"protection.flush_every={STEPS}",
@@ -179,10 +179,8 @@ def test_oobleck_falls_back_to_a_restart_from_memory(
     """Two 2-node pipelines (f = 1): a worker process dies, so Oobleck counts its node lost and cannot recover in
     place with three whole nodes; it restarts on all four nodes, whose memory survived, from the snapshot."""
     from ftlab.experiments import job as job_module
-    from ftlab.runtime.processes.profiler import analytic_profile
 
-    monkeypatch.setattr(job_module, "job_profile", lambda cfg: (
-        analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}))
+    monkeypatch.setattr(job_module, "job_profile", a100_profile)
     result = run(*REFT, "policy=oobleck", "policy.fault_threshold=1", "cluster.device_memory_gb=0.04",
                  *explicit("{kind: process, node: 1, worker: 0, at_step: 4, phase: backward}"))  # fmt: skip
     assert_on_fault_free_trajectory(result, fault_free, STEPS)

@@ -29,7 +29,7 @@ from ftlab.faults.schedules import ClusterShape, FaultConfigError, FaultsConfig,
 from ftlab.policies.none.policy import NoRecovery
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.core import instructions as ins
-from ftlab.runtime.core.config import SimConfig
+from ftlab.runtime.core.config import ClusterConfig, SimConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, MemorySource, Protection, TakeSnapshot
 from ftlab.runtime.control.coordinator import first_holders
 from ftlab.runtime.core.costs import CostModel, ModelProfile
@@ -42,14 +42,14 @@ from ftlab.runtime.sim.backend import SimBackend
 from ftlab.runtime.sim.machines import DeviceMachine, SharedHostMachine
 from ftlab.runtime.sim.timing import IterationTimer
 from ftlab.runtime.core.snapshot_layout import groups_of
-from tests.support import snapshot_history
+from tests.support import a100_profile, snapshot_history
 
 STEPS = 10
 
 
 def analytic(cfg: JobConfig) -> tuple[ModelProfile, dict]:
     """Real and simulated jobs plan from the same fixed profile (a measured one differs run to run here)."""
-    return analytic_profile(cfg.model, "A100-40GB", cfg.train.micro_batch, cfg.model.seq_len), {"kind": "analytic"}
+    return a100_profile(cfg)
 
 
 @pytest.fixture(autouse=True)
@@ -505,9 +505,10 @@ def test_activation_checkpointing_trades_activation_memory_for_a_forward() -> No
     from dataclasses import replace
 
     from ftlab.runtime.core.costs import stage_footprint
+    from ftlab.runtime.core.devices import node_spec
     from ftlab.runtime.core.model_spec import load_model_config
 
-    profile = analytic_profile(load_model_config("llama2-6.7b"), "A100-80GB", 1, 4096)
+    profile = analytic_profile(load_model_config("llama2-6.7b"), node_spec(ClusterConfig(device="A100-80GB")), 1, 4096)
     plain, checkpointed = CostModel(profile), CostModel(replace(profile, activation_checkpointing=True))
     start, stop, in_flight = 1, 9, 8
     assert checkpointed.backward_s(start, stop) == pytest.approx(plain.backward_s(start, stop) + plain.forward_s(start, stop))

@@ -26,6 +26,15 @@ class ClusterConfig:
     analytic profile, for planning at paper scale (mode=plan)."""
     device_memory_gb: float = 2.0
     """Memory of one simulated device; a plan whose stage needs more is refused before any worker starts."""
+    device_efficiency: float = 0.45
+    """A GPU type: the fraction of its peak in ``train.precision`` that training reaches (0 < e <= 1). Megatron-LM
+    reached 44-52% of A100 peak on GPT models at scale (Narayanan et al., SC'21, Table 1); the default takes the
+    lower half of that range. ``sim.calibrate_samples_per_s`` finds it from a stated throughput instead."""
+    node_network_gbps: float | None = None
+    """A GPU type: the node's inter-node network, all its GPUs together, Gb/s one direction; None: the device's
+    reference server's, one port per GPU (``runtime.core.devices``)."""
+    intra_node_gbps: float | None = None
+    """A GPU type: GPU to GPU inside a node (NVLink, or PCIe), Gb/s one direction; None: the device's."""
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 10.0
     """A worker silent for this long is declared hung, killed and treated as failed."""
@@ -107,7 +116,8 @@ class TrainConfig:
     <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's."""
     # Numerics of the update (``runtime.core.precision``; the names are DeepSpeed's, which ds_config keys map onto).
     precision: str = "fp32"
-    """fp32 | bf16 | fp16: the compute precision. Weights, gradients and AdamW's moments stay fp32 in every case."""
+    """fp32 | tf32 | bf16 | fp16: the compute precision (tf32: fp32 tensors, matmuls on a GPU's TF32 tensor cores).
+    Weights, gradients and AdamW's moments stay fp32 in every case."""
     grad_clip: float = 0.0
     """Max global L2 norm of the gradient over every layer of the model; 0: no clipping."""
     loss_scale: float = 0.0
@@ -143,6 +153,10 @@ class SimConfig:
 
     horizon_s: float | None = None
     """Simulated seconds of training after which the job ends (with train.steps as a cap); None: train.steps."""
+    calibrate_samples_per_s: float | None = None
+    """A GPU type: the fault-free throughput the job is stated to reach; the simulation runs at the
+    ``cluster.device_efficiency`` at which its first plan reaches it (``experiments.calibration``). None: the
+    configured efficiency."""
     check_programs: bool = True
     """Hold every distinct component of every plan's programs to the program checker."""
     detect_s: float = 0.0

@@ -16,9 +16,9 @@ activations, what they keep for the backward and what crosses a stage boundary a
 autocast does: on a GPU norms and softmax keep fp32, so the saved bytes are an estimate, as they are in fp32).
 The state stays fp32 master weights, fp32 gradients (what the replicas all-reduce) and AdamW's fp32 moments, so
 checkpoints, transfers and snapshots move what they move in fp32; a stage also holds autocast's half-precision copy
-of its weights for the iteration (``weight_copy_bytes``). Compute times are not scaled: an analytic GPU profile is
-at the device's fp16/bf16 tensor-core peak already (``runtime.core.devices``), which fp32 is charged at too, and a
-measured profile is measured in fp32.
+of its weights for the iteration (``weight_copy_bytes``). tf32 is fp32 for every byte. An analytic GPU profile
+computes at the device's peak in the job's precision (``runtime.core.devices``); a measured profile's times are
+measured in fp32 and not scaled.
 
 Activation checkpointing (``train.activation_checkpointing``, ``ModelProfile.activation_checkpointing``) is per
 stage, as the runtime does it (``runtime.processes.executor``): a stage keeps only its input for each micro-batch in flight
@@ -29,7 +29,8 @@ half, for a decoupled one) costs one forward more.
 Communication: a point-to-point message of n bytes costs ``latency_s + n / p2p_bytes_per_s``; a ring all-reduce of
 n bytes over k ranks ``latency_s + 2 (k - 1) / k * n / allreduce_bytes_per_s`` (bus bandwidth). Which link a
 message takes is not known from a plan (it names workers, not hosts), so plan-level predictions charge the
-inter-node figures: the slower link, as Oobleck's planner does.
+inter-node figures: the slower link, as Oobleck's planner does. On a GPU type the inter-node figure is a GPU's share
+of its node's network (``runtime.core.devices.NodeSpec.gpu_network_bytes_per_s``).
 
 Everything here is plain arithmetic: no torch.
 """
@@ -41,10 +42,10 @@ from dataclasses import asdict, dataclass, replace
 from itertools import accumulate
 
 from ftlab.runtime.core import instructions as ins
-from ftlab.runtime.core.devices import device as device_spec
+from ftlab.runtime.core.devices import NodeSpec
 from ftlab.runtime.core.model_spec import FP32, LayerSpec
 from ftlab.runtime.core.plan import Plan
-from ftlab.runtime.core.precision import activation_scale
+from ftlab.runtime.core.precision import activation_scale, autocasts
 
 OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 gradient + AdamW's exp_avg and exp_avg_sq
 GRADIENT_BYTES_PER_PARAM = FP32
@@ -104,6 +105,9 @@ class ModelProfile:
     """Stages recompute their forward in the backward pass (module docstring): the job's setting, not measured."""
     precision: str = "fp32"
     """The compute precision its activation bytes are counted in (``with_precision``): the job's setting."""
+    node_network_bytes_per_s: float | None = None
+    """A node's inter-node network, all its workers together, one direction (an analytic profile's); None for a
+    measured profile, whose links are measured between two processes (``CostModel.node_network_bytes_per_s``)."""
 
     @property
     def num_layers(self) -> int:
@@ -145,29 +149,33 @@ def with_precision(profile: ModelProfile, precision: str) -> ModelProfile:
 
 
 def weight_copy_bytes(param_bytes: float, precision: str) -> float:
-    """Autocast's copy of fp32 weights in the compute precision, held for an iteration (none in fp32)."""
-    return 0.0 if precision == "fp32" else param_bytes * activation_scale(precision)
+    """Autocast's copy of fp32 weights in the compute precision, held for an iteration (none in fp32 or tf32)."""
+    return param_bytes * activation_scale(precision) if autocasts(precision) else 0.0
 
 
 def profile_from_specs(
-    model: str, specs: Sequence[LayerSpec], device_name: str, micro_batch: int, seq_len: int
+    model: str, specs: Sequence[LayerSpec], node: NodeSpec, micro_batch: int, seq_len: int, precision: str = "fp32"
 ) -> ModelProfile:
-    """A profile for a GPU type of ``runtime.core.devices``: forward is bound by arithmetic or, for layers with little
-    of it (an embedding lookup), by writing its activations to memory; backward is twice forward, split evenly
-    between the input gradient and the weight gradients; the optimizer step is bound by memory traffic."""
-    gpu = device_spec(device_name)
+    """A profile for a node of a GPU type of ``runtime.core.devices``, in ``precision`` (its math mode's peak, its
+    activation bytes): forward is bound by arithmetic or, for layers with little of it (an embedding lookup), by
+    writing its activations to memory; backward is twice forward, split evenly between the input gradient and the
+    weight gradients; the optimizer step is bound by memory traffic. Messages across nodes get a GPU's share of the
+    node's network."""
+    gpu = node.gpu
+    flops = node.flops(precision)
     tokens = micro_batch * seq_len
     layers = []
     for spec in specs:
-        written = (spec.output_bytes_per_token + spec.saved_bytes_per_token) * tokens
-        fwd = max(spec.fwd_flops_per_token * tokens / gpu.effective_flops, written / gpu.memory_bytes_per_s)
+        sizes = layer_bytes(spec, micro_batch, seq_len, precision)
+        written = sizes["output_bytes"] + sizes["saved_bytes"]
+        fwd = max(spec.fwd_flops_per_token * tokens / flops, written / gpu.memory_bytes_per_s)
         layers.append(
             LayerProfile(
                 fwd_s=fwd,
                 bwd_input_s=fwd,
                 bwd_weight_s=fwd,
                 optimizer_s=ADAMW_BYTES_PER_PARAM * spec.params / gpu.memory_bytes_per_s,
-                **layer_bytes(spec, micro_batch, seq_len),
+                **sizes,
             )
         )
     return ModelProfile(
@@ -177,10 +185,12 @@ def profile_from_specs(
         seq_len=seq_len,
         layers=tuple(layers),
         device_memory_bytes=gpu.memory_bytes,
-        p2p_bytes_per_s=gpu.network_bytes_per_s,
-        intra_node_allreduce_bytes_per_s=gpu.intra_node_bytes_per_s,
-        inter_node_allreduce_bytes_per_s=gpu.network_bytes_per_s,
+        p2p_bytes_per_s=node.gpu_network_bytes_per_s,
+        intra_node_allreduce_bytes_per_s=node.intra_node_bytes_per_s,
+        inter_node_allreduce_bytes_per_s=node.gpu_network_bytes_per_s,
         latency_s=gpu.latency_s,
+        precision=precision,
+        node_network_bytes_per_s=node.network_bytes_per_s,
     )
 
 
@@ -284,6 +294,13 @@ class CostModel:
     def boundary_bytes(self, layer: int) -> int:
         """What crosses the stage boundary before ``layer``: layer - 1's output (forward) or its gradient."""
         return self.profile.layers[layer - 1].output_bytes
+
+    @property
+    def node_network_bytes_per_s(self) -> float:
+        """A node's inter-node network, all its workers together, one direction: a GPU type's node network, or for a
+        measured profile the point-to-point rate it measured."""
+        p = self.profile
+        return p.p2p_bytes_per_s if p.node_network_bytes_per_s is None else p.node_network_bytes_per_s
 
     def p2p_s(self, nbytes: float) -> float:
         return self.profile.latency_s + nbytes / self.profile.p2p_bytes_per_s

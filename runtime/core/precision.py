@@ -24,8 +24,9 @@ from typing import Protocol
 
 from ftlab.runtime.core.devices import DeviceSpec
 
-PRECISIONS: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-"""Bytes of one element in each compute precision: of an activation, an activation gradient, a weight copy."""
+PRECISIONS: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one element in each compute precision: of an activation, an activation gradient, a weight copy. tf32
+keeps fp32 tensors (only a GPU's matmuls round their inputs), so it is fp32 for every byte and needs no autocast."""
 FP32_BYTES = 4
 MAX_SCALE_POWER = 64
 """2**64 is far past any gradient fp16 could hold; a larger initial_scale_power is a typo."""
@@ -49,6 +50,11 @@ def activation_scale(precision: str) -> float:
     return PRECISIONS[precision] / FP32_BYTES
 
 
+def autocasts(precision: str) -> bool:
+    """Whether ``precision`` computes under autocast, in half-precision tensors (fp32 and tf32 keep fp32 tensors)."""
+    return PRECISIONS[precision] < FP32_BYTES
+
+
 def needs_norms(t: TrainNumerics) -> bool:
     """Whether workers report their gradients' norms: clipping needs the global norm, fp16 checks it for overflow."""
     return t.grad_clip > 0 or t.precision == "fp16"
@@ -56,12 +62,15 @@ def needs_norms(t: TrainNumerics) -> bool:
 
 def numerics_problems(t: TrainNumerics, device: DeviceSpec | None = None) -> list[str]:
     """Each setting no job can run with (on ``device``, a GPU type's spec where the job plans for one), as
-    ``train.name=value: what to do``. The CPU runs all three precisions (autocast has bf16 and fp16 kernels)."""
+    ``train.name=value: what to do``. The CPU runs every precision (autocast has bf16 and fp16 kernels; tf32 computes
+    as fp32 there)."""
     if t.precision not in PRECISIONS:
         return [f"train.precision={t.precision!r}: use one of {', '.join(PRECISIONS)}"]
     bad = []
-    if t.precision == "bf16" and device is not None and not device.bf16:
-        bad.append(f"train.precision=bf16: a {device.name} does not compute bf16; use train.precision=fp16 or fp32")
+    if device is not None and not device.computes(t.precision):
+        computed = [p for p in PRECISIONS if device.computes(p)]
+        bad.append(f"train.precision={t.precision}: a {device.name} does not compute {t.precision}; use "
+                   f"train.precision={' or '.join(computed)}")  # fmt: skip
     if not t.grad_clip >= 0 or t.grad_clip == float("inf"):
         bad.append(f"train.grad_clip={t.grad_clip}: give the max global gradient norm (> 0), or 0 for no clipping")
     if t.precision != "fp16":

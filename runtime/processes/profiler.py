@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ftlab.runtime.core.costs import LayerProfile, ModelProfile, layer_bytes, profile_from_specs
+from ftlab.runtime.core.devices import NodeSpec
 from ftlab.runtime.training.host_allocator import steady_allocations
 from ftlab.runtime.core.model_spec import ModelConfig, layer_specs, num_layers
 
@@ -45,9 +46,12 @@ LINK_PROBE_ROUNDS = 5
 LATENCY_PROBE_ROUNDS = 50  # one-float ping-pongs: the per-message cost a bandwidth figure leaves out
 
 
-def analytic_profile(cfg: ModelConfig, device_name: str, micro_batch: int, seq_len: int) -> ModelProfile:
-    """The profile of ``cfg`` on a GPU of ``runtime.core.devices``; attention FLOPs are those at ``cfg.seq_len``."""
-    return profile_from_specs(cfg.name, layer_specs(cfg), device_name, micro_batch, seq_len)
+def analytic_profile(
+    cfg: ModelConfig, node: NodeSpec, micro_batch: int, seq_len: int, precision: str = "fp32"
+) -> ModelProfile:
+    """The profile of ``cfg`` on a node of GPUs of ``runtime.core.devices``, in ``precision``; attention FLOPs are
+    those at ``cfg.seq_len``."""
+    return profile_from_specs(cfg.name, layer_specs(cfg), node, micro_batch, seq_len, precision)
 
 
 # ---------------------------------------------------------------------------------------------------- measured

@@ -3,7 +3,8 @@ the design, ``runtime.control.update`` the coordinator's side).
 
 - ``autocast``: one autocast region around a whole iteration (forward and backward passes), so that each fp32
   weight is cast to the compute precision once per iteration (autocast's cast cache lives as long as the region)
-  rather than once per micro-batch.
+  rather than once per micro-batch. tf32 has no autocast: on CUDA the region lets matmuls and convolutions use TF32
+  tensor cores; on a CPU it computes as fp32.
 - ``layer_outputs_cast``: every layer's output but the head's loss leaves in the compute precision, wherever the
   stage boundaries lie, so every layout computes the same numbers and a boundary carries half-precision bytes.
 - ``grad_sq``: the squared L2 norm of each piece of the model this worker holds, in float64 from the fp32
@@ -18,13 +19,30 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from ftlab.runtime.core.precision import autocasts
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+}  # fmt: skip
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    if precision == "fp32":
+    if precision == "tf32" and device.type == "cuda":
+        return _tf32()
+    if not autocasts(precision):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    """TF32 matmuls and convolutions while inside; PyTorch's settings as they were after."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 @contextlib.contextmanager
