@@ -590,6 +590,13 @@ def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: lis
                     f"| {name} | {paper} | {'' if got is None else f'{got:.3g}'} |\n"
                     for name, (paper, got) in reft_figures(cells).items())  # fmt: skip
             results_doc.write_section(f"sim_paper_{study}", title, text, argv, module="sim_paper", note=note, path=path)
+    found = orderings(cells)
+    if found:
+        rows = "".join(f"| {o.where} | {o.ahead} {'level with' if o.level else 'ahead of'} {o.behind} "
+                       f"| {'yes' if o.reproduced else 'NO'} |\n" for o in found)  # fmt: skip
+        results_doc.write_section("sim_paper_orderings", "Orderings the papers report, and whether the simulation has them",
+                                  "| cell | published | reproduced |\n|---|---|---|\n" + rows, argv, module="sim_paper",
+                                  note=f"Level: within {LEVEL:.0%} of each other; a collapse ranks last.", path=path)  # fmt: skip
     results_doc.write_section("sim_paper_summary", "Summary: the study's JSON line", {"": summary}, argv,
                               module="sim_paper", path=path)  # fmt: skip
 
