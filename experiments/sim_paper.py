@@ -164,12 +164,12 @@ RECYCLE_SYSTEMS = ("bamboo", "oobleck", "recycle")
 
 # -- REFT ----------------------------------------------------------------------------------------------------------
 NFS = ["sim.storage_read_bytes_per_s=1.25e9", "sim.storage_write_bytes_per_s=1.25e9"]
+"""REFT's NFS "via 10Gbps networks" (Section 7.1), read as 10 Gb/s for every reader together: an assumption."""
 V100_SNAPSHOTS = ["sim.snapshot_bytes_per_s=1e10"]
 """A V100's copy into its host's memory over PCIe 3.0 x16 (16 GB/s peak): 10 GB/s, an assumption."""
-"""REFT's NFS "via 10Gbps networks" (Section 7.1), read as 10 Gb/s for every reader together: an assumption."""
-REFT_JOB = ["model=llama2-1.3b", "cluster=v100-128x4", "cluster.nodes=32", "cluster.workers_per_node=1", "train.stages=4", "train.precision=fp16",
-            "train.global_batch=64", "train.micro_batch=2", "train.activation_checkpointing=true", "train.steps=8",
-            *NFS, *V100_SNAPSHOTS]  # fmt: skip
+REFT_JOB = ["model=llama2-1.3b", "cluster=v100-128x4", "cluster.nodes=32", "cluster.workers_per_node=1",
+            "train.stages=4", "train.precision=fp16", "train.global_batch=64", "train.micro_batch=2",
+            "train.activation_checkpointing=true", "train.steps=8", *NFS, *V100_SNAPSHOTS]  # fmt: skip
 REFT_KILL = "faults.events=[{kind: node, node: 1, at_step: 6}]"
 PAPER_REFT = {"storage": 9.27, "arc": 0.84, "aec": 0.75}
 """REFT's Figure 12: seconds to load the checkpoint from NFS, and from host memory under ARC and AEC."""
@@ -446,10 +446,11 @@ def published_collapse(cells: list[Cell], cell: Cell) -> bool:
 
 
 def error(cell: Cell) -> float | None:
-    """Relative error of a published number (None where the cell has none, or the simulation has none)."""
-    if not isinstance(cell.published, float) or cell.simulated is None:
+    """Relative error of a published number (None where the paper has none); a simulation refused or stopped
+    before any progress is off by all of it."""
+    if not isinstance(cell.published, float):
         return None
-    return abs(cell.simulated / cell.published - 1)
+    return abs((cell.simulated or 0.0) / cell.published - 1)
 
 
 @dataclass(frozen=True)
@@ -494,7 +495,8 @@ def _level(a: float, b: float) -> bool:
     return a == b or abs(a - b) <= LEVEL * max(a, b)
 
 
-def score(cells: list[Cell], llama3_s: float | None) -> dict[str, Any]:
+def score(cells: list[Cell]) -> dict[str, Any]:
+    """The study's JSON line (module docstring)."""
     tables = [c for c in cells if c.study in ("table2", "recycle") and c.system != "fault-free"]
     errors = [error(c) for c in tables if not c.fitted and not published_collapse(cells, c)]
     found = orderings(cells)
@@ -505,7 +507,7 @@ def score(cells: list[Cell], llama3_s: float | None) -> dict[str, Any]:
         "orderings_reproduced": sum(o.reproduced for o in found),
         "orderings_total": len(found),
         "faster_than_fault_free": sum(c.faster for c in cells),
-        "llama3_sim_s": llama3_s,
+        "llama3_sim_s": llama3.wall_s if llama3 else None,
         "llama3_effective": llama3.simulated if llama3 else None,
         "reft_restore_speedup": reft_figures(cells)["restore_speedup"][1],
     }
@@ -728,15 +730,13 @@ def main(argv: list[str] | None = None) -> None:
 
     tracker = Tracker(TrackingConfig(uri=args.tracking_uri, experiment="ftlab-sim", run_name="paper-scale"))
     studies = args.studies.split(",")
-    tracker.start({"smoke": args.smoke, "studies": studies, "by_role": args.by_role}, {"backend": "sim", "study": "paper-scale"}, "")
+    tracker.start({"smoke": args.smoke, "studies": studies, "by_role": args.by_role},
+                  {"backend": "sim", "study": "paper-scale"}, "")  # fmt: skip
     try:
         cells = study_cells(studies, args.smoke, args.by_role)
-        llama3_s = None
         for cell in cells:
             show(measure(cell))
-            if cell.study == "llama3":
-                llama3_s = cell.wall_s
-        summary = score(cells, llama3_s)
+        summary = score(cells)
         for study in dict.fromkeys(c.study for c in cells):
             tracker.log_text(f"{study}.md", render(cells, study))
         tracker.log_text("cells.json", json.dumps([asdict(c) for c in cells], indent=1, default=str))

@@ -33,7 +33,7 @@ def cell(system: str, published: float | str | None, simulated: float | None) ->
 def test_collapses_and_orderings():
     cells = [cell("fault-free", None, 100.0), cell("bamboo", "OOM", None), cell("varuna", 0.4, 30.0),
              cell("oobleck", 95.0, 90.0)]  # fmt: skip
-    summary = sim_paper.score(cells, None)
+    summary = sim_paper.score(cells)
     assert summary["collapses_missed"] == 1  # varuna's 0.4 is below 15% of fault-free; 30 is not
     assert abs(summary["max_cell_error"] - 5 / 95) < 1e-9  # oobleck's alone: collapses are left out
     found = {(o.ahead, o.behind): o.reproduced for o in sim_paper.orderings(cells)}
