@@ -25,7 +25,7 @@ GBIT_S = 1e9 / 8
 def machine(workers_per_node: int, node_gbit_s: float = 100.0) -> DeviceMachine:
     cfg = OmegaConf.to_object(compose_config(["experiment=plain", "model=gpt2-small", "cluster.device=A100-40GB"]))
     profile = job_factory(cfg, None)(everyone(cfg)).profile()  # analytic: the device is a GPU type
-    profile = dataclasses.replace(profile, p2p_bytes_per_s=node_gbit_s * GBIT_S / workers_per_node)
+    profile = dataclasses.replace(profile, node_network_bytes_per_s=node_gbit_s * GBIT_S)
     sim = dataclasses.replace(cfg.sim, storage_read_bytes_per_s=10 * GBIT_S)
     return DeviceMachine(CostModel(profile), sim, workers_per_node)
 

@@ -349,8 +349,9 @@ def _nic_workers(m: SimMachine) -> int:
 
 
 def _nic_bytes_per_s(m: SimMachine) -> float:
-    """One link's bandwidth, shared by the sends (or by the receives) of the workers behind it."""
-    return m.costs.profile.p2p_bytes_per_s * _nic_workers(m)
+    """One link's bandwidth, shared by the sends (or by the receives) of the workers behind it: the node's network
+    (a measured profile's is its p2p figure)."""
+    return m.costs.node_network_bytes_per_s
 
 
 def _network_s(m: SimMachine, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
