@@ -10,8 +10,10 @@ a fault schedule: explicit events of every kind (node, process, hang, join) at r
 ones included, or a generated schedule (fixed, exponential with a mean time between failures shorter than a restart,
 Weibull) or a replayed spot trace, so faults land during recoveries too. A quarter of the scenarios that checkpoint to
 storage do it on a small disk (``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses
-every later one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint. Scenario ``i``
-of seed ``s`` depends on (s, i) alone.
+every later one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint. Another quarter
+of them lose their coordinator (``COORDINATOR_KILL_SHARE``): it is SIGKILLed before a drawn step, as the OOM killer
+would, and the job is resumed from its checkpoint (``train.resume_from``), which continues the same MLflow run.
+Scenario ``i`` of seed ``s`` depends on (s, i) alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
 job with ``faults=none``, run once per distinct job). Checks:
@@ -21,6 +23,7 @@ job with ``faults=none``, run once per distinct job). Checks:
   survivors kept running, at most the checkpoint interval when workers restarted (one interval more for each save
   that failed);
 - on a small disk, saves did fail;
+- a job whose coordinator was killed was resumed into the same run, and its agents, workers and node memories went;
 - no process of the job and no shared-memory segment of it is left behind (nor of its twin).
 
 The generator keeps every scenario recoverable by its policy, from what the policy says of itself (``Roles``): one
@@ -41,6 +44,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +58,7 @@ from ftlab.experiments.job import GIB
 from ftlab.policies import catalog
 from ftlab.runtime.state import shm
 from ftlab.runtime.processes.agent import terminate_with_parent
+from ftlab.runtime.processes.hold import HOLD_DIR_ENV, step_point
 from ftlab.runtime.core.costs import layer_bytes, stage_memory
 from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.model_spec import ModelConfig, layer_specs
@@ -75,6 +80,8 @@ the scenarios every seed drew before policies were found rather than listed."""
 DEFAULT_WEIGHT = 1
 SMALL_DISK_SHARE = 0.25
 """Of the scenarios that checkpoint to storage, the share whose checkpoints go to a small disk."""
+COORDINATOR_KILL_SHARE = 0.25
+"""Of the scenarios that checkpoint to storage (on a disk that keeps them), the share whose coordinator is killed."""
 
 
 @dataclass
@@ -89,6 +96,8 @@ class Scenario:
     notes: list[str] = field(default_factory=list)
     disk_mib: int | None = None
     """The size of the small disk its checkpoints go to, if they do (``small_disk_mib``)."""
+    kill_at: int | None = None
+    """The step before which its coordinator is SIGKILLed, if it is: a checkpoint is written by then."""
 
     @property
     def overrides(self) -> list[str]:
@@ -177,12 +186,16 @@ def draw(seed: int, index: int) -> Scenario:
             job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
     faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)))
-    # From a generator of its own, so the scenarios drawn before small disks were are drawn as they were.
-    disk_mib = None
-    if "protection=storage" in job and random.Random(f"{seed}/{index}/disk").random() < SMALL_DISK_SHARE:
-        disk_mib = small_disk_mib(cfg)
-        job += [f"protection.max_failed_saves={steps}", "protection.allow_low_space=true"]  # every save may fail
-    return Scenario(index, job, faults, every, notes, disk_mib)
+    # From generators of their own, so the scenarios drawn before small disks and kills were are drawn as they were.
+    disk_mib = kill_at = None
+    if "protection=storage" in job and every is not None:
+        storage = random.Random(f"{seed}/{index}/disk").random()
+        if storage < SMALL_DISK_SHARE:
+            disk_mib = small_disk_mib(cfg)
+            job += [f"protection.max_failed_saves={steps}", "protection.allow_low_space=true"]  # every save may fail
+        elif storage < SMALL_DISK_SHARE + COORDINATOR_KILL_SHARE:  # the checkpoints must outlive the job
+            kill_at = random.Random(f"{seed}/{index}/kill").randint(every + 1, steps - 1)
+    return Scenario(index, job, faults, every, notes, disk_mib, kill_at)
 
 
 def small_disk_mib(cfg: ModelConfig) -> int:
@@ -258,9 +271,10 @@ class Outcome:
 
 
 def run_ftlab(
-    overrides: list[str], workdir: Path, cache: Path, mark: str, disk_mib: int | None = None
+    overrides: list[str], workdir: Path, cache: Path, mark: str, disk_mib: int | None = None, kill_at: int | None = None
 ) -> tuple[subprocess.CompletedProcess[str], str]:
-    """Run one job through the ftlab command, its checkpoints on a small disk of ``disk_mib`` if given; its completed
+    """Run one job through the ftlab command, its checkpoints on a small disk of ``disk_mib`` if given, its
+    coordinator SIGKILLed before step ``kill_at`` if given (held there: ``runtime.processes.hold``); its completed
     process (``args`` holds the command and, last, the coordinator's pid, which names the job's node memories in
     /dev/shm) and its MLflow store."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -272,12 +286,19 @@ def run_ftlab(
         checkpoints.mkdir(exist_ok=True)
         command = on_small_disk(command, checkpoints, disk_mib)
     env = {**os.environ, MARK: mark}
+    reached = None
+    if kill_at is not None:
+        holds = workdir / "holds"
+        holds.mkdir(exist_ok=True)
+        (holds / f"{step_point(kill_at)}.hold").touch()
+        reached = holds / f"{step_point(kill_at)}.reached"
+        env[HOLD_DIR_ENV] = str(holds)
     # The job stops with the campaign (a SIGTERM, which it answers by marking its run FAILED and freeing its workers
     # and memory), and so does a job that outlives its time.
     with subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           preexec_fn=terminate_with_parent) as proc:  # fmt: skip
         try:
-            out, err = proc.communicate(timeout=1800)
+            out, err = _until(proc, reached, 1800)
         except subprocess.TimeoutExpired:
             proc.terminate()
             try:
@@ -286,6 +307,21 @@ def run_ftlab(
                 proc.kill()
                 out, err = proc.communicate()
     return subprocess.CompletedProcess([*command, str(proc.pid)], proc.returncode, out, err), store
+
+
+def _until(proc: subprocess.Popen[str], reached: Path | None, timeout_s: float) -> tuple[str, str]:
+    """The output of ``proc`` once it ends, or once ``reached`` appears: then its coordinator is SIGKILLed (its agents
+    and workers are left to notice)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:  # retried, communicate loses no output
+            return proc.communicate(timeout=0.5 if reached is not None else timeout_s)
+        except subprocess.TimeoutExpired:
+            if reached is not None and reached.exists():
+                proc.kill()
+                return proc.communicate()
+            if time.monotonic() > deadline:
+                raise
 
 
 def on_small_disk(command: list[str], folder: Path, mib: int) -> list[str]:
@@ -348,10 +384,22 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
             return Outcome(False, left, time.monotonic() - began)
         twins[key] = final_losses(store)[1]
     mark = f"scenario-{scenario.index}-{os.getpid()}"
-    done, store = run_ftlab(scenario.overrides, root / f"scenario-{scenario.index}", cache, mark, scenario.disk_mib)
+    workdir, overrides, killed = root / f"scenario-{scenario.index}", scenario.overrides, None
+    if scenario.kill_at is not None:
+        killed, store = run_ftlab(overrides, workdir, cache, mark, kill_at=scenario.kill_at)
+        if killed.returncode != -signal.SIGKILL:
+            problems.append(f"the job ended (exit {killed.returncode}) before step {scenario.kill_at}, where its "
+                            f"coordinator was to be killed: {killed.stderr.strip()[-400:]}")  # fmt: skip
+            return Outcome(False, problems, time.monotonic() - began)
+        client = MlflowClient(store)
+        (run,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
+        overrides = [*overrides, f"train.resume_from={workdir / 'checkpoints' / run.info.run_id}"]
+    done, store = run_ftlab(overrides, workdir, cache, mark, scenario.disk_mib)
     time.sleep(1.0)  # processes ended by the job's shutdown finish dying
     if done.returncode != 0:
         problems.append(f"exit {done.returncode}: {done.stderr.strip()[-600:]}")
+    elif killed is not None and len(client.search_runs([run.info.experiment_id])) != 1:
+        problems.append("the resumed job did not continue the killed job's run")
     else:
         status, losses, events = final_losses(store)
         if status != "FINISHED":
@@ -366,6 +414,8 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
         if scenario.disk_mib is not None and not any(e["kind"] == "save_failed" for e in events):
             problems.append(f"the small disk ({scenario.disk_mib} MiB) refused no save")
     problems += [f"{what} left behind: {found}" for what, found in leftover_problems(done, mark) if found]
+    if killed is not None and (memories := shm_segments(killed.args[-1])):
+        problems.append(f"the killed coordinator's node memories left behind: {memories}")
     return Outcome(not problems, problems, time.monotonic() - began)
 
 
@@ -407,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         scenario = draw(args.seed, index)
         outcome = check(scenario, root, twins, cache)
         disk = f" (checkpoints on a {scenario.disk_mib} MiB disk)" if scenario.disk_mib is not None else ""
+        disk += f" (coordinator killed before step {scenario.kill_at})" if scenario.kill_at is not None else ""
         print(f"{'PASS' if outcome.ok else 'FAIL'} scenario {index} ({outcome.seconds:.0f} s): {scenario.command()}{disk}",
               flush=True)  # fmt: skip
         if not outcome.ok:

@@ -48,6 +48,15 @@ def test_a_small_disk_holds_the_first_checkpoint_and_refuses_the_second() -> Non
     assert cfg.protection.max_failed_saves >= cfg.train.steps  # every save but the first may fail: the job goes on
 
 
+def test_a_coordinator_is_killed_only_after_a_checkpoint_that_outlives_it() -> None:
+    killed = [s for s in (soak.draw(2026, i) for i in range(60)) if s.kill_at is not None]
+    assert killed
+    for scenario in killed:
+        drawn = dict(o.split("=", 1) for o in scenario.job if "=" in o)
+        assert drawn["protection"] == "storage" and scenario.disk_mib is None
+        assert scenario.every < scenario.kill_at < int(drawn["train.steps"])
+
+
 def test_a_lost_step_is_promised_one_interval_more_for_each_failed_save() -> None:
     restart = {"kind": "recovery_decision", "outcome": "restart"}
     lost_5 = {"kind": "recovered", "fault": 0, "lost_steps": 5}

@@ -411,6 +411,10 @@ class RunRecorder:
             case ev.WarningHeeded():  # the notice, the policy's reason and its actions: events.jsonl
                 self.tracker.log_metrics({"ft/warning_left_s": event.left_s,
                                           "ft/warning_saves": float(len(event.actions))}, event.step)  # fmt: skip
+            case ev.StateSaved():
+                # Every step the checkpoint holds is in the store now: a coordinator killed later loses the metrics
+                # of steps its resumed job redoes, and no others.
+                self.tracker.flush()
             case ev.SaveFailed():
                 self.tracker.log_metrics({"ft/save_failed": 1.0}, event.step)  # its reason: events.jsonl
             case ev.PlanConfigured():
