@@ -309,7 +309,10 @@ def oobleck_efficiency(model: str) -> float:
         return run_job([*job, efficiency(e)]).result.summary["summary/samples_per_s"]
 
     target = PAPER_TABLE2[model][trace][OOBLECK_SYSTEMS.index("oobleck")]
-    return search(throughput, target, job_config(job).cluster.device_efficiency)[0]
+    found, reached = search(throughput, target, job_config(job).cluster.device_efficiency)
+    print(f"[calibration] {model} on a40-30x1: {efficiency(found)} ({reached:.4g} samples/s, published {target})",
+          flush=True)  # fmt: skip
+    return found
 
 
 def table2_cells(models: list[str], traces: list[str], by_role: bool) -> list[Cell]:
@@ -361,8 +364,10 @@ def recycle_job(model: str, *extra: str) -> list[str]:
 @functools.cache
 def recycle_efficiency(model: str) -> float:
     """The efficiency at which DeepSpeed's fault-free grid (``policy=none``) gives the published throughput."""
-    return calibrated_efficiency(job_config([*RECYCLE_MODELS[model], *RECYCLE_CLUSTER, "policy=none", "faults=none",
-                                             f"sim.calibrate_samples_per_s={PAPER_RECYCLE[model][0]}"]))
+    found = calibrated_efficiency(job_config([*RECYCLE_MODELS[model], *RECYCLE_CLUSTER, "policy=none", "faults=none",
+                                              f"sim.calibrate_samples_per_s={PAPER_RECYCLE[model][0]}"]))
+    print(f"[calibration] {model} on azure-a100-4x8: {efficiency(found)}", flush=True)
+    return found
 
 
 def recycle_cells(models: list[str], periods: list[str]) -> list[Cell]:
@@ -577,6 +582,18 @@ TITLES = {
 }
 
 
+def calibration_rows(cells: list[Cell]) -> list[dict[str, Any]]:
+    """The efficiency each model ran at, and the published figure it was solved for (the calibrations are cached)."""
+    rows = []
+    for model in dict.fromkeys(c.model for c in cells if c.study in ("table2", "figure10")):
+        rows.append({"model": model, "cluster": "a40-30x1", "calibrated on": f"Oobleck's {CALIBRATION_TRACE} cell",
+                     "cluster.device_efficiency": f"{oobleck_efficiency(model):.4g}"})  # fmt: skip
+    for model in dict.fromkeys(c.model for c in cells if c.study == "recycle"):
+        rows.append({"model": model, "cluster": "azure-a100-4x8", "calibrated on": "fault-free DeepSpeed",
+                     "cluster.device_efficiency": f"{recycle_efficiency(model):.4g}"})  # fmt: skip
+    return rows
+
+
 def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: list[str]) -> None:
     from ftlab.experiments import results_doc
 
@@ -592,6 +609,10 @@ def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: lis
                     f"| {name} | {paper} | {'' if got is None else f'{got:.3g}'} |\n"
                     for name, (paper, got) in reft_figures(cells).items())  # fmt: skip
             results_doc.write_section(f"sim_paper_{study}", title, text, argv, module="sim_paper", note=note, path=path)
+    calibrations = calibration_rows(cells)
+    if calibrations:
+        results_doc.write_section("sim_paper_calibration", "Calibration: one device efficiency per model and cluster",
+                                  {"": calibrations}, argv, module="sim_paper", path=path)  # fmt: skip
     found = orderings(cells)
     if found:
         rows = "".join(f"| {o.where} | {o.ahead} {'level with' if o.level else 'ahead of'} {o.behind} "

@@ -20,7 +20,8 @@ def test_smoke_writes_the_docs_table_and_the_json_line(tmp_path, capsys):
     assert set(summary) == KEYS
     assert summary["orderings_total"] > 0 and summary["llama3_sim_s"] > 0
     text = docs.read_text()
-    for section in ("sim_paper_table2", "sim_paper_reft", "sim_paper_llama3", "sim_paper_orderings", "sim_paper_summary"):
+    for section in ("sim_paper_table2", "sim_paper_reft", "sim_paper_llama3", "sim_paper_calibration", "sim_paper_orderings",
+                    "sim_paper_summary"):
         assert f"<!-- {section} -->" in text
     assert "--cell table2/bert-large/10m/oobleck" in text
     assert "287.1" not in text or "(fitted)" in text  # the calibrated cell, where shown, says it was fitted
