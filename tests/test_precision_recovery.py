@@ -104,3 +104,7 @@ def test_fp16_restarted_from_storage_takes_up_the_scaler_of_that_step(job: Run) 
     result = job(*fp16, *explicit(node(3, 3, "backward")))
     assert [r.step for r in result.steps].count(2) == 2, "the restart should redo step 2 from its checkpoint"
     assert_on_fault_free_trajectory(result, reference, STEPS)
+    # What the run records of each update, as finally committed, is the fault-free run's: a redone skip counts once.
+    scaler = {r.step: (r.numerics.loss_scale, r.numerics.skipped_steps) for r in result.steps}  # the last commits
+    assert scaler == {r.step: (r.numerics.loss_scale, r.numerics.skipped_steps) for r in reference.steps}
+    assert result.summary["summary/skipped_steps"] == reference.summary["summary/skipped_steps"] > 0
