@@ -8,9 +8,10 @@ host, when its process is gone; on any host, when its heartbeat is older than ``
 any phase a live coordinator spends without flushing (nodes starting, a recovery).
 
 A sweep's parent run is kept by the sweep's own process (``experiments/sweep.py``), which writes nothing to it while
-its jobs run: it records that process the same way, and a thread of it rewrites the heartbeat (``keep_beating``). Found gone,
-it is marked KILLED, reason "sweep lost", as a sweep stopped from outside is closed; its children are runs like any
-other, each marked by its own coordinator's tags (a child whose coordinator still runs goes on and closes its run).
+its jobs run: it records that process the same way, and a thread of it rewrites the heartbeat (``keep_beating``).
+Found gone, it is marked KILLED, reason "sweep lost", as a sweep stopped from outside is closed; its children are runs
+like any other, each marked by its own coordinator's tags (a child whose coordinator still runs goes on and closes its
+run).
 
 A job resumed from a checkpoint (``train.resume_from``; checkpoints live under ``<checkpoint_dir>/<run id>``)
 continues the run that wrote it: the same run id, its metrics going on from the resumed step (``continuation``).
@@ -100,11 +101,12 @@ def _process_gone(pid: int) -> bool:
 
 
 def lost(tags: dict[str, str], now: float) -> str | None:
-    """Why the coordinator of a RUNNING run with these tags is gone, or None (alive, or not a coordinator's run)."""
-    host, pid, beat = tags.get(HOST_TAG), tags.get(PID_TAG), tags.get(HEARTBEAT_TAG)
-    if host is None or pid is None or beat is None:
+    """Why the process of a RUNNING run with these tags (its coordinator, or a sweep's) is gone, or None (alive, or a
+    run that records no process)."""
+    host, pid, heard = tags.get(HOST_TAG), tags.get(PID_TAG), tags.get(HEARTBEAT_TAG)
+    if host is None or pid is None or heard is None:
         return None  # a run of an ftlab without heartbeats
-    age = now - float(beat)
+    age = now - float(heard)
     what = SWEEP_LOST if _is_sweep(tags) else LOST
     if host == socket.gethostname() and _process_gone(int(pid)):
         return f"{what}: its process {pid} on {host} is gone (last heard of {age:.0f} s ago)"
