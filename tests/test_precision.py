@@ -179,7 +179,7 @@ def test_a_gradient_that_is_not_finite_in_bf16_stops() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.precision=fp8"], "train.precision='fp8': use one of fp32, bf16, fp16"),
+        (["train.precision=fp8"], "train.precision='fp8': use one of fp32, tf32, bf16, fp16"),
         (["train.grad_clip=-1"], "train.grad_clip=-1.0"),
         (["train.precision=fp16", "train.loss_scale=-2"], "train.loss_scale=-2.0"),
         (["train.precision=fp16", "train.initial_scale_power=99"], "train.initial_scale_power=99"),
