@@ -67,3 +67,12 @@ def test_a_lost_step_is_promised_one_interval_more_for_each_failed_save() -> Non
 @pytest.mark.slow
 def test_a_seeded_slice_passes_every_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert soak.main(["--seed", "2026", "--scenarios", "2", "--workdir", str(tmp_path)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_small_disk_and_a_killed_coordinator_pass_every_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert soak.draw(2026, 4).disk_mib is not None and soak.draw(2026, 5).kill_at is not None
+    args = ["--seed", "2026", "--first", "4", "--scenarios", "2", "--workdir", str(tmp_path)]
+    assert soak.main(args) == 0, capsys.readouterr().out
