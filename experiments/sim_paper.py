@@ -594,6 +594,12 @@ def calibration_rows(cells: list[Cell]) -> list[dict[str, Any]]:
     return rows
 
 
+def _figure(name: str, value: float | None) -> str:
+    if value is None:
+        return ""
+    return f"{value:.1%}" if name.endswith("overhead") else f"{value:.3g}"
+
+
 def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: list[str]) -> None:
     from ftlab.experiments import results_doc
 
@@ -606,8 +612,7 @@ def write_docs(cells: list[Cell], summary: dict[str, Any], path: Path, argv: lis
             text = render(cells, study)
             if study == "reft":
                 text += "\n| ratio | published | simulated |\n|---|---|---|\n" + "".join(
-                    f"| {name} | {paper} | {'' if got is None else f'{got:.3g}'} |\n"
-                    for name, (paper, got) in reft_figures(cells).items())  # fmt: skip
+                    f"| {name} | {paper} | {_figure(name, got)} |\n" for name, (paper, got) in reft_figures(cells).items())
             results_doc.write_section(f"sim_paper_{study}", title, text, argv, module="sim_paper", note=note, path=path)
     calibrations = calibration_rows(cells)
     if calibrations:
