@@ -203,7 +203,7 @@ class Cell:
     """The paper's figure; a collapse in words (``OOM``, ``no progress``); None where it publishes none."""
     overrides: list[str]
     metric: str = "samples_per_s"
-    """What ``simulated`` is: samples_per_s, goodput, or restore_s (``measure``)."""
+    """What ``simulated`` is: samples_per_s, goodput, restore_s or iter_s (``measure``)."""
     fitted: bool = False
     """The calibration solved for this cell: it matches by construction."""
     simulated: float | None = None
