@@ -10,6 +10,7 @@ from ftlab.runtime.core.model_spec import LayerSpec, ModelConfig, available_mode
 
 MODELS = [
     "bert-large",
+    "gpt2-medium",
     "gpt2-small",
     "gpt2-tiny",
     "gpt3-2.7b",
@@ -17,6 +18,7 @@ MODELS = [
     "gpt3-medium",
     "llama2-1.3b",
     "llama2-6.7b",
+    "llama3-405b",
 ]
 
 
