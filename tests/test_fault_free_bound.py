@@ -76,3 +76,15 @@ def test_the_bound_flags_a_smaller_plan_that_trains_faster_and_nothing_else() ->
     bound.timed(grid_plan(list(range(6)), 2, 4, 16, 1, generation=3), 1.5)
     assert [(f.generation, f.workers, f.fault_free_workers) for f in bound.faster] == [(3, 6, 8)]
     assert bound.faster[0].samples_per_s > bound.faster[0].fault_free_samples_per_s
+
+
+def test_a_tie_within_the_tolerance_is_not_flagged_and_an_excess_beyond_it_is() -> None:
+    # BERT-Large's 256 micro-batches on 30 one-node pipelines and on 29 (9 at most a pipeline either way): the ring
+    # all-reduce of fewer members moves fewer bytes, 0.001% more samples/s, a tie. 0.2% more is a plan timed better.
+    per_step = 256
+    bound = FaultFreeBound()
+    bound.timed(grid_plan(list(range(30)), 1, 24, per_step, 1), per_step / 643.3862)
+    bound.timed(grid_plan(list(range(29)), 1, 24, per_step, 1, generation=1), per_step / 643.3930)
+    assert bound.faster == []
+    bound.timed(grid_plan(list(range(29)), 1, 24, per_step, 1, generation=2), per_step / (643.3862 * 1.002))
+    assert [(f.generation, f.workers, f.fault_free_workers) for f in bound.faster] == [(2, 29, 30)]
