@@ -26,6 +26,15 @@ Where the papers leave it open, this module chooses:
   stage and the one keeping its copy does. The holder of a first stage's copy has no input tokens and runs no
   redundant forward for it. A job where a stage and its copy do not fit a device (no activation checkpointing) is
   refused before any worker starts.
+- **What it costs** (what the runtime does, so what the simulator charges): the redundant forward runs on the
+  holder's device in line with its own work, so it is free only where 1F1B leaves the holder idle; the holder reports
+  ready once the owner's reduced gradients (fp32, the copy's size) have arrived, and its optimizer step at the commit
+  steps the copy too (``runtime.sim.timing``). Memory (``redundancy.memory_with_copy``, one formula for the preflight
+  and a takeover): the stage with no activation checkpointing, plus the copy's weights, gradients and AdamW state
+  and, under autocast, its weights' half-precision cast; the redundant forward runs without autograd and keeps no
+  activations (Bamboo keeps them for its lazy backward redundant computation). Activations are counted as
+  ``runtime.core.model_spec`` counts them, with fused attention: an attention that keeps each block's
+  sequence-by-sequence scores per micro-batch is not modelled.
 - **After a takeover** the grown stage and the stage after it have no copy (their holder is the grown worker, or
   lost); a failure of either restarts. Copies are not rebuilt until a restart, which rebuilds them all.
 - **Joins** wait for the next restart, as in checkpoint-restart (Bamboo's own scheduler adds nodes to pipelines;
@@ -105,16 +114,12 @@ class Bamboo(Policy):
     def _fits(plan: Plan, job: Job) -> bool:
         """Every stage of ``plan``, grown ones too, with the copy it keeps, fits its device."""
         copies = {k.holder: k for k in (rc.copies_of(plan) or {}).values()}
-        for pipeline in plan.pipelines:
-            for s, stage in enumerate(pipeline.stages):
-                in_flight = len(pipeline.stages) - s
-                copy = copies.get(stage.worker)
-                need = job.costs.stage_memory(stage.start, stage.stop, in_flight)
-                if copy is not None:
-                    need += job.costs.state_bytes(copy.start, copy.stop)
-                if need > job.device_memory_bytes:
-                    return False
-        return True
+        return all(
+            rc.memory_with_copy(job, (stage.start, stage.stop), len(pipeline.stages) - s, copies.get(stage.worker))
+            <= job.device_memory_bytes
+            for pipeline in plan.pipelines
+            for s, stage in enumerate(pipeline.stages)
+        )
 
     def _restart(self, change: Change, job: Job, protection: Protection) -> Outcome:
         source = protection.restore_source(change)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.contract import Job, LayerTransfer
+from ftlab.runtime.core.costs import weight_copy_bytes
 from ftlab.runtime.core.plan import Pipeline, Plan, Stage
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -66,11 +67,17 @@ def fitting_copies(plan: Plan, job: Job) -> list[Kept]:
             if memory_with_copy(job, ranges[k.holder], in_flight, k) <= job.device_memory_bytes]  # fmt: skip
 
 
-def memory_with_copy(job: Job, stage: tuple[int, int], in_flight: int, copy: Kept) -> float:
+def memory_with_copy(job: Job, stage: tuple[int, int], in_flight: int, copy: Kept | None) -> float:
     """A stage's memory (its state and the activations of ``in_flight`` micro-batches, no activation checkpointing)
-    with the state of the copy it keeps: parameters, gradients and optimizer state (its forward keeps nothing)."""
+    with the copy it keeps, if any: the copy's parameters, gradients and optimizer state, and under autocast its
+    weights' half-precision cast, which the iteration's autocast region caches once the redundant forward has used
+    them (as it caches the stage's own). The redundant forward keeps no activations (it runs without autograd)."""
     costs = job.costs
-    return costs.stage_memory(*stage, in_flight) + costs.state_bytes(copy.start, copy.stop)
+    need = costs.stage_memory(*stage, in_flight)
+    if copy is None:
+        return need
+    cast = weight_copy_bytes(costs.param_bytes(copy.start, copy.stop), costs.profile.precision)
+    return need + costs.state_bytes(copy.start, copy.stop) + cast
 
 
 def transfers(copies: Iterable[Kept]) -> tuple[LayerTransfer, ...]:

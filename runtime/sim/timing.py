@@ -15,6 +15,9 @@ in two phases, which together give exactly what the abstract machine gives for t
 2. **Reduction.** Every program ends with ``ReduceGrads`` and ``OptimizerStep`` (the checker insists), so what
    remains is the collective: a worker leaves ``ReduceGrads`` when every worker sharing one of its layers has
    arrived, after the cost of its all-reduces; the iteration is ready for the commit when the last one has.
+   A worker that keeps a redundant copy of another's layers (Bamboo: ``RecvReduced``) is ready only once the owner's
+   reduced gradients, sent as the owner leaves its ``ReduceGrads``, have arrived (the runtime's worker receives
+   them before it reports ready), and its optimizer step at the commit steps the copy's layers too.
 
 Each distinct component is also held to the program checker's training semantics (``check_programs`` on the
 component as a plan of its own), and the components' micro-batches must partition the global batch: together this
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ftlab.runtime.core import instructions as ins
@@ -250,7 +253,24 @@ class IterationTimer:
                 raise ProgramError(
                     f"the programs run micro-batches {ran}, not each of 0..{plan.num_microbatches - 1} once"
                 )
-        return self._reduce(plan, arrival, compute, total, tuple(components))
+        timing = self._reduce(plan, arrival, compute, total, tuple(components))
+        return timing if isinstance(programs, OneFOneB) else self._kept_copies(plan, programs, timing)
+
+    def _kept_copies(self, plan: Plan, programs: Mapping[int, ins.Program], timing: IterationTiming) -> IterationTiming:
+        """``timing`` with the redundant copies of ``programs`` kept current: each holder ready once its owner's
+        ``SendReduced`` has arrived, and stepping its own layers and the copy's at the commit."""
+        sends = [(w, i) for w, program in programs.items() for i in program if isinstance(i, ins.SendReduced)]
+        if not sends:
+            return timing
+        duration = self.costs.durations(plan)
+        ranges = plan.layer_ranges()
+        reduce_end = dict(timing.reduce_end)
+        optimizer = timing.optimizer_s
+        for owner, send in sends:
+            reduce_end[send.peer] = max(reduce_end[send.peer], timing.reduce_end[owner] + duration(owner, send))
+            stepped = self.costs.optimizer_s(*ranges[send.peer]) + self.costs.optimizer_s(send.start, send.stop)
+            optimizer = max(optimizer, stepped)
+        return replace(timing, ready_s=max(reduce_end.values()), optimizer_s=optimizer, reduce_end=reduce_end)
 
     def _split(self, plan: Plan, programs: Mapping[int, ins.Program]) -> list[tuple[Sequence[int], tuple | None]]:
         """The plan's components, each with its workers in canonical order and, for the default scheduler's
