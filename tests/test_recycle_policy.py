@@ -18,7 +18,7 @@ from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Policy, Protection, Stop
 from ftlab.runtime.core.plan import Plan
-from ftlab.runtime.core.program_check import check_programs, simulate
+from ftlab.runtime.core.program_check import check_programs
 from ftlab.runtime.core.scheduler import one_f_one_b
 
 
@@ -74,20 +74,22 @@ def decoupled(programs: Mapping[int, ins.Program]) -> int:
     return sum(isinstance(i, ins.BackwardWeight) for p in programs.values() for i in p)
 
 
-def test_the_first_plan_is_the_grid_scheduled_as_reroutes_are() -> None:
-    """The fault-free grid comes from the list scheduler with decoupled backward, as every rerouted plan does: at
-    least as fast as DeepSpeed's 1F1B, so a reroute is never measured against a slower schedule than its own."""
+def test_the_first_plan_is_the_grid_with_1f1b_programs() -> None:
     cluster = Cluster()
     plan = cluster.first.plan
     assert [p.workers for p in plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    check_programs(plan, cluster.first.programs)
-    assert decoupled(cluster.first.programs) > 0
-    job = cluster.job()
-    one_f_one_b_s = simulate(one_f_one_b(plan), job.costs.durations(plan), plan)
-    assert 0 < cluster.first.details["predicted_iter_s"] <= one_f_one_b_s
-    after = rerouted(cluster.kill_node(plan, 1))
-    assert after.details["predicted_iter_s"] >= cluster.first.details["predicted_iter_s"]
-    assert after.details["fault_free_iter_s"] == cluster.first.details["predicted_iter_s"]
+    assert cluster.first.programs == one_f_one_b(plan)
+    assert cluster.first.details["predicted_iter_s"] > 0
+
+
+def test_only_the_peers_that_absorb_rerouted_work_decouple_their_backward() -> None:
+    """As the paper: decoupling where a reroute needs it, every other worker's backward one pass as in 1F1B, so the
+    rerouted plan is no faster than the fault-free grid."""
+    cluster = Cluster()
+    decision = rerouted(cluster.kill_node(cluster.first.plan, 1))
+    decoupling = {w for w, program in decision.programs.items() if decoupled({w: program})}
+    assert decoupling and decoupling <= set(decision.details["rerouted"])
+    assert decision.details["predicted_iter_s"] >= decision.details["fault_free_iter_s"]
 
 
 def test_one_failure_reroutes_to_peers_without_restart_or_copy() -> None:
@@ -173,8 +175,7 @@ def test_a_join_takes_back_a_failed_role_and_returns_to_the_fault_free_schedule(
     failed = rerouted(cluster.kill_node(cluster.first.plan, 1))
     joined = rerouted(cluster.join(failed.plan, 8))
     assert [p.workers for p in joined.plan.pipelines] == [(0, 8), (2, 3), (4, 5), (6, 7)]
-    assert decoupled(joined.programs) == decoupled(cluster.first.programs)
-    assert joined.details["predicted_iter_s"] == pytest.approx(cluster.first.details["predicted_iter_s"])
+    assert joined.programs == one_f_one_b(joined.plan)
     assert {t.destination for t in joined.transfers} == {8}
     assert sorted(t.layer for t in joined.transfers) == [4, 5, 6, 7]
     assert {t.source for t in joined.transfers} <= {3, 5, 7}

@@ -213,9 +213,9 @@ def template_orders(problem: Problem, templates: Mapping[int, Template]) -> dict
 def improve(problem: Problem, warm: Schedule, warm_makespan: float, time_limit_s: float) -> MilpSolution:
     """The MILP's best schedule within ``time_limit_s``, never worse than ``warm``, with the best bound proven.
 
-    1. Each healthy pipeline alone (``fault_free_template``, a small MILP) is a restriction of the problem, so its
-       optimum bounds the makespan from below, much closer than ``Problem.lower_bound`` where pipeline bubbles
-       dominate.
+    1. Each healthy pipeline whose workers absorb no reroute, alone (``fault_free_template``, a small MILP), is a
+       restriction of the problem, so its optimum bounds the makespan from below, much closer than
+       ``Problem.lower_bound`` where pipeline bubbles dominate.
     2. The restricted model keeps every worker's own pipeline's operations in the template's order and decides
        only where the rerouted operations go: a few hundred binaries where the whole has a thousand, solved in
        seconds, and often within a percent of the bound.
@@ -229,7 +229,9 @@ def improve(problem: Problem, warm: Schedule, warm_makespan: float, time_limit_s
         sizes.setdefault(home, []).append(mb)
     templates = {m: fault_free_template(problem, m, 0.1 * time_limit_s) for m in {len(v) for v in sizes.values()}}
     for home, mbs in sizes.items():
-        if all(problem.routes[mb] == home for mb in mbs):  # a healthy pipeline: the template is its restriction
+        # A healthy pipeline none of whose workers absorbs a reroute: the template (every backward one pass) is its
+        # restriction. A peer that absorbs one decouples and may finish its pipeline sooner than the template's bound.
+        if all(problem.routes[mb] == home for mb in mbs) and problem.fused.issuperset(home):
             bound = max(bound, templates[len(mbs)].lower_bound)
     best = _better(best, None, bound)
     steps = ((0.3, template_orders(problem, templates)), (1.0, None))
