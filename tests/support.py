@@ -59,8 +59,8 @@ REVIEW_MACHINERY = ("sim.layer_overhead_s=0.00313873", "sim.control_s=0.0238024"
 """The machinery constants adaptive's review scenarios are costed with: a measured set of this machine's, fixed
 (the runtime's cost per instruction as a cost per layer of the four-layer stages these scenarios run, the rest of a
 step in ``control_s``, and the rates of building and decoding at 3/4 of those measured) so that a re-measurement of
-this machine's constants does not move a decision these scenarios hold: with them, rerouting around worker 2 is
-about 10% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
+this machine's constants does not move a decision these scenarios hold: with them, rerouting around worker 3 (the
+bursty scenario's failure) is about 10% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
 
 
 REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272", "sim.configure_s=0.00211632",
