@@ -54,7 +54,10 @@ replaced. Choices where the paper is vague: ``gpt3-2.7b`` stands in for 3.35B (n
 2, 8 per pipeline; failures at the middle of each period (6 h: one at 3 h; 30 min: twelve), on GPUs drawn by a seeded
 permutation; every GPU is a node of its own (``cluster.nodes=32``, each with its share of the node's 640 Gb/s), so that
 Oobleck, whose unit is the node, loses one GPU per failure as in the paper and not eight; the policies that can restart
-(Bamboo, ReCycle) checkpoint every 10 iterations to ``STORAGE``, for when they must.
+(Bamboo, ReCycle) checkpoint every 10 iterations to ``STORAGE``, for when they must; no activation checkpointing
+for any system: Bamboo runs without it (Oobleck's Section 7.1), and ReCycle's decoupled backward keeps a micro-batch's
+activations until its weight gradients, the "memory pressure" its slides plan around, which recomputation would not
+have; the fault-free DeepSpeed grid is then the same pipeline without redundancy or rerouting.
 
 **REFT** (Section 7.4, Figure 12): restoring Llama-2 1.3B trained with (TP, PP, DP) = (4, 4, 8) on 128 V100s from NFS
 (9.27 s) and from host memory (ARC 0.84 s, AEC 0.75 s), after a node is lost. ftlab has no tensor parallelism: on
@@ -146,7 +149,7 @@ FIGURE10_COLLAPSES = {("gpt3-medium", "bamboo"): "OOM", ("gpt3-2.7b", "bamboo"):
 
 # -- ReCycle: Table 1 ----------------------------------------------------------------------------------------------
 RECYCLE_CLUSTER = ["cluster=azure-a100-4x8", "cluster.nodes=32", "cluster.workers_per_node=1",
-                   "cluster.node_network_gbps=80", "train.precision=bf16", "train.activation_checkpointing=true",
+                   "cluster.node_network_gbps=80", "train.precision=bf16", "train.activation_checkpointing=false",
                    "train.micro_batch=2", *STORAGE]  # fmt: skip
 RECYCLE_MODELS = {  # the paper's (PP, DP) on 32 GPUs; gpt3-2.7b stands in for its 3.35B
     "gpt3-medium": ["model=gpt3-medium", "train.stages=2", "train.global_batch=256"],
