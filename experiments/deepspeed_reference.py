@@ -11,6 +11,19 @@ only the previous layer's output and DeepSpeed calls ``loss_fn(outputs, labels)`
 the head's logits (its norm and vocabulary projection) and ``loss_fn`` is the head's own mean cross-entropy: the same
 operations on the same parameters.
 
+In bf16 (``ReferenceJob.precision``) the two sides round differently, so their losses agree to bf16's precision, not
+bit for bit. DeepSpeed runs on its CPU accelerator (which reports bf16 as supported) the way it runs on a GPU: the
+engine casts every parameter of the module to bf16, so the whole forward and backward compute on bf16 parameters
+(the loss's cross-entropy on bf16 logits included, so the loss is a bf16 number), and its ``BF16_Optimizer`` keeps
+the fp32 master weights and the AdamW moments, sharded across the data-parallel replicas, then copies the updated
+weights back into the bf16 parameters and all-gathers them. ftlab keeps fp32 weights and computes under
+``torch.autocast``: matmuls take bf16 copies of the weights, the norms use their fp32 weights on bf16 inputs, every
+layer's output leaves in bf16 (``runtime.training.mixed``), and the ops autocast keeps in fp32, the loss's
+cross-entropy among them, compute in fp32. The reductions are paired alike: DeepSpeed accumulates the
+micro-batches' gradients in fp32 (``data_types.grad_accum_dtype``, which its pipeline engine accepts only with ZeRO
+stage 1, the sharding its ``BF16_Optimizer`` does anyway) and all-reduces them in fp32 (``communication_data_type``;
+its bf16 default would halve the bytes ftlab's fp32 all-reduce sends).
+
 The processes are started here with RANK / WORLD_SIZE / MASTER_* in their environment (not the DeepSpeed launcher);
 rank 0 times ``engine.train_batch()`` and writes the result as JSON.
 """
@@ -51,6 +64,7 @@ class ReferenceJob:
     tokens_path: str
     result_path: str
     threads: int = 1
+    precision: str = "fp32"  # fp32 or bf16 (DeepSpeed's bf16: bf16 parameters, fp32 master weights)
 
 
 def _free_port() -> int:
@@ -166,34 +180,12 @@ def _worker(job: ReferenceJob) -> None:
     if list(module.parts) != bounds:
         raise RuntimeError(f"DeepSpeed split the layers as {module.parts}, ftlab as {bounds}")
 
-    dp = job.world // job.stages
-    config = {
-        "train_batch_size": job.global_batch,
-        "train_micro_batch_size_per_gpu": job.micro_batch,
-        "gradient_accumulation_steps": job.global_batch // (job.micro_batch * dp),
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": job.lr,
-                "betas": [job.beta1, job.beta2],
-                "eps": 1e-8,
-                "weight_decay": job.weight_decay,
-                "torch_adam": True,  # torch.optim.AdamW (DeepSpeed's FusedAdam is a GPU kernel)
-                "fused": True,  # the fused kernel, as runtime.training.optim.layer_optimizer uses
-            },
-        },
-        "zero_optimization": {"stage": 0},
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+    config = deepspeed_config(job)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
     settings = OptimSettings(job.lr, job.min_lr, job.warmup_steps, job.steps, job.weight_decay, job.beta1, job.beta2)
 
     batches = Batches(load_tokens(Path(job.tokens_path)), model.seq_len, job.global_batch, job.micro_batch, job.seed)
-    dp_id = engine.grid.get_data_parallel_id()
+    dp, dp_id = engine.grid.get_data_parallel_world_size(), engine.grid.get_data_parallel_id()
     mine = range(dp_id, batches.num_microbatches, dp)  # ftlab's grid_plan deals micro-batches the same way
 
     def data(step: int):
@@ -217,6 +209,41 @@ def _worker(job: ReferenceJob) -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+def deepspeed_config(job: ReferenceJob) -> dict:
+    """DeepSpeed's configuration for ``job``: ftlab's batch and optimizer, in fp32 or in DeepSpeed's bf16."""
+    if job.precision not in ("fp32", "bf16"):
+        raise ValueError(f"the DeepSpeed reference runs fp32 or bf16, not {job.precision}")
+    bf16 = job.precision == "bf16"
+    dp = job.world // job.stages
+    config = {
+        "train_batch_size": job.global_batch,
+        "train_micro_batch_size_per_gpu": job.micro_batch,
+        "gradient_accumulation_steps": job.global_batch // (job.micro_batch * dp),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": job.lr,
+                "betas": [job.beta1, job.beta2],
+                "eps": 1e-8,
+                "weight_decay": job.weight_decay,
+                "torch_adam": True,  # torch.optim.AdamW (DeepSpeed's FusedAdam is a GPU kernel)
+                "fused": True,  # the fused kernel, as runtime.training.optim.layer_optimizer uses
+            },
+        },
+        # bf16: stage 1 is what lets the pipeline engine accumulate gradients in fp32 (the module docstring)
+        "zero_optimization": {"stage": 1 if bf16 else 0},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}  # as ftlab's fp32 gradients sum the micro-batches
+        config["communication_data_type"] = "fp32"  # as ftlab's data-parallel all-reduce
+    return config
 
 
 def main() -> None:
