@@ -15,6 +15,7 @@ dummy optimizer), and mapped:
                                                            loss_scale_window, hysteresis, min_loss_scale
     zero_optimization.stage 0 or 1                       train.zero
     activation_checkpointing (the section present)       train.activation_checkpointing
+    communication_data_type, data_types.grad_accum_dtype  accepted as "fp32" only: ftlab's gradients are fp32
 
 Choices:
 
@@ -63,6 +64,7 @@ IGNORED = (
 MAPPED = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
     "gradient_clipping", "bf16", "bfloat16", "fp16", "zero_optimization", "activation_checkpointing",
+    "communication_data_type", "data_types",
 )  # fmt: skip
 ZERO_TUNING = (
     "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
@@ -155,6 +157,7 @@ def settings(ds: dict[str, Any], width: int, name: str = "the ds_config") -> Dee
         _zero(ds["zero_optimization"], config, s, name)
     if "activation_checkpointing" in ds:
         _activation_checkpointing(ds["activation_checkpointing"], s, name)
+    _gradient_dtypes(ds, name)
     return s
 
 
@@ -366,6 +369,21 @@ def _activation_checkpointing(section: dict[str, Any], s: DeepSpeedSettings, nam
     # The rest places checkpoints in memory, partitions them over model-parallel ranks (ftlab has none) or profiles.
     s.ignored += [f"activation_checkpointing.{key}" for key in section]
     s.take("activation_checkpointing", True, "activation_checkpointing (the section is present)")
+
+
+def _gradient_dtypes(ds: dict[str, Any], name: str) -> None:
+    """What gradients are summed and all-reduced in: ftlab keeps them fp32 in every precision, so a file that says
+    fp32 agrees and any other type is refused."""
+    stated = {"communication_data_type": ds.get("communication_data_type")}
+    for key, value in (ds.get("data_types") or {}).items():
+        if key != "grad_accum_dtype":
+            raise ConfigError(f"{name}: ftlab cannot honour data_types.{key}: drop it (ftlab maps "
+                              f"data_types.grad_accum_dtype)")  # fmt: skip
+        stated["data_types.grad_accum_dtype"] = value
+    for key, value in stated.items():
+        if value not in (None, "fp32"):
+            raise ConfigError(f"{name}: {key}={json.dumps(value)}: ftlab sums and all-reduces gradients in fp32 in "
+                              f"every precision: set it to \"fp32\" or drop it")  # fmt: skip
 
 
 def _said(section: dict[str, Any], key: str, otherwise: str, prefix: str = "") -> str:

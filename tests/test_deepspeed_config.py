@@ -21,6 +21,7 @@ from deepspeed.runtime import lr_schedules
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.deepspeed_config import apply, explicit, read, settings
+from ftlab.experiments.deepspeed_reference import ReferenceJob, deepspeed_config
 from ftlab.experiments.job import compose_config
 from ftlab.runtime.core.config import TrainConfig
 from ftlab.runtime.core.contract import ConfigError
@@ -167,6 +168,19 @@ def test_ignored_keys_are_listed() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_runtimes_deepspeed_reference_trains_what_ftlab_trains(precision: str) -> None:
+    """The reference ``bench_runtime`` compares ftlab with maps onto the settings of the job it stands for (its
+    bf16 pins gradients to fp32, as ftlab keeps them)."""
+    job = ReferenceJob(model="gpt2-tiny", global_batch=16, micro_batch=2, stages=2, world=4, steps=3, lr=1e-3,
+                       min_lr=1e-4, warmup_steps=1, weight_decay=0.01, beta1=0.9, beta2=0.95, seed=0, tokens_path="-",
+                       result_path="-", precision=precision)  # fmt: skip
+    mapped = {key: m.value for key, m in settings(deepspeed_config(job), job.world // job.stages).train.items()}
+    assert mapped == {"global_batch": 16, "micro_batch": 2, "optimizer": "adamw", "lr": 1e-3, "beta1": 0.9,
+                      "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.01, "grad_clip": 0.0, "precision": precision,
+                      "zero": 1 if precision == "bf16" else 0}  # fmt: skip
+
+
 # -- each refusal ---------------------------------------------------------------------------------------------------
 REFUSALS = [
     ("unknown optimizer", {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer 'Lamb' is not one ftlab runs"),
@@ -193,6 +207,9 @@ REFUSALS = [
     ("both precisions", {"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "cannot be simultaneously enabled"),
     ("pydantic", {"bf16": {"enabled": True, "typo": 1}}, "DeepSpeed refuses it"),
     ("cpu checkpointing", {"activation_checkpointing": {"cpu_checkpointing": True}}, "cpu_checkpointing=true"),
+    ("bf16 accumulation", {"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype=\"bf16\""),
+    ("fp16 all-reduce", {"communication_data_type": "fp16"}, "sums and all-reduces gradients in fp32"),
+    ("data type key", {"data_types": {"params_dtype": "bf16"}}, "cannot honour data_types.params_dtype"),
 ]
 
 
