@@ -15,6 +15,9 @@ where the schedule defers a weight gradient into a bubble, and only on the peers
 (``problem``: "avoid decoupling Backward unless necessary"); every other worker's backward stays one pass, as in
 1F1B. Decoupling every worker would also fill the bubbles 1F1B leaves in the healthy pipelines, credit a failure
 with that gain and make the job faster after it than before, above the bound (``tests/test_fault_free_bound.py``).
+Where 1F1B idles much (many stages, few micro-batches a pipeline: 8 stages with 8 idle 7/15 of the iteration), the
+absorbing peers' decoupled schedules alone can still fill more of it than the lost workers cost; the simulator
+reports such plans (``Simulated.faster_than_fault_free``) rather than hide them.
 Schedules are cached per failure pattern (the layout and its dead slots), so a pattern seen again (a failure during
 the reconfiguration it caused, a join followed by the same failure) is planned in no time.
 
