@@ -348,17 +348,12 @@ def _nic_workers(m: SimMachine) -> int:
     return m.workers_per_node if isinstance(m, DeviceMachine) else 1
 
 
-def _nic_bytes_per_s(m: SimMachine) -> float:
-    """One link's bandwidth, shared by the sends (or by the receives) of the workers behind it: the node's network
-    (a measured profile's is its p2p figure)."""
-    return m.costs.node_network_bytes_per_s
-
-
 def _network_s(m: SimMachine, sent: Mapping[int, float], received: Mapping[int, float]) -> float:
     """The busiest link's traffic, bytes ``sent`` and ``received`` per link (``worker // _nic_workers``), each
-    direction on its own (full duplex), one message latency included."""
+    direction on its own (full duplex), at the node's network (a measured profile's is its p2p figure), one message
+    latency included."""
     busiest = max([*sent.values(), *received.values()], default=0.0)
-    return m.costs.profile.latency_s + busiest / _nic_bytes_per_s(m) if busiest else 0.0
+    return m.costs.profile.latency_s + busiest / m.costs.node_network_bytes_per_s if busiest else 0.0
 
 
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimMachine, plan: Plan,
@@ -370,15 +365,17 @@ def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: Sim
     on among themselves); the reads, the decoding and the broadcast follow one another."""
     per_link = _nic_workers(m)
     reader_of: dict[int, int] = {}
+    links_of: dict[int, set[int]] = {}  # each layer's links with a worker restoring it
     for worker in sorted(readers):
         for layer in readers[worker]:
             reader_of.setdefault(layer, worker)
+            links_of.setdefault(layer, set()).add(worker // per_link)
     read: dict[int, list[int]] = {}
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
     for layer, reader in reader_of.items():
         read.setdefault(reader, []).append(layer)
-        others = {worker // per_link for worker, layers in readers.items() if layer in layers} - {reader // per_link}
+        others = links_of[layer] - {reader // per_link}
         nbytes = m.checkpoint_bytes((layer,))
         if others:
             sent[reader // per_link] = sent.get(reader // per_link, 0.0) + nbytes
