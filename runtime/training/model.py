@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 from torch import nn
+from transformers.initialization import no_init_weights
 
 from ftlab.runtime.core.model_spec import ModelConfig, layer_kind, num_layers
 from ftlab.runtime.training.hf_weights import load_layer
@@ -23,15 +24,20 @@ INIT_STD = 0.02  # GPT-2's initialisation, used for every family
 
 
 def _construct(cfg: ModelConfig, index: int) -> nn.Module:
-    """The layer's module with `torch.nn` default initialisation, on the current default device."""
+    """The layer's module on the current default device, its parameters allocated but not initialised: every one is
+    drawn by `_initialise` or read from a checkpoint next, so `torch.nn`'s default initialisation would be wasted
+    (about half of a block's build time). Buffers (rotary frequencies, masks) are computed as usual."""
     hf = hf_config(cfg)
     family = FAMILIES[hf.model_type]
     kind = layer_kind(cfg, index)
-    if kind == "embedding":
-        return family.embedding(hf)
-    if kind == "head":
-        return family.head(hf)
-    return family.block(hf, index - 1)
+    # transformers' own switch for building a model whose weights come next; it patches `torch.nn.init` for the
+    # process while it is on, which is safe here because workers build layers on their main thread only.
+    with no_init_weights():
+        if kind == "embedding":
+            return family.embedding(hf)
+        if kind == "head":
+            return family.head(hf)
+        return family.block(hf, index - 1)
 
 
 def _layer_generator(seed: int, index: int) -> torch.Generator:
@@ -64,7 +70,8 @@ def build_layer(cfg: ModelConfig, index: int, seed: int, device: str | torch.dev
     Weights are drawn on the CPU from a generator of their own, then moved, so they are the same on every device
     and whatever else the process has built or drawn before.
     """
-    # Default initialisation would draw from the global generator: keep the caller's random stream untouched.
+    # A constructor that draws (dropout state, a family's own init) would use the global generator: keep the caller's
+    # random stream untouched.
     with torch.random.fork_rng(devices=[]):
         module = _construct(cfg, index)
     if cfg.weights:
