@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ftlab.runtime.core.contract import ConfigError, Job, Protection
 from ftlab.runtime.core.costs import LayerProfile, layer_bytes, stage_footprint
-from ftlab.runtime.core.plan import Plan, PlanError, even_split, grid_plan
+from ftlab.runtime.core.plan import Plan, PlanError, grid_plan
 from ftlab.runtime.core.scheduler import one_f_one_b
 
 
@@ -33,16 +34,50 @@ def micro_batches(job: Job) -> list[int]:
     return [m for m in range(t.micro_batch, 0, -1) if t.global_batch % m == 0]
 
 
-def fits(job: Job, stages: int, micro_batch: int) -> bool:
-    """Every stage of an even split into ``stages`` fits a device at ``micro_batch`` (1F1B keeps ``stages - s``
-    micro-batches in flight at stage ``s``): the memory formula the preflight check uses."""
+def balanced_split(job: Job, stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges whose busiest stage computes least (a micro-batch's forward and backward on the
+    machine's profile). Varuna's partitioner cuts the model at the cut-points whose profiled compute balances the
+    stages; a language model's head (a vocabulary-wide matmul) costs several blocks, so an even count of layers would
+    leave the last stage the slowest and every other stage waiting on it."""
+    costs = job.costs
+    per_layer = tuple(costs.forward_s(i, i + 1) + costs.backward_s(i, i + 1) for i in range(costs.num_layers))
+    return list(_balanced(per_layer, stages))
+
+
+@functools.cache
+def _balanced(costs: tuple[float, ...], stages: int) -> tuple[tuple[int, int], ...]:
+    """The linear partition of ``costs`` into ``stages`` non-empty ranges minimising the largest range's sum."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][j]: the least busiest-stage cost of layers [0, j) in k stages; cut[k][j]: where its last stage starts.
+    best = [[float("inf")] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                busiest = max(best[k - 1][i], prefix[j] - prefix[i])
+                if busiest < best[k][j]:
+                    best[k][j], cut[k][j] = busiest, i
+    bounds, stop = [], n
+    for k in range(stages, 0, -1):
+        bounds.append((cut[k][stop], stop))
+        stop = cut[k][stop]
+    return tuple(reversed(bounds))
+
+
+def fits(job: Job, bounds: Sequence[tuple[int, int]], micro_batch: int) -> bool:
+    """Every stage of ``bounds`` fits a device at ``micro_batch`` (1F1B keeps ``stages - s`` micro-batches in flight
+    at stage ``s``): the memory formula the preflight check uses."""
     precision = job.train.precision
     layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, micro_batch, job.model.seq_len, precision))
               for spec in job.specs]  # fmt: skip
     return all(
-        stage_footprint(layers, start, stop, stages - s, job.train.activation_checkpointing, precision)
+        stage_footprint(layers, start, stop, len(bounds) - s, job.train.activation_checkpointing, precision)
         <= job.device_memory_bytes
-        for s, (start, stop) in enumerate(even_split(len(layers), stages))
+        for s, (start, stop) in enumerate(bounds)
     )
 
 
@@ -59,17 +94,18 @@ SAMPLED = 2
 """Micro-batches per pipeline stage beyond which a 1F1B iteration is timed at two shorter lengths and extrapolated."""
 
 
-def step_s(job: Job, workers: Sequence[int], stages: int, micro: int) -> float:
-    """The machine's time for a step of the grid of ``stages`` over ``workers`` at ``micro``. Once each pipeline runs
-    more than ``2 * SAMPLED`` micro-batches per stage, a 1F1B iteration grows linearly with them (the steady state
-    adds one forward and one backward each; fill, drain, reduction and optimizer stay), so it is timed at
-    ``SAMPLED`` and ``2 * SAMPLED`` per stage and extrapolated: a paper-scale batch of thousands of micro-batches is
-    weighed over every configuration in seconds rather than hours."""
+def step_s(job: Job, workers: Sequence[int], bounds: Sequence[tuple[int, int]], micro: int) -> float:
+    """The machine's time for a step of the grid of ``bounds``'s stages over ``workers`` at ``micro``. Once each
+    pipeline runs more than ``2 * SAMPLED`` micro-batches per stage, a 1F1B iteration grows linearly with them (the
+    steady state adds one forward and one backward each; fill, drain, reduction and optimizer stay), so it is timed
+    at ``SAMPLED`` and ``2 * SAMPLED`` per stage and extrapolated: a paper-scale batch of thousands of micro-batches
+    is weighed over every configuration in seconds rather than hours."""
     t, machine = job.train, job.machine()
+    stages = len(bounds)
     pipelines = len(workers) // stages
 
     def timed(global_batch: int) -> float:
-        plan = grid_plan(list(workers), stages, len(job.specs), global_batch, micro)
+        plan = grid_plan(list(workers), stages, len(job.specs), global_batch, micro, bounds=bounds)
         return machine.step_s(plan, one_f_one_b(plan))
 
     longest = -(-(t.global_batch // micro) // pipelines)  # round-robin: the first pipelines get one more
@@ -89,13 +125,14 @@ def morph(workers: Sequence[int], job: Job, protection: Protection, generation: 
     t = job.train
     weighed: list[Morph] = []
     for stages in range(1, min(len(job.specs), len(workers)) + 1):
+        bounds = balanced_split(job, stages)
         for micro in micro_batches(job):
-            if not fits(job, stages, micro):
+            if not fits(job, bounds, micro):
                 continue
             pipelines = min(len(workers) // stages, t.global_batch // micro)
             plan = grid_plan(list(workers[: stages * pipelines]), stages, len(job.specs), t.global_batch, micro,
-                             generation, step)  # fmt: skip
-            weighed.append(Morph(plan, stages, pipelines, micro, step_s(job, plan.workers, stages, micro)))
+                             generation, step, bounds)  # fmt: skip
+            weighed.append(Morph(plan, stages, pipelines, micro, step_s(job, plan.workers, bounds, micro)))
             if t.global_batch // micro >= len(workers) // stages:
                 break  # a smaller micro-batch runs no more pipelines, and is charged as much per micro-batch
     if not weighed:

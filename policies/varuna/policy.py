@@ -11,13 +11,15 @@ predicts the fastest (``Machine.step_s``; the global batch fixed). Unlike ``chec
 
 Where the papers leave it open, this module chooses:
 
-- **Partitioning**: layers split evenly over the stages (``even_split``); Varuna's own partitioner balances by
-  profiled cost, which for the uniform transformer blocks of these models is the even split.
+- **Partitioning**: Varuna's partitioner balances the stages by profiled compute (``morph.balanced_split``, on the
+  machine's profile): the blocks are uniform, but an embedding is cheap and a language model's head costs several
+  blocks, so an even split by layer count would leave the last stage the slowest.
 - **Micro-batch sizes**: the divisors of the global batch up to ``train.micro_batch``. The machine's costs are
   profiled at ``train.micro_batch``; a smaller micro-batch is charged that size's cost per micro-batch, a
   pessimistic prediction, so it wins only where it lets more pipelines run or a shallower pipeline fit memory. A
   larger one was never profiled and is not considered.
-- **Memory**: a configuration must fit a device by the preflight check's formula (``stage_footprint``).
+- **Memory**: a configuration must fit a device by the preflight check's formula (``stage_footprint``), on its
+  balanced split.
 - **Protection**: only configurations the protection can protect are weighed (``Protection.check_plan``: REFT keeps
   each shard on another holder of the same layers, so every stage needs two replicas), the fastest of all where it
   can protect none: on a host where one deep pipeline is fastest, ``protection=reft`` still gets a plan it protects.

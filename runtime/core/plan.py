@@ -8,7 +8,7 @@ not change across generations; ranks inside a generation's process groups are de
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -244,16 +244,18 @@ def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def grid_plan(
-    workers: list[int], stages: int, num_layers: int, global_batch: int, micro_batch: int, generation: int = 0, step: int = 0
-) -> Plan:
-    """A homogeneous PP x DP plan: ``len(workers) // stages`` pipelines, micro-batches dealt round-robin.
+    workers: list[int], stages: int, num_layers: int, global_batch: int, micro_batch: int, generation: int = 0,
+    step: int = 0, bounds: Sequence[tuple[int, int]] | None = None,
+) -> Plan:  # fmt: skip
+    """A homogeneous PP x DP plan: ``len(workers) // stages`` pipelines, micro-batches dealt round-robin, each
+    pipeline's stages holding ``bounds`` (default: ``even_split``).
 
     Consecutive workers form one pipeline, so a pipeline stays inside a node when the node's workers are adjacent.
     """
     if stages <= 0 or len(workers) < stages:
         raise PlanError(f"{len(workers)} workers cannot form a pipeline of {stages} stages")
     replicas = len(workers) // stages
-    bounds = even_split(num_layers, stages)
+    bounds = even_split(num_layers, stages) if bounds is None else bounds
     num_mb = global_batch // micro_batch if micro_batch > 0 else 0
     if num_mb < replicas:
         raise PlanError(
