@@ -18,9 +18,12 @@ sub-chunk), arc+aec, and aor, which protects ZeRO-1's optimizer chunks and so is
 snapshots. The jobs run in alternating rounds, their order rotated each round, so a slow phase of this shared machine
 falls on all of them. The figure per job is the median iteration (``perf/iter_s``) after ``--warmup`` steps, over all
 rounds; overhead is that median over the baseline's, less one (target for arc: at most 5%). Beside it: the time a
-snapshot spends on the critical path (the slowest worker's wait for its copy before reporting ready,
-``ft/snapshot_s``) and the copy itself (``ft/snapshot_copy_s``), which say where an overhead comes from (waiting for
-copies, or copies competing with training for the cores).
+snapshot spends on the critical path (the slowest worker's start of its copy and wait for it before reporting ready,
+``ft/snapshot_s``), the copy itself (``ft/snapshot_copy_s``, the slowest worker's) and its CPU time
+(``ft/snapshot_cpu_s``, all workers' copy threads together), which say where an overhead comes from: waiting for
+copies, or copies competing with training for the cores. ``cpu_share`` is that CPU time over the host's core time
+per iteration: what the copies can add to an iteration that keeps every core busy, free of the noise that a shared
+machine puts into the iteration times.
 
 Part 2, load and recovery. ``policy=checkpoint_restart`` with ``protection=storage`` (every ``--storage-every``
 steps) and with ``protection=reft`` (arc, a snapshot every step) lose the same node at the same point, alternating
@@ -33,14 +36,16 @@ reads were just written, so they are in the page cache: load_speedup_job compare
 on another node crosses gloo on the loopback, as it would cross a network.
 
 The last line printed is one JSON object with at least ``overhead_arc``, ``overhead_aec``, ``overhead_aor``
-(fractions of iteration time added), ``snapshot_vs_memcpy``, ``restore_vs_memcpy``, ``load_speedup_cold``,
-``load_speedup_cached``, ``load_speedup_job`` and ``recovery_speedup_vs_storage`` (a part not run reads null).
+(fractions of iteration time added), ``cpu_share_arc``, ``snapshot_vs_memcpy``, ``restore_vs_memcpy``,
+``load_speedup_cold``, ``load_speedup_cached``, ``load_speedup_job`` and ``recovery_speedup_vs_storage`` (a part not
+run reads null).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -51,6 +56,7 @@ from mlflow.tracking import MlflowClient
 
 from ftlab.experiments import snapshot_speed
 from ftlab.experiments.job import JobResult, compose_config, run_job
+from ftlab.runtime.state import shm
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
@@ -59,6 +65,7 @@ JOB = ["experiment=plain", f"model={MODEL}", "cluster=local-4", f"train.stages={
        "train.micro_batch=2", "progress=false"]  # fmt: skip
 TARGETS = {"snapshot_vs_memcpy": ("<=", 2.0), "restore_vs_memcpy": ("<=", 2.0), "overhead_arc": ("<=", 0.05),
            "load_speedup_cold": (">=", 10.0), "load_speedup_cached": (">=", 3.0)}  # fmt: skip
+CORES = os.cpu_count() or 1
 NO_FLUSH = "protection.flush_every=1000000"  # part 1 measures the snapshots alone
 OVERHEAD = {
     "none": ["policy=none", "protection=none"],
@@ -92,6 +99,7 @@ def overheads(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     iters: dict[str, list[float]] = {n: [] for n in names}
     critical: dict[str, list[float]] = {n: [] for n in names}
     copies: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
@@ -101,12 +109,14 @@ def overheads(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             iters[name] += [s.iter_s for s in steady]
             critical[name] += [s.snapshot_s for s in steady if s.snapshot_s is not None]
             copies[name] += metric(client, result.run_id, "ft/snapshot_copy_s")[args.warmup:]
+            cpus[name] += metric(client, result.run_id, "ft/snapshot_cpu_s")[args.warmup:]
     out = {}
     for name in names:
         out[name] = {"iter_s": median(iters[name]), "snapshot_s": median(critical[name]),
-                     "snapshot_copy_s": median(copies[name])}  # fmt: skip
+                     "snapshot_copy_s": median(copies[name]), "snapshot_cpu_s": median(cpus[name])}  # fmt: skip
     for mode, base in BASELINE.items():
         out[mode]["overhead"] = out[mode]["iter_s"] / out[base]["iter_s"] - 1
+        out[mode]["cpu_share"] = ratio(out[mode]["snapshot_cpu_s"], CORES * out[mode]["iter_s"])
     return out
 
 
@@ -153,10 +163,13 @@ def table(over: dict[str, Any], rec: dict[str, Any]) -> str:
     def ms(value: float | None) -> str:
         return f"{value * 1e3:9.1f}" if value is not None else "        -"
 
-    lines = [f"{'job':<10}{'iter ms':>9}{'overhead':>10}{'critical ms':>13}{'copy ms':>9}"]
+    lines = [f"{'job':<10}{'iter ms':>9}{'overhead':>10}{'critical ms':>13}{'copy ms':>9}{'cpu ms':>9}"
+             f"{'cpu share':>11}"]
     for name, f in over.items():
         overhead = f"{f['overhead'] * 100:9.1f}%" if "overhead" in f else "         -"
-        lines.append(f"{name:<10}{ms(f['iter_s'])}{overhead}{ms(f['snapshot_s']):>13}{ms(f['snapshot_copy_s'])}")
+        share = f"{f['cpu_share'] * 100:10.1f}%" if f.get("cpu_share") is not None else "          -"
+        lines.append(f"{name:<10}{ms(f['iter_s'])}{overhead}{ms(f['snapshot_s']):>13}{ms(f['snapshot_copy_s'])}"
+                     f"{ms(f['snapshot_cpu_s'])}{share}")
     lines.append("")
     lines.append(f"{'recovery':<10}{'restore ms':>11}{'MB':>7}{'regain s':>10}{'lost steps':>11}")
     for name, f in rec.items():
@@ -181,6 +194,18 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def note(speed: dict[str, Any] | None, loads: list[float]) -> str:
+    """What bounds a restore on this host, from part 0's own figures, and how busy the host was."""
+    busy = f"Load average {loads[0]:.1f} at the start, {loads[1]:.1f} at the end, on {CORES} CPUs."
+    if not speed:
+        return busy
+    r = speed["ratios"]
+    floor = r["shm_read_vs_memcpy"] + r["fresh_pages_vs_memcpy"]
+    return (f"A new process's restore reads its records out of the node's memory by the kernel's copy (shm_read: "
+            f"{r['shm_read_vs_memcpy']:.2f}x memcpy) into moments whose pages it must fault in first (fresh_pages: "
+            f"{r['fresh_pages_vs_memcpy']:.2f}x): {floor:.2f}x memcpy before its checksum. {busy}")
+
+
 PARTS = ("memory", "overhead", "recovery")
 
 
@@ -188,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which parts to run, of {', '.join(PARTS)}")
     parser.add_argument("--reps", type=int, default=15, help="part 0: timings per figure (the fastest counts)")
+    parser.add_argument("--memory-root", type=Path, default=shm.ROOT,
+                        help="part 0: where the records go (a tmpfs; default: where jobs keep them)")
     parser.add_argument("--steps", type=int, default=30, help="part 1: steps per job")
     parser.add_argument("--warmup", type=int, default=5, help="part 1: steps left out of the medians")
     parser.add_argument("--rounds", type=int, default=3)
@@ -205,20 +232,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.warmup, args.rounds, args.recovery_steps, args.kill_step, args.storage_every = 6, 2, 1, 6, 4, 3
         args.reps = 3
+    loads = [os.getloadavg()[0]]  # the machine is shared: the section says how busy it was
     scratch = Path(tempfile.mkdtemp(prefix="bench-snapshots-"))
+    memory = Path(tempfile.mkdtemp(prefix="bench-snapshots-", dir=args.memory_root))
     try:
-        speed = snapshot_speed.measure(MODEL, STAGES, REPLICAS, scratch / "speed", args.reps) if "memory" in parts else None
+        speed = (snapshot_speed.measure(MODEL, STAGES, REPLICAS, scratch / "speed", memory, args.reps)
+                 if "memory" in parts else None)  # fmt: skip
         over = overheads(args, scratch) if "overhead" in parts else None
         rec = recoveries(args, scratch) if "recovery" in parts else None
     finally:
+        shutil.rmtree(memory, ignore_errors=True)  # host memory: never kept
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
+    loads.append(os.getloadavg()[0])
     if speed:
         print(memory_table(speed))
     if over and rec:
         print(table(over, rec))
     summary: dict[str, Any] = {
         **{f"overhead_{m.replace('+', '_')}": over[m]["overhead"] if over else None for m in BASELINE},
+        "cpu_share_arc": over["arc"]["cpu_share"] if over else None,
         "snapshot_vs_memcpy": speed["ratios"]["snapshot_vs_memcpy"] if speed else None,
         "restore_vs_memcpy": speed["ratios"]["restore_vs_memcpy"] if speed else None,
         "load_speedup_cold": speed["load_speedup_cold"] if speed else None,
@@ -229,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = verdicts(summary)
     for name, verdict in targets.items():
         print(f"target {name}: {verdict}")
-    print(json.dumps({**summary, "memory": speed, "overhead": over, "recovery": rec, "settings": vars(args)}))
+    print(json.dumps({**summary, "memory": speed, "overhead": over, "recovery": rec, "settings": vars(args)},
+                     default=str))  # fmt: skip
     if args.write_docs:
         from ftlab.experiments import results_doc
 
@@ -247,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         tables["Figures"] = {k: v for k, v in summary.items() if v is not None}
         tables["Targets"] = targets
         results_doc.write_section("bench_snapshots", "REFT's snapshots: overhead per iteration, restore and recovery",
-                                  tables, argv)  # fmt: skip
+                                  tables, argv, note=note(speed, loads))  # fmt: skip
     return 0
 
 

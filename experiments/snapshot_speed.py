@@ -15,8 +15,11 @@ caches holding other bytes (``EVICT_BYTES`` written before it), as a snapshot's 
   as in a running job;
 - ``shm_read``: the kernel's copy of the same records out of ``/dev/shm`` into a buffer (``readinto``), the floor of
   any restore by a process that has not mapped them (one restarted);
+- ``fresh_pages``: faulting in new memory for the moments a restore sets (``snapshot_load.Fresh``, one write per
+  4 KiB page), which a new process pays whatever it loads them from;
 - ``restore``: reading the worker's own records back (checksums verified) into freshly built layers and their
-  optimizer state, as a restarted worker does (``Worker._load_from_memory`` for records on its own node);
+  optimizer state, as a restarted worker does (``Worker._load_from_memory`` for records on its own node): at best
+  ``shm_read`` plus ``fresh_pages`` plus a checksum from cache;
 - ``storage_cold`` and ``storage_cached``: the same layers loaded from a storage checkpoint of them (one file per
   layer, written and fsynced as ``protection=storage`` writes them, loaded as ``Worker._restore`` loads them), first
   with the files' pages dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` after the fsync: the read
@@ -39,9 +42,9 @@ import xxhash
 from ftlab.runtime.core.model_spec import load_model_config, num_layers
 from ftlab.runtime.core.plan import grid_plan
 from ftlab.runtime.core.snapshot_layout import groups_of, records_to_write
-from ftlab.runtime.state import checkpoint
+from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.state.snapshot import ShardFiles, member_state, write_records
-from ftlab.runtime.state.snapshot_load import LocalRecord, load_into
+from ftlab.runtime.state.snapshot_load import Fresh, LocalRecord, load_into
 from ftlab.runtime.training.layer_state import decode, encode, layer_state
 from ftlab.runtime.training.model import build_layer
 from ftlab.runtime.training.optim import OptimSettings, layer_optimizer
@@ -98,8 +101,10 @@ def load_storage(directory: Path, layers: tuple[int, ...], modules: dict[int, to
         optimizers[index].load_state_dict(state["optimizer"])
 
 
-def measure(model_name: str, stages: int, replicas: int, scratch: Path, reps: int) -> dict[str, Any]:
-    """Seconds per figure (the fastest of ``reps``), the bytes, and each figure over memcpy's time for the same bytes."""
+def measure(model_name: str, stages: int, replicas: int, scratch: Path, memory: Path, reps: int) -> dict[str, Any]:
+    """Seconds per figure (the fastest of ``reps``), the bytes, and each figure over memcpy's time for the same bytes.
+    The records go in ``memory`` (a folder of a node's memory: under ``/dev/shm`` as in a job), the storage
+    checkpoint in ``scratch`` (on disk)."""
     torch.set_num_threads(1)
     model = load_model_config(model_name)
     plan = grid_plan(list(range(stages * replicas)), stages, num_layers(model), 2 * replicas, 1)
@@ -108,8 +113,6 @@ def measure(model_name: str, stages: int, replicas: int, scratch: Path, reps: in
     records = records_to_write(plan, "arc", 1)[worker]
     modules, optimizers = trained_layers(model, group.layers)
     states = {group.layers: member_state(model, group, modules, optimizers)}
-    memory = scratch / "shm"
-    memory.mkdir(parents=True)
     files = ShardFiles(memory)
     for step in range(2):  # both slots of every file touched, as after a job's first two snapshots
         written = write_records(files, states, records, step, step - 1)
@@ -126,6 +129,15 @@ def measure(model_name: str, stages: int, replicas: int, scratch: Path, reps: in
         started = time.thread_time()
         write_records(files, states, records, 2 + rep, 1 + rep)
         return time.thread_time() - started
+
+    moments = [p for index in group.layers for p in modules[index].parameters()] * 2
+
+    def fresh_pages() -> float:
+        started = time.perf_counter()
+        fresh = Fresh(moments)
+        for p in moments:
+            fresh.like(p).view(-1).view(torch.uint8)[:: shm.PAGE].zero_()
+        return time.perf_counter() - started
 
     def restore(rep: int) -> float:
         step = 2 + rep
@@ -157,6 +169,7 @@ def measure(model_name: str, stages: int, replicas: int, scratch: Path, reps: in
             **{f"checksum_{name}": (lambda f=f: _timed(lambda: f(target))) for name, f in candidates.items()},
             "snapshot": lambda: snapshot(rep),
             "shm_read": shm_read,
+            "fresh_pages": fresh_pages,
             "restore": lambda: restore(rep),
             "storage_cold": lambda: storage_load(True),
             "storage_cached": lambda: storage_load(False),

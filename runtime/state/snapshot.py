@@ -137,7 +137,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-Run = tuple[int, int, list[torch.Tensor]]
+Source = np.ndarray | torch.Tensor
+"""A piece of the state as bytes: a NumPy view of host memory (copied by ``memcpy`` with no dispatch cost), or a
+device tensor's (copied by torch)."""
+Run = tuple[int, int, list[Source]]
 """(start, end, sources): bytes [start, end) of a record, copied from the sources laid end to end."""
 
 
@@ -148,19 +151,20 @@ def copy_runs(state: GroupState, index: int) -> list[Run]:
     for offset, values in state.shard_pieces(index, 0, 3 * state.geometry.chunk):
         data = _bytes(values)
         for a in range(0, data.numel(), BLOCK):
-            block, at = data[a : a + BLOCK] if data.numel() > BLOCK else data, offset * WORD + a
+            block, at = data[a : a + BLOCK], offset * WORD + a
+            source: Source = block.numpy() if block.device.type == "cpu" else block
             last = runs[-1] if runs else None
             if last is not None and last[1] == at and last[1] - last[0] + block.numel() <= BLOCK:
-                runs[-1] = (last[0], at + block.numel(), [*last[2], block])
+                runs[-1] = (last[0], at + block.numel(), [*last[2], source])
             else:
-                runs.append((at, at + block.numel(), [block]))
+                runs.append((at, at + block.numel(), [source]))
     return runs
 
 
 def fill_record(state: GroupState, record: MemoryRecord, out: torch.Tensor, runs: list[Run] | None = None) -> int:
     """Write ``record``'s bytes into ``out`` (uint8, its length) and return their checksum: a shard or copy as it
-    is, copied run by run (``runs``: ``copy_runs`` of its shard, kept by the caller while the state's tensors stay)
-    and checksummed while each run is in cache, or a parity as the XOR of its sources' sub-chunks."""
+    is, copied run by run (``runs``: ``copy_runs`` of its shard, kept by the caller while the state's tensors stay),
+    each run checksummed right after its copy, from cache; or a parity as the XOR of its sources' sub-chunks."""
     g = state.geometry
     raw = out.numpy()
     if record.kind not in ("shard", "copy"):
@@ -172,31 +176,30 @@ def fill_record(state: GroupState, record: MemoryRecord, out: torch.Tensor, runs
                 bits[offset : offset + values.numel()].bitwise_xor_(values.view(torch.int32))
         return shm.checksum(raw)
     digest = shm.Checksum()
-    hashed = end = 0  # bytes of ``out`` checksummed, and written
+    end = 0  # bytes of ``out`` written and checksummed
     for start, stop, sources in copy_runs(state, record.index) if runs is None else runs:
-        if start > end:
-            out[end:start].zero_()  # padding, and whatever a previous snapshot left there
-        _copy(sources, out[start:stop])
+        if start > end:  # padding, and whatever a previous snapshot left there
+            raw[end:start] = 0
+            digest.update(raw[end:start])
+        at = start
+        for source in sources:
+            at += _put(source, out, raw, at)
+        digest.update(raw[start:stop])
         end = stop
-        if end - hashed >= BLOCK:  # small runs are checksummed together, from cache
-            digest.update(raw[hashed:end])
-            hashed = end
     step = 3 * g.chunk * WORD
-    out[end:].zero_()
-    out[step : step + WORD] = _bytes(torch.tensor([state.step], dtype=torch.float32))
-    digest.update(raw[hashed:])
+    raw[end:] = 0
+    raw[step : step + WORD] = np.array([state.step], np.float32).view(np.uint8)
+    digest.update(raw[end:])
     return digest.intdigest()
 
 
-def _copy(sources: list[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy the sources end to end into ``out``: one call for many small tensors where they share its device."""
-    if len(sources) > 1 and all(t.device == out.device for t in sources):
-        torch.cat(sources, out=out)
-        return
-    at = 0
-    for t in sources:
-        out[at : at + t.numel()].copy_(t)
-        at += t.numel()
+def _put(source: Source, out: torch.Tensor, raw: np.ndarray, at: int) -> int:
+    """Copy ``source`` into ``out`` (``raw``: its bytes) from byte ``at``; returns its length."""
+    if isinstance(source, np.ndarray):
+        np.copyto(raw[at : at + source.size], source)
+        return source.size
+    out[at : at + source.numel()].copy_(source)
+    return source.numel()
 
 
 class ShardFiles:

@@ -1,17 +1,19 @@
 """REFT-load on the worker: a group's state rebuilt in the layers it holds, from its shards, each a record on this
 node, received from a peer, or decoded from parity (``runtime.core.snapshot_layout.load_plan`` says which).
 
-A record on this node is read by the kernel straight into the parameters and fresh moments, one ``preadv`` per record
-(its pieces as the vectors), then checked against its checksums; no mapping, no intermediate buffer. A mapping would
-cost the kernel as much (a page-table entry per 4 KiB of ``/dev/shm``) and leave the copy to do. The bytes land
-before they are checked: they land only in layers built for this restore, which a failed check never lets train (the
-restore raises ChecksumError). A shard in memory (received, decoded) is copied in as bytes.
+A record on this node is read by the kernel straight into the parameters and fresh moments, one ``preadv`` per block
+of about ``snapshot.BLOCK`` bytes (its pieces as the vectors), each block checksummed as soon as it lands, while it is
+in cache; no mapping, no intermediate buffer. A mapping would cost the kernel as much (a page-table entry per 4 KiB of
+``/dev/shm``) and leave the copy to do. The bytes land before they are checked: they land only in layers built for
+this restore, which a failed check never lets train (the restore raises ChecksumError). A shard in memory (received,
+decoded) is copied in as bytes.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from ftlab.runtime.core.contract import MemoryRecord
 from ftlab.runtime.core.model_spec import ModelConfig
 from ftlab.runtime.core.snapshot_layout import Geometry, Group, parity_sources
 from ftlab.runtime.state import shm
-from ftlab.runtime.state.snapshot import MOMENTS, WORD, Flat, GroupState, geometry
+from ftlab.runtime.state.snapshot import BLOCK, MOMENTS, WORD, Flat, GroupState, geometry
 from ftlab.runtime.training.model import layer_numels
 
 ALIGN = 64
@@ -158,23 +160,38 @@ def _read_into(target: GroupState, index: int, local: LocalRecord) -> float:
         if found is None or found[1].nbytes != nbytes:
             raise shm.ChecksumError(f"no committed slot of {record.name} holds step {local.step}")
         buffers = _pieces(target, index, nbytes)
-        at, start = 0, shm.slot_offset(found[0], nbytes)
-        for first in range(0, len(buffers), IOV_MAX):
-            batch = buffers[first : first + IOV_MAX]
+        digest = shm.Checksum()
+        at = shm.slot_offset(found[0], nbytes)
+        for batch in _batches(buffers):  # each checksummed right after it lands, from cache
             want = sum(b.nbytes for b in batch)
-            got = os.preadv(fd, batch, start + at)
+            got = os.preadv(fd, batch, at)
             if got != want:  # a slot is never shorter than its bytes: a short read is a truncated file
                 raise shm.ChecksumError(f"{record.name} ends {want - got} bytes early")
+            for buffer in batch:
+                digest.update(buffer)
             at += got
     finally:
         os.close(fd)
-    digest = shm.Checksum()
-    for buffer in buffers:
-        digest.update(buffer)
     value = digest.intdigest()
     if value != found[1].checksum or (record.crc and value != record.crc):
         raise shm.ChecksumError(f"the bytes of {record.name} at step {local.step} fail their checksum")
     return float(buffers[-1][:WORD].view(np.float32)[0])
+
+
+def _batches(buffers: list[np.ndarray]) -> Iterator[list[np.ndarray]]:
+    """The buffers in order, in batches of about ``BLOCK`` bytes (a larger buffer split) and ``IOV_MAX`` at most."""
+    batch: list[np.ndarray] = []
+    size = 0
+    for buffer in buffers:
+        for a in range(0, buffer.nbytes, BLOCK):
+            piece = buffer[a : a + BLOCK]
+            if batch and (size + piece.nbytes > BLOCK or len(batch) == IOV_MAX):
+                yield batch
+                batch, size = [], 0
+            batch.append(piece)
+            size += piece.nbytes
+    if batch:
+        yield batch
 
 
 def _copy_into(target: GroupState, index: int, data: torch.Tensor) -> float:
