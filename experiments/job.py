@@ -234,10 +234,7 @@ def check_settings(cfg: JobConfig) -> None:
         raise ConfigError(f"{', '.join(machinery)}: the simulator's constants (conf/sim) are durations of 0 s or "
                           f"more, rates above 0, host cores of 0 (not shared) or more, and cores' worth by load and "
                           f"layer speeds above 0 (of a host with cores)")  # fmt: skip
-    try:
-        cfg.model.check()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    check_model(cfg)
     speeds, layers = len(cfg.sim.host_layer_speed), num_layers(cfg.model)
     if speeds not in (0, layers):
         raise ConfigError(f"sim.host_layer_speed has {speeds} entries: give one for each of model {cfg.model.name}'s "
@@ -284,12 +281,27 @@ def sim_problems(sim: SimConfig) -> list[str]:
     return bad
 
 
+def check_model(cfg: JobConfig) -> None:
+    """The model's settings (``ModelConfig.check``), refused as a ConfigError."""
+    try:
+        cfg.model.check()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def check_device(cfg: JobConfig) -> None:
     """A device with a profile: a GPU type of ``runtime.core.devices`` (analytic), or this machine's cpu or cuda
     (measured), for a model small enough to measure here."""
+    check_model(cfg)  # before its layers are sized
     device = cfg.cluster.device
     if device in DEVICES:
         return
+    if cfg.model.attention == "eager_dropout":
+        raise ConfigError(
+            f"model.attention=eager_dropout is for a GPU type's analytic profile: workers train without dropout (every "
+            f"layout computes the same gradient), so cluster.device={device} cannot run or measure it: use "
+            f"model.attention=eager or fused, or a GPU type ({', '.join(DEVICES)})"
+        )
     if device.split(":")[0] not in MEASURED_DEVICES:
         raise ConfigError(
             f"cluster.device={device!r} has no profile: use cpu (measured on this machine) or a GPU type with an "

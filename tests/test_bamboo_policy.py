@@ -86,3 +86,24 @@ def test_bamboo_where_a_stage_and_its_copy_do_not_fit_is_refused(job_overrides: 
 def test_bamboo_with_one_stage_or_activation_checkpointing_is_refused(job_overrides: list[str]) -> None:
     assert "set train.stages to 2 or more" in refused(job_overrides, "train.stages=1")
     assert "train.activation_checkpointing=false" in refused(job_overrides, "train.activation_checkpointing=true")
+
+
+RECYCLE_6_7B = ["model=gpt3-6.7b", "cluster=azure-a100-4x8", "train.precision=bf16", "train.stages=8",
+                "train.global_batch=64", "train.micro_batch=2", "train.activation_checkpointing=false"]  # fmt: skip
+"""ReCycle's Table 1 job of GPT-3 6.7B: (PP, DP) = (8, 4) on 4 x 8 A100-80GB, no activation checkpointing."""
+
+
+def test_gpt3_6_7b_with_unfused_attention_dropout_is_refused_for_bamboo_where_recycle_fits(
+    job_overrides: list[str],
+) -> None:
+    """ReCycle's Bamboo OOM: a stage with its successor's copy does not fit where attention keeps its probabilities,
+    mask and dropped probabilities; the same grid without copies does, and so does Bamboo with fused attention."""
+    job = [*job_overrides, "mode=simulate", *RECYCLE_6_7B, "protection=storage"]
+
+    def check(*overrides: str) -> None:
+        check_job(OmegaConf.to_object(compose_config([*job, *overrides])))  # type: ignore[arg-type]
+
+    with pytest.raises(ConfigError, match="twice the model state"):
+        check("policy=bamboo", "model.attention=eager_dropout")
+    check("policy=recycle", "model.attention=eager_dropout")
+    check("policy=bamboo")

@@ -204,15 +204,18 @@ def saved_bytes(module: torch.nn.Module, *args: torch.Tensor) -> int:
             kept[storage.data_ptr()] = storage.nbytes()
         return t
 
-    # The fused CPU kernel, as the estimate assumes (a GPU's flash or memory-efficient attention keeps the same).
+    # sdpa's fused CPU kernel, as the fused estimate assumes (a GPU's flash or memory-efficient attention keeps the
+    # same); eager attention ignores it.
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         module(*args)
     return sum(kept.values())
 
 
+@pytest.mark.parametrize("attention", ["fused", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_saved_activation_estimate_matches_autograd(family):
-    cfg = ModelConfig(name="t", family=family, num_blocks=2, hidden=64, heads=4, vocab_size=300, seq_len=32)
+def test_saved_activation_estimate_matches_autograd(family, attention):
+    cfg = ModelConfig(name="t", family=family, num_blocks=2, hidden=64, heads=4, vocab_size=300, seq_len=32,
+                      attention=attention)  # fmt: skip
     batch, tokens = 2, cfg.seq_len
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens))
     hidden = torch.randn(batch, tokens, cfg.hidden, requires_grad=True)
@@ -239,3 +242,21 @@ def test_stage_memory_counts_optimizer_state_and_in_flight_activations():
     llama = CostModel(profile_from_specs(cfg.name, layer_specs(cfg), A100, micro_batch=1, seq_len=cfg.seq_len))
     # 202M parameters x 16 B = 3.24 GB, plus 4096 tokens x 340 kB of activations = 1.39 GB
     assert 4.5e9 < llama.stage_memory(1, 2, in_flight=1) < 4.8e9
+
+
+def test_eager_attention_keeps_the_probabilities_and_with_dropout_its_mask_too():
+    """Per block and token, beyond fused attention's: a row of probabilities per head (less the log-sum-exp), and
+    with dropout the dropped probabilities and the mask's byte per head and position (Korthikanti et al.'s 5as/h
+    bytes in half precision)."""
+    cfg = ModelConfig(name="t", num_blocks=1, hidden=64, heads=4, vocab_size=300, seq_len=32)
+    fused, eager, dropout = (layer_specs(ModelConfig(**{**cfg.__dict__, "attention": a}))[1]
+                             for a in ("fused", "eager", "eager_dropout"))  # fmt: skip
+    row = cfg.heads * cfg.seq_len
+    assert eager.saved_bytes_per_token - fused.saved_bytes_per_token == 4 * (row - cfg.heads)
+    assert dropout.saved_bytes_per_token - fused.saved_bytes_per_token == 4 * (2 * row - cfg.heads)
+    assert (fused.saved_mask_bytes_per_token, eager.saved_mask_bytes_per_token) == (0, 0)
+    assert dropout.saved_mask_bytes_per_token == row
+    half = CostModel(profile_from_specs("t", [dropout], A100, micro_batch=1, seq_len=cfg.seq_len, precision="bf16"))
+    assert half.profile.layers[0].saved_bytes == cfg.seq_len * (dropout.saved_bytes_per_token // 2 + row)
+    with pytest.raises(ValueError, match="model.attention='flash'"):
+        ModelConfig(name="t", attention="flash").check()

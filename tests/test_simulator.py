@@ -229,6 +229,8 @@ BAD_INPUTS = [
     (["cluster.nodes=40", "train.global_batch=80", "faults=trace", "faults.trace=p3"], FaultConfigError,
      "faults.trace_copies=2"),
     (["sim.horizon_s=-1"], ConfigError, "sim.horizon_s=-1"),
+    (["model.attention=eager_dropout"], ConfigError, "model.attention=eager_dropout is for a GPU type"),
+    (["model.attention=flash"], ConfigError, "model.attention='flash': use one of fused, eager, eager_dropout"),
 ]
 
 

@@ -7,8 +7,9 @@ times measured on a real device (``runtime.processes.profiler.measure_profile``)
 
 Memory has one formula, whatever the source of the times: a layer's bytes come from ``runtime.core.model_spec`` (fp32
 weights, 12 more bytes per parameter for the gradient and AdamW's two moments, the activations it keeps per
-micro-batch), and a stage holds its layers' state plus the activations of every micro-batch in flight
-(``stage_memory``). ``tests/test_model.py`` holds the activation formulas to what autograd keeps.
+micro-batch with the model's attention, ``model.attention``, a dropout mask's byte an element in any precision),
+and a stage holds its layers' state plus the activations of every micro-batch in flight (``stage_memory``).
+``tests/test_model.py`` holds the activation formulas to what autograd keeps.
 
 Mixed precision (``train.precision``, ``ModelProfile.precision``; the design is ``runtime.core.precision``'s):
 activations, what they keep for the backward and what crosses a stage boundary are in the compute precision
@@ -128,7 +129,8 @@ def layer_bytes(spec: LayerSpec, micro_batch: int, seq_len: int, precision: str 
         "param_bytes": FP32 * spec.params,
         "optimizer_bytes": OPTIMIZER_BYTES_PER_PARAM * spec.params,
         "output_bytes": _activations(spec.output_bytes_per_token * tokens, precision),
-        "saved_bytes": _activations(spec.saved_bytes_per_token * tokens, precision),
+        "saved_bytes": (_activations(spec.saved_bytes_per_token * tokens, precision)
+                        + spec.saved_mask_bytes_per_token * tokens),
     }
 
 
@@ -137,7 +139,8 @@ def _activations(fp32_bytes: int, precision: str) -> int:
 
 
 def with_precision(profile: ModelProfile, precision: str) -> ModelProfile:
-    """``profile`` (whose bytes are fp32's, as measured or derived) with its activations in ``precision``."""
+    """``profile`` (whose bytes are fp32's, as measured or derived) with its activations in ``precision`` (a measured
+    profile keeps no dropout mask, whose bytes would not scale: ``model.attention``)."""
     if profile.precision != "fp32":
         raise ValueError(f"the profile is in {profile.precision} already")
     layers = tuple(

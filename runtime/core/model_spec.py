@@ -27,6 +27,8 @@ from ftlab.runtime.core import hf_checkpoint as hf
 FAMILY_NAMES = ("gpt2", "llama", "bert", "hf")
 FP32 = 4
 MODEL_CONF_DIR = Path(__file__).parents[2] / "conf" / "model"
+ATTENTIONS = ("fused", "eager", "eager_dropout")
+"""The values of ``model.attention`` (``ModelConfig.attention``)."""
 TEMPLATES = ("hf",)
 """conf/model files that are not a model until given settings of their own (model=hf needs model.config)."""
 
@@ -46,6 +48,13 @@ class ModelConfig:
     kv_heads: int | None = None  # llama grouped-query attention; None: as many as heads
     config: str | None = None  # family hf: a Hugging Face config.json, or the directory that holds it
     weights: str | None = None  # family hf: a directory of safetensors to start from; None: initialised from the seed
+    attention: str = "fused"
+    """How a block computes attention, which sets what it keeps for the backward (``_attention_saved``). fused:
+    torch's sdpa (flash or memory-efficient kernels on a GPU, the flash kernel on a CPU), what workers run unless told
+    otherwise. eager: the softmax probabilities multiplied out, a [seq, seq] matrix per head, as transformers' eager
+    attention; workers run it too. eager_dropout: eager with attention dropout, as Megatron-LM and DeepSpeed trained
+    GPT-3 before fused attention kernels: it keeps the dropout's mask and the dropped probabilities too. Analytic
+    profiles (a GPU type) only: workers train without dropout, so that every layout computes the same gradient."""
 
     def __post_init__(self) -> None:
         """An HF model's shape settings left at the schema's defaults take the checkpoint's sizes; a setting given
@@ -70,6 +79,8 @@ class ModelConfig:
         """Raise ValueError, naming the setting to change, unless the shape is one a model of the family can have."""
         if self.family not in FAMILY_NAMES:
             raise ValueError(f"model.family={self.family!r}: use one of {', '.join(FAMILY_NAMES)}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={self.attention!r}: use one of {', '.join(ATTENTIONS)}")
         if self.family == "hf":
             self._check_hf()
         elif self.config is not None or self.weights is not None:
@@ -185,7 +196,8 @@ class LayerSpec:
     params: int
     fwd_flops_per_token: float  # matmuls + attention scores at cfg.seq_len
     output_bytes_per_token: int  # what a pipeline send of this layer's output carries; 0 for the head
-    saved_bytes_per_token: int  # fp32 activations kept for backward (estimate, fused attention)
+    saved_bytes_per_token: int  # fp32 activations kept for backward (estimate, for the model's attention)
+    saved_mask_bytes_per_token: int = 0  # boolean masks kept for backward (dropout's): a byte each in any precision
 
 
 def num_layers(cfg: ModelConfig) -> int:
@@ -279,25 +291,35 @@ def parameter_shapes(d: Dims, kind: str) -> Shapes:
     return _PARAMS[d.structure](d, kind)
 
 
-# Activations kept for backward, in elements per token. These assume fused attention (flash or memory-efficient
-# sdpa, which keeps q, k, v, the output and a log-sum-exp per head rather than the [t, t] probabilities) and fused
-# element-wise activations, as on a GPU; per-token scalars of the norms are left out.
+# Activations kept for backward, in elements per token, but for what the attention kernel keeps beyond q, k, v and
+# its output (``_attention_saved``). These assume fused element-wise activations, as on a GPU; per-token scalars of
+# the norms are left out.
 def _saved(d: Dims, kind: str) -> int:
     h, f, v, heads = d.hidden, d.ffn, d.vocab, d.heads
     q, kv = heads * d.head_dim, d.kv_heads * d.head_dim
     if d.structure == "gpt2":
         # head: LayerNorm in, lm_head in, log-softmax. block: ln_1 in, c_attn in, q k v, attention out (= c_proj
-        # in) + lse, ln_2 in, c_fc in, gelu in, c_proj in
-        return {"embedding": 0, "head": 2 * h + v, "block": h + h + 3 * h + h + heads + h + h + f + f}[kind]
+        # in), ln_2 in, c_fc in, gelu in, c_proj in
+        return {"embedding": 0, "head": 2 * h + v, "block": h + h + 3 * h + h + h + h + f + f}[kind]
     if d.structure == "llama":
         # The RMSNorm is unfused: it keeps its input, the normalised input and its output (3h), before attention,
-        # before the MLP and in the head; q (rotated), k, v; attention out (= o_proj in) + lse; gate, up, silu out,
-        # down in. head: RMSNorm, lm_head in, log-softmax.
-        return {"embedding": 0, "head": 3 * h + v, "block": 3 * h + q + 2 * kv + q + heads + 3 * h + 4 * f}[kind]
+        # before the MLP and in the head; q (rotated), k, v; attention out (= o_proj in); gate, up, silu out, down
+        # in. head: RMSNorm, lm_head in, log-softmax.
+        return {"embedding": 0, "head": 3 * h + v, "block": 3 * h + q + 2 * kv + q + 3 * h + 4 * f}[kind]
     # bert. embedding: the LayerNorm's input. head: dense in, gelu in, LayerNorm in, lm_head in, log-softmax.
-    # block: qkv in, q k v, attention out (= dense in) + lse, LayerNorm in, intermediate in, gelu in, output in,
+    # block: qkv in, q k v, attention out (= dense in), LayerNorm in, intermediate in, gelu in, output in,
     # LayerNorm in
-    return {"embedding": h, "head": 4 * h + v, "block": h + 3 * h + h + heads + h + h + f + f + h}[kind]
+    return {"embedding": h, "head": 4 * h + v, "block": h + 3 * h + h + h + h + f + f + h}[kind]
+
+
+def _attention_saved(heads: int, seq_len: int, attention: str) -> tuple[int, int]:
+    """What a block's attention keeps per token beyond q, k, v and its output: elements of the compute precision,
+    and mask bytes. fused: one log-sum-exp per head. eager: the softmax probabilities, a row of ``seq_len`` per
+    head (the score matrix before the softmax is not kept: the softmax's backward needs its output alone).
+    eager_dropout: the probabilities, the dropout's boolean mask and the dropped probabilities (what the product with
+    v keeps): 5 bytes per head and position in half precision, Korthikanti et al.'s 5as/h (MLSys'23, Section 4.1)."""
+    row = heads * seq_len
+    return {"fused": (heads, 0), "eager": (row, 0), "eager_dropout": (2 * row, row)}[attention]
 
 
 def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
@@ -307,6 +329,7 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
     d = dims(cfg)
     # QK^T and AV over the full [t, t] square, forward: 2 * 2 * seq_len * (heads * head_dim) per token.
     attention_flops = 4 * cfg.seq_len * d.heads * d.head_dim
+    attention, mask = _attention_saved(d.heads, cfg.seq_len, cfg.attention)
     specs = []
     for index in range(num_layers(cfg)):
         kind = layer_kind(cfg, index)
@@ -319,7 +342,8 @@ def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
                 params=sum(math.prod(s) for s in shapes),
                 fwd_flops_per_token=float(2 * matmul + (attention_flops if kind == "block" else 0)),
                 output_bytes_per_token=0 if kind == "head" else FP32 * cfg.hidden,
-                saved_bytes_per_token=FP32 * _saved(d, kind),
+                saved_bytes_per_token=FP32 * (_saved(d, kind) + (attention if kind == "block" else 0)),
+                saved_mask_bytes_per_token=mask if kind == "block" else 0,
             )
         )
     return specs

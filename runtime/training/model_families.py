@@ -36,8 +36,9 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from ftlab.runtime.core import hf_checkpoint
 from ftlab.runtime.core.model_spec import ModelConfig, ffn_hidden, kv_heads
 
-# One attention implementation for all: sdpa honours is_causal without a mask, and dispatches to fused kernels.
-ATTENTION = "sdpa"
+ATTENTION = {"fused": "sdpa", "eager": "eager"}
+"""``model.attention`` as transformers names it: sdpa honours is_causal without a mask and dispatches to fused kernels;
+eager multiplies out the softmax probabilities (``runtime.core.model_spec.ATTENTIONS``)."""
 
 
 class Embedding(nn.Module):
@@ -152,7 +153,7 @@ def _gpt2_config(cfg: ModelConfig) -> GPT2Config:
         attn_pdrop=0.0,
         bos_token_id=None,  # GPT-2's 50256 lies outside small vocabularies; the layers never use it
         eos_token_id=None,
-        attn_implementation=ATTENTION,
+        attn_implementation=ATTENTION[cfg.attention],
     )
 
 
@@ -167,7 +168,7 @@ def _llama_config(cfg: ModelConfig) -> LlamaConfig:
         max_position_embeddings=cfg.seq_len,
         rms_norm_eps=1e-5,  # Llama 2's value (the transformers default is 1e-6)
         attention_dropout=0.0,
-        attn_implementation=ATTENTION,
+        attn_implementation=ATTENTION[cfg.attention],
     )
 
 
@@ -181,7 +182,7 @@ def _bert_config(cfg: ModelConfig) -> BertConfig:
         max_position_embeddings=cfg.seq_len,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        attn_implementation=ATTENTION,
+        attn_implementation=ATTENTION[cfg.attention],
     )
 
 
@@ -201,4 +202,4 @@ def hf_config(cfg: ModelConfig) -> PreTrainedConfig:
         return _BUILT_IN[cfg.family](cfg)
     settings = dict(hf_checkpoint.read_config(cfg.config))
     settings.update({key: 0.0 for key, value in settings.items() if _is_dropout(key, value)})
-    return CONFIG_MAPPING[settings["model_type"]].from_dict(settings, attn_implementation=ATTENTION)
+    return CONFIG_MAPPING[settings["model_type"]].from_dict(settings, attn_implementation=ATTENTION[cfg.attention])
