@@ -22,8 +22,8 @@ The policies are found by their roles (``Roles``), in every part: the restart ba
 by restarting from saved state alone (``restarts()``, run with ``protection=storage protection.every=5``), the
 in-place ones every policy that recovers in place (``in_place()``); ``SETTINGS`` holds what a policy runs with beyond
 its defaults. A new policy package joins the bench with no edit here: ``varuna`` runs beside checkpoint-restart as a
-restart baseline, ``bamboo`` and ``elastic`` beside Oobleck and ReCycle as in-place policies (Bamboo with the device
-memory its copies need: ``SETTINGS``).
+restart baseline, ``bamboo`` and ``elastic`` beside Oobleck and ReCycle as in-place policies (Bamboo with
+``DEVICE_MEMORY_GB`` for each stage's state it holds: ``Roles.state_copies``).
 
 Fault-scaled throughput (ReCycle's measure): for every plan that ran after a failure, its samples/s (global batch
 over its median commit-to-commit interval, so the recovery itself is left out) over the fault-free samples/s scaled
@@ -87,11 +87,12 @@ BENCH_DIR = REPO / ".ftlab" / "bench"
 CACHE_DIR = REPO / ".ftlab" / "cache"
 LOSS_RTOL = 1e-5
 
+DEVICE_MEMORY_GB = 0.04
+"""A device's memory for one stage's state; a policy gets it for each stage's state it holds (``overrides_of``)."""
 JOB = [
     "experiment=plain",  # not the default quick-start preset, whose faults.events would leak into faults=none
     "model=gpt2-tiny",
     "cluster=local-6",
-    "cluster.device_memory_gb=0.04",
     "train.global_batch=16",
     "train.micro_batch=2",
 ]
@@ -100,10 +101,7 @@ SWEEP_JOB = [*JOB[:2], "cluster=local-8", *JOB[3:]]
 SWEEP_WORKERS, SWEEP_BATCH = 8, 16
 RESTART_PROTECTION = ["protection=storage", "protection.every=5"]
 """What the restart baseline restarts from."""
-SETTINGS = {
-    "oobleck": ["policy.fault_threshold=1"],
-    "bamboo": ["cluster.device_memory_gb=0.08"],  # each stage with a neighbour's copy: 40 MB does not hold both
-}
+SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
 """Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
 
 
@@ -123,9 +121,11 @@ def compared() -> tuple[str, ...]:
 
 
 def overrides_of(policy: str) -> list[str]:
-    """``policy=NAME`` with what it runs with here: the baseline checkpoints to storage, ``SETTINGS`` the rest."""
+    """``policy=NAME`` with what it runs with here: the baseline checkpoints to storage, a device holds each stage's
+    state the policy keeps, ``SETTINGS`` the rest."""
     saved = RESTART_PROTECTION if policy in restarts() else []
-    return [f"policy={policy}", *saved, *SETTINGS.get(policy, [])]
+    memory_gb = DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies
+    return [f"policy={policy}", *saved, f"cluster.device_memory_gb={memory_gb:g}", *SETTINGS.get(policy, [])]
 
 
 @dataclass

@@ -32,6 +32,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import CONF_DIR, JobResult, compose_config, run_job
+from ftlab.policies import catalog
 from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.control.coordinator import JobStopped
@@ -81,9 +82,9 @@ SETTINGS = {
 LOST_ON_RESTART = {"storage": CHECKPOINT_EVERY, "reft": 0}
 
 
-POLICY_SETTINGS = {"bamboo": ["cluster.device_memory_gb=0.08"]}
-"""What a policy needs beyond the shared job: Bamboo keeps a neighbour's stage beside its own, which 40 MB does not
-hold (refused for memory before any worker)."""
+DEVICE_MEMORY_GB = 0.04
+"""A device's memory for one stage's state: a policy that keeps other stages' copies gets this per copy
+(``Roles.state_copies``)."""
 
 
 def protection_settings(protection: str) -> list[str]:
@@ -96,13 +97,14 @@ def segments() -> set[str]:
 
 
 def scenario(policy: str, protection: str, workdir: Path, numerics: list[str]) -> Callable[..., JobResult]:
+    memory_gb = DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies
+
     def run(*extra: str) -> JobResult:
         overrides = [
             "experiment=plain", f"policy={policy}", f"protection={protection}", *protection_settings(protection),
             *numerics,
-            "cluster=local-6", "cluster.device_memory_gb=0.04", f"train.steps={STEPS}", "progress=false",
-            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints",
-            *POLICY_SETTINGS.get(policy, []), *extra,
+            "cluster=local-6", f"cluster.device_memory_gb={memory_gb:g}", f"train.steps={STEPS}", "progress=false",
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints", *extra,
         ]  # fmt: skip
         return run_job(compose_config(overrides))
 

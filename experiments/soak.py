@@ -159,8 +159,8 @@ def draw(seed: int, index: int) -> Scenario:
     every = None
     if restarts or "fault_threshold" not in settings:
         stages = rng.randint(1, min(3, layers, nodes * wpn))
-        if policy == "bamboo":  # it keeps a neighbour stage's copy: one stage has none (refused); no draw changes
-            stages = max(stages, 2)
+        # A policy keeping other stages' copies needs that many stages (else it is refused); no other draw changes.
+        stages = max(stages, catalog.roles()[policy].state_copies)
         every = rng.choice([2, 3, 4])
         job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every, nodes * wpn >= 2 * stages)]
         if "review_every" in settings:  # adaptive reviews every few steps too, so it may switch plans without a failure

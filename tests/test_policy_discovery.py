@@ -110,7 +110,8 @@ def test_a_new_policy_is_in_the_benches_by_its_roles(add_policy: AddPolicy) -> N
     assert {"mend", "tend"} <= set(bench_policies.singles()) and bench_policies.choosers() == ("adaptive",)
     assert bench_policies.compared()[-1] == "adaptive"
     assert "mend" in bench_recovery.in_place() and "tend" in bench_recovery.restarts()
-    assert bench_recovery.overrides_of("tend") == ["policy=tend", *bench_recovery.RESTART_PROTECTION]
+    assert bench_recovery.overrides_of("tend") == ["policy=tend", *bench_recovery.RESTART_PROTECTION,
+                                                  "cluster.device_memory_gb=0.04"]
     assert "mend" in sim_paper.recycle_policies()
     assert sim_paper.table2_policies()["tend"] == ["policy=tend", "protection=storage", "protection.every=10"]
     pairs = sim_paper.combinations()

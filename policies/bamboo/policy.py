@@ -55,7 +55,7 @@ from ftlab.runtime.core.plan import Plan
 
 
 class Bamboo(Policy):
-    roles = Roles(in_place=True, restarts=True)
+    roles = Roles(in_place=True, restarts=True, state_copies=2)
     moves_layers = True  # the copies are made by copying layers with their optimizer state
 
     @property

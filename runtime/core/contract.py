@@ -411,6 +411,10 @@ class Roles:
     policies. None: no candidate."""
     chooses: bool = False
     """Recovers by choosing among other policies' answers (adaptive): compared with the best policy that does not."""
+    state_copies: int = 1
+    """Stages' model states a worker holds: its own, and any it keeps of other stages (Bamboo: 2, its own and its
+    successor's). A harness that sizes device memory for one stage's state scales it by this, and gives the job at
+    least this many stages (a copy of another stage needs another stage)."""
 
     @property
     def restarts_only(self) -> bool:
