@@ -539,3 +539,13 @@ def test_tensor_parallel_templates_have_no_runtime_plan() -> None:
     assert wide, "uniform layers with a fast intra-node link choose tensor-parallel stages"
     with pytest.raises(PlanError, match="tensor_parallel=False"):
         to_plan(pipelines, [1] * len(pipelines), {0: [0, 1], 1: [2, 3]}, len(pipelines), 1)
+
+
+def test_min_nodes_raises_the_smallest_template() -> None:
+    """A model that fits one node gets templates from one node; ``min_nodes`` (a study's stated pipeline depth) starts
+    them there instead, up to the same largest."""
+    free = generate_templates(uniform_profile(8), 8, 1, 1)
+    deep = generate_templates(uniform_profile(8), 8, 1, 1, min_nodes=2)
+    assert free.min_nodes == 1 and deep.min_nodes == 2
+    assert min(t.num_nodes for t in deep.templates) == 2
+    assert max(t.num_nodes for t in deep.templates) == 8 - 2

@@ -88,7 +88,8 @@ class Oobleck(Policy):
             )
         profile = dataclasses.replace(job.profile(), device_memory_bytes=job.device_memory_bytes)
         try:
-            templates = generate_templates(profile, len(nodes), f, job.workers_per_node, tensor_parallel)
+            templates = generate_templates(profile, len(nodes), f, job.workers_per_node, tensor_parallel,
+                                           self.settings.min_nodes)  # type: ignore[attr-defined]
         except ValueError as exc:
             raise PlanError(f"policy=oobleck cannot plan {job.model.name} on {len(nodes)} nodes: {exc}") from exc
         try:

@@ -204,11 +204,14 @@ class TemplatePlanner:
 
 
 def generate_templates(
-    profile: ModelProfile, num_nodes: int, fault_threshold: int, gpus_per_node: int, tensor_parallel: bool = True
-) -> TemplateSet:
-    """Every template a job of ``num_nodes`` nodes tolerating ``fault_threshold`` failures needs."""
+    profile: ModelProfile, num_nodes: int, fault_threshold: int, gpus_per_node: int, tensor_parallel: bool = True,
+    min_nodes: int = 1,
+) -> TemplateSet:  # fmt: skip
+    """Every template a job of ``num_nodes`` nodes tolerating ``fault_threshold`` failures needs, none of fewer than
+    ``min_nodes`` nodes."""
     planner = TemplatePlanner(profile, gpus_per_node, tensor_parallel)
-    n0 = planner.min_nodes(num_nodes // (fault_threshold + 1))
+    fits = planner.min_nodes(num_nodes // (fault_threshold + 1))
+    n0 = None if fits is None else max(fits, min_nodes)
     if n0 is None:
         raise ValueError(
             f"model {profile.model} does not fit f + 1 = {fault_threshold + 1} times in {num_nodes} nodes of "
