@@ -80,6 +80,14 @@ def test_a_killed_worker_process_is_recovered_and_its_node_keeps_serving(run, fa
     assert result.faults[0].kind == "process"
 
 
+def test_replicas_restoring_from_storage_pass_each_layer_along_a_chain(run, fault_free: list[float]) -> None:  # noqa: ANN001
+    # Data parallel alone: after the restart the three surviving replicas each load the whole model, the first reading
+    # each layer from storage and passing it to the second, which passes it to the third.
+    result = run(*COMMON, "train.stages=1", *explicit("{kind: node, node: 2, at_step: 4, phase: backward}"))
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    assert [len(p.pipelines) for p in result.plans] == [4, 3]
+
+
 def test_a_hung_worker_is_detected_fenced_and_recovered(run, tmp_path: Path, fault_free: list[float]) -> None:  # noqa: ANN001
     result = run(*COMMON, "cluster.heartbeat_timeout_s=2", *explicit("{kind: hang, node: 3, worker: 0, at_step: 4}"))
     assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)

@@ -16,6 +16,7 @@ from ftlab.experiments.job import compose_config, everyone, job_factory
 from ftlab.runtime.core.contract import MemorySource, StorageSource
 from ftlab.runtime.core.costs import CostModel
 from ftlab.runtime.core.plan import Plan, grid_plan
+from ftlab.runtime.core.scheduler import storage_read_chains
 from ftlab.runtime.core.snapshot_layout import records_to_write
 from ftlab.runtime.sim.machines import DeviceMachine
 
@@ -62,3 +63,10 @@ def test_a_memory_restore_sends_through_each_node_nic_and_reads_a_record_once() 
     server_reads = 4 * shard / rate  # its own two shards, and once each the two it sends
     network = m.costs.profile.latency_s + 4 * shard / (25 * GBIT_S)
     assert m.restore_s(source, whole_stages(plan), plan, []) == server_reads + network
+
+
+def test_storage_read_chains_read_each_layer_once_and_pass_it_on_in_worker_order():
+    chains = storage_read_chains({5: (2, 3), 1: (0, 1), 4: (2, 3), 0: (0, 1), 7: ()})
+    assert chains == {0: (0, 1), 1: (0, 1), 2: (4, 5), 3: (4, 5)}
+    assert storage_read_chains({3: (9,)}) == {9: (3,)}
+    assert storage_read_chains({}) == {}

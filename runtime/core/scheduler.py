@@ -113,3 +113,16 @@ def transfer_programs(transfers: Sequence[object]) -> dict[int, ins.Program]:
         sends.setdefault(t.source, []).append(ins.SendLayer(t.layer, t.destination))  # type: ignore[attr-defined]
         receives.setdefault(t.destination, []).append(ins.RecvLayer(t.layer, t.source))  # type: ignore[attr-defined]
     return {w: sends.get(w, []) + receives.get(w, []) for w in sorted(sends.keys() | receives.keys())}
+
+
+def storage_read_chains(restoring: Mapping[int, Sequence[int]]) -> dict[int, tuple[int, ...]]:
+    """Who reads each layer of a checkpoint in storage, and who passes it on: ``restoring`` maps each worker to the
+    layers it loads; the answer maps each layer to its chain, the first worker (in worker order) that loads it, which
+    reads it, then the others in worker order, each receiving it from the one before. A stage is read from storage
+    once, not once per data-parallel replica, and a layer crosses each node's link about once (a node's workers are
+    numbered together). The runtime's workers follow the chains; the simulator charges them."""
+    chains: dict[int, list[int]] = {}
+    for worker in sorted(restoring):
+        for layer in restoring[worker]:
+            chains.setdefault(layer, []).append(worker)
+    return {layer: tuple(chain) for layer, chain in sorted(chains.items())}

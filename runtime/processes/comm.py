@@ -274,6 +274,16 @@ class GenerationComm:
             work = group._allgather_base(out, chunk)
         self.wait(work)
 
+    def gather_rows(self, row: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every world member's ``row`` (each the same shape and dtype), by worker."""
+        flat = row.flatten()
+        rows = torch.empty(len(self._rank) * flat.numel(), dtype=row.dtype, device=self.device)  # gloo wants it flat
+        with self._failures():
+            work = self.world._allgather_base(rows, flat.to(self.device).contiguous())
+        self.wait(work)
+        rows = rows.view(len(self._rank), *row.shape).cpu()
+        return {worker: rows[rank] for worker, rank in self._rank.items()}
+
     def retire(self) -> None:
         """Keep this generation's groups alive forever: destroying one with work in flight blocks (see above)."""
         _RETIRED.append(self)

@@ -49,14 +49,17 @@ from ftlab.runtime.training.mixed import grad_sq, scale_gradients
 from ftlab.runtime.control.update import Update
 from ftlab.runtime.training.optim import StepUndo, layer_optimizer, lr_at, step_all
 from ftlab.runtime.core.plan import Plan
+from ftlab.runtime.core.scheduler import storage_read_chains
 from ftlab.runtime.state.snapshot import Snapshotter, geometry, member_state
 from ftlab.runtime.state.snapshot_load import LocalRecord, Shard, decode_shard, load_into, read_record
 from ftlab.runtime.core.snapshot_layout import Fetch, groups_of, load_plan
 from ftlab.runtime.processes.zero import ZeroGroup
 
-# Transfer tags sit far above the activation and gradient tags (2 per micro-batch); snapshot loads above those.
+# Transfer tags sit far above the activation and gradient tags (2 per micro-batch); snapshot loads, then storage reads
+# passed on (2 per layer), above those.
 _TRANSFER_TAG = 1 << 24
 _LOAD_TAG = 1 << 25
+_RESTORE_TAG = 1 << 27
 
 
 class Channel:
@@ -452,14 +455,33 @@ class Worker:
             return self._load_from_memory(source, plan, helpers, layers)
         if not isinstance(source, StorageSource):
             raise TypeError(f"this worker cannot restore from {source!r}")
+        return self._load_from_storage(source, layers), "storage"
+
+    def _load_from_storage(self, source: StorageSource, layers: list[int]) -> int:
+        """Load ``layers`` from the checkpoint, each layer read from storage once for all the workers that load it
+        and passed along their chain (``scheduler.storage_read_chains``), which every worker derives alike from what
+        each one lacks: a stage's replicas do not all read it. Returns the bytes loaded into this worker's layers."""
+        assert self.comm is not None
+        wanted = torch.zeros(num_layers(self.setup["model"]), dtype=torch.uint8)
+        wanted[layers] = 1
+        restoring = {w: row.nonzero().flatten().tolist() for w, row in self.comm.gather_rows(wanted).items()}
         nbytes = 0
-        for index in layers:
-            data = checkpoint.layer_path(Path(source.directory), index).read_bytes()
+        for index, chain in storage_read_chains(restoring).items():
+            if self.worker not in chain:
+                continue
+            at = chain.index(self.worker)
+            if at == 0:
+                data = checkpoint.layer_path(Path(source.directory), index).read_bytes()
+            else:
+                data = self.comm.recv_bytes(chain[at - 1], _RESTORE_TAG + 2 * index)
+            if at + 1 < len(chain):
+                self.comm.send_bytes(data, chain[at + 1], _RESTORE_TAG + 2 * index)  # tags: size, then payload
             state = decode(data)
             self.layers[index].load_state_dict(state["module"])
             self.optimizers[index].load_state_dict(state["optimizer"])
             nbytes += len(data)
-        return nbytes, "storage"
+        self.comm.flush_sends()
+        return nbytes
 
     # -- snapshots (REFT) --------------------------------------------------------------------------------------
     @property

@@ -35,7 +35,7 @@ from ftlab.runtime.core.machine import Machine
 from ftlab.runtime.core.model_spec import FP32
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.program_check import timeline
-from ftlab.runtime.core.scheduler import transfer_programs
+from ftlab.runtime.core.scheduler import storage_read_chains, transfer_programs
 from ftlab.runtime.core.snapshot_layout import Fetch, load_plan
 from ftlab.runtime.sim.shared_host import HostCores, contention_on, host_of, shared_ends
 from ftlab.runtime.sim.timing import IterationTimer, IterationTiming
@@ -359,29 +359,25 @@ def _network_s(m: SimMachine, sent: Mapping[int, float], received: Mapping[int, 
 def _storage_read(source: Source, readers: Mapping[int, tuple[int, ...]], m: SimMachine, plan: Plan,
                   serving: Sequence[int]) -> float:  # fmt: skip
     """Restoring from a checkpoint in storage: each layer is read once, by the first worker (in worker order) that
-    restores it, which decodes it and broadcasts it to the others restoring it (a stage is read once, not once per
-    data-parallel replica). The readers share the storage's bandwidth (``sim.storage_read_bytes_per_s``); a
-    broadcast crosses each link with a receiver once, out of the reader's link once (a chain: a node's GPUs pass it
-    on among themselves); the reads, the decoding and the broadcast follow one another."""
+    restores it, which decodes it and passes it on to the others restoring it, as the workers do
+    (``scheduler.storage_read_chains``: a stage is read once, not once per data-parallel replica). The readers share
+    the storage's bandwidth (``sim.storage_read_bytes_per_s``); the chain crosses each link with a receiver once, out
+    of the reader's link once (a node's GPUs pass it on among themselves); the reads, the decoding and the passing on
+    follow one another."""
     per_link = _nic_workers(m)
-    reader_of: dict[int, int] = {}
-    links_of: dict[int, set[int]] = {}  # each layer's links with a worker restoring it
-    for worker in sorted(readers):
-        for layer in readers[worker]:
-            reader_of.setdefault(layer, worker)
-            links_of.setdefault(layer, set()).add(worker // per_link)
+    chains = storage_read_chains(readers)
     read: dict[int, list[int]] = {}
     sent: dict[int, float] = {}
     received: dict[int, float] = {}
-    for layer, reader in reader_of.items():
+    for layer, (reader, *_) in chains.items():
         read.setdefault(reader, []).append(layer)
-        others = links_of[layer] - {reader // per_link}
+        others = {worker // per_link for worker in chains[layer]} - {reader // per_link}
         nbytes = m.checkpoint_bytes((layer,))
         if others:
             sent[reader // per_link] = sent.get(reader // per_link, 0.0) + nbytes
         for link in others:
             received[link] = received.get(link, 0.0) + nbytes
-    storage_s = m.checkpoint_bytes(reader_of) / m.sim.storage_read_bytes_per_s
+    storage_s = m.checkpoint_bytes(chains) / m.sim.storage_read_bytes_per_s
     decode_s = max(m.checkpoint_bytes(layers) for layers in read.values()) / m.codec_bytes_per_s
     return storage_s + decode_s + _network_s(m, sent, received)
 
