@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 import time
 import urllib.error
@@ -313,7 +314,10 @@ class Tracker:
 
     @store_access
     def finish(self, failure: str | None = None) -> None:
+        """Upload what was written locally, close the run, and remove the local scratch folder: a machine that runs
+        thousands of jobs (a sweep, the soak campaign, a test suite) would otherwise keep a folder from each."""
         if self.run_id is None:
+            shutil.rmtree(self.local, ignore_errors=True)
             return
         from mlflow.entities import RunStatus
 
@@ -328,6 +332,7 @@ class Tracker:
         status = RunStatus.FAILED if failure is not None else RunStatus.FINISHED
         self.client.set_terminated(self.run_id, RunStatus.to_string(status))
         self.run_id = None
+        shutil.rmtree(self.local, ignore_errors=True)  # uploaded: the store holds it now
 
 
 class RunRecorder:
