@@ -83,6 +83,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("trace compression", ["faults=trace", "faults.time_compression=0"], FaultConfigError, "time_compression"),
     ("fault threshold", ["policy=oobleck", "policy.fault_threshold=4"], ConfigError, "policy.fault_threshold"),
     ("negative threshold", ["policy=oobleck", "policy.fault_threshold=-1"], ConfigError, "policy.fault_threshold=-1"),
+    ("template too small", ["policy=oobleck", "policy.min_nodes=0"], ConfigError, "policy.min_nodes=0"),
+    ("template too large", ["policy=oobleck", "policy.min_nodes=3", "cluster=local-4"], ConfigError, "between 1 and 2"),
     ("review cadence", ["policy=adaptive", "policy.review_every=-1"], ConfigError, "policy.review_every=-1"),
     ("restart without state", ["policy=checkpoint_restart", "protection=none"], ConfigError, "add protection=storage"),
     ("checkpoint interval", ["protection=storage", "protection.every=0"], ConfigError, "protection.every=0"),

@@ -81,6 +81,12 @@ class Oobleck(Policy):
                 f"{len(nodes)} nodes cannot hold f + 1 = {f + 1} pipelines: lower policy.fault_threshold to at most "
                 f"{len(nodes) - 1} or raise cluster.nodes to at least {f + 1}"
             )
+        fewest = self.settings.min_nodes  # type: ignore[attr-defined]
+        if not 1 <= fewest <= len(nodes) // (f + 1):
+            raise PlanError(
+                f"policy.min_nodes={fewest}: with {len(nodes)} nodes and f + 1 = {f + 1} pipelines, a pipeline template "
+                f"has between 1 and {len(nodes) // (f + 1)} nodes; set policy.min_nodes in that range"
+            )
         if microbatches < f + 1:
             raise PlanError(
                 f"{microbatches} micro-batches cannot feed f + 1 = {f + 1} pipelines: raise train.global_batch to at "
@@ -88,8 +94,7 @@ class Oobleck(Policy):
             )
         profile = dataclasses.replace(job.profile(), device_memory_bytes=job.device_memory_bytes)
         try:
-            templates = generate_templates(profile, len(nodes), f, job.workers_per_node, tensor_parallel,
-                                           self.settings.min_nodes)  # type: ignore[attr-defined]
+            templates = generate_templates(profile, len(nodes), f, job.workers_per_node, tensor_parallel, fewest)
         except ValueError as exc:
             raise PlanError(f"policy=oobleck cannot plan {job.model.name} on {len(nodes)} nodes: {exc}") from exc
         try:
