@@ -200,10 +200,12 @@ def note(speed: dict[str, Any] | None, loads: list[float]) -> str:
     if not speed:
         return busy
     r = speed["ratios"]
-    floor = r["shm_read_vs_memcpy"] + r["fresh_pages_vs_memcpy"]
     return (f"A new process's restore reads its records out of the node's memory by the kernel's copy (shm_read: "
-            f"{r['shm_read_vs_memcpy']:.2f}x memcpy) into moments whose pages it must fault in first (fresh_pages: "
-            f"{r['fresh_pages_vs_memcpy']:.2f}x): {floor:.2f}x memcpy before its checksum. {busy}")
+            f"{r['shm_read_vs_memcpy']:.2f}x memcpy, the floor of a restore by a process that has not mapped them) "
+            f"into moments whose fresh pages that copy faults in (fresh_pages, faulting them in by touching each: "
+            f"{r['fresh_pages_vs_memcpy']:.2f}x); the restore adds "
+            f"{r['restore_vs_memcpy'] - r['shm_read_vs_memcpy']:.2f}x memcpy to the kernel's copy, its checksum "
+            f"included. {busy}")
 
 
 PARTS = ("memory", "overhead", "recovery")

@@ -18,8 +18,9 @@ caches holding other bytes (``EVICT_BYTES`` written before it), as a snapshot's 
 - ``fresh_pages``: faulting in new memory for the moments a restore sets (``snapshot_load.Fresh``, one write per
   4 KiB page), which a new process pays whatever it loads them from;
 - ``restore``: reading the worker's own records back (checksums verified) into freshly built layers and their
-  optimizer state, as a restarted worker does (``Worker._load_from_memory`` for records on its own node): at best
-  ``shm_read`` plus ``fresh_pages`` plus a checksum from cache;
+  optimizer state, as a restarted worker does (``Worker._load_from_memory`` for records on its own node): the
+  kernel's copy into moments whose fresh pages it faults in (huge pages where the host has them), then a checksum
+  from cache;
 - ``storage_cold`` and ``storage_cached``: the same layers loaded from a storage checkpoint of them (one file per
   layer, written and fsynced as ``protection=storage`` writes them, loaded as ``Worker._restore`` loads them), first
   with the files' pages dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` after the fsync: the read
