@@ -7,12 +7,15 @@
 A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
 workers per node, up to 8 workers), a policy (every policy found that recovers, ``DRAW_WEIGHTS``) with a protection, and
 a fault schedule: explicit events of every kind (node, process, hang, join) at random steps and phases, simultaneous
-ones included, or a generated schedule (fixed, exponential with a mean time between failures shorter than a restart,
-Weibull) or a replayed spot trace, so faults land during recoveries too. A quarter of the scenarios that checkpoint to
-storage do it on a small disk (``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses
-every later one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint. Another quarter
-of them lose their coordinator (``COORDINATOR_KILL_SHARE``): it is SIGKILLed before a drawn step, as the OOM killer
-would, and the job is resumed from its checkpoint (``train.resume_from``), which continues the same MLflow run.
+ones included, some node faults warned ahead (``WARNED_SHARE``) and some hangs ending as stalls (``STALL_SHARE``), or
+a generated schedule (fixed, exponential with a mean time between failures shorter than a restart, Weibull) or a
+replayed spot trace, so faults land during recoveries too. A quarter of the scenarios that checkpoint to storage do it
+on a small disk (``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses every later
+one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint; half of those disks are
+remounted read-only once the first checkpoint is committed instead (``READ_ONLY_SHARE``), so the later saves fail
+with EROFS before the disk could fill. Another quarter of them lose their coordinator (``COORDINATOR_KILL_SHARE``):
+it is SIGKILLed before a drawn step, as the OOM killer would, and the job is resumed from its checkpoint
+(``train.resume_from``), which continues the same MLflow run.
 Scenario ``i`` of seed ``s`` depends on (s, i) alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
@@ -56,7 +59,7 @@ from mlflow.tracking import MlflowClient
 
 from ftlab.experiments.job import GIB
 from ftlab.policies import catalog
-from ftlab.runtime.state import shm
+from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.processes.agent import terminate_with_parent
 from ftlab.runtime.processes.hold import HOLD_DIR_ENV, step_point
 from ftlab.runtime.core.costs import layer_bytes, stage_memory
@@ -80,6 +83,13 @@ the scenarios every seed drew before policies were found rather than listed."""
 DEFAULT_WEIGHT = 1
 SMALL_DISK_SHARE = 0.25
 """Of the scenarios that checkpoint to storage, the share whose checkpoints go to a small disk."""
+READ_ONLY_SHARE = 0.5
+"""Of the small disks, the share remounted read-only after the first committed checkpoint."""
+WARNED_SHARE = 0.25
+"""Of the explicit node faults, the share that come with a preemption warning (0.5 to 3 s of grace)."""
+STALL_SHARE = 0.5
+"""Of the explicit hangs, the share that end after 1 to 5 s (``for_s``): below the soak's 3 s heartbeat timeout a
+stall is a slow worker, above it a hang that is fenced before the worker resumes."""
 COORDINATOR_KILL_SHARE = 0.25
 """Of the scenarios that checkpoint to storage (on a disk that keeps them), the share whose coordinator is killed."""
 
@@ -96,6 +106,8 @@ class Scenario:
     notes: list[str] = field(default_factory=list)
     disk_mib: int | None = None
     """The size of the small disk its checkpoints go to, if they do (``small_disk_mib``)."""
+    read_only: bool = False
+    """The small disk is remounted read-only once its first checkpoint is committed."""
     kill_at: int | None = None
     """The step before which its coordinator is SIGKILLed, if it is: a checkpoint is written by then."""
 
@@ -105,6 +117,9 @@ class Scenario:
 
     def command(self) -> str:
         return "ftlab " + " ".join(shlex.quote(o) for o in self.overrides)
+
+    def describe_disk(self) -> str:
+        return f"{self.disk_mib} MiB disk" + (", read-only after its first checkpoint" if self.read_only else "")
 
 
 # -- drawing a scenario ----------------------------------------------------------------------------------------------
@@ -185,17 +200,20 @@ def draw(seed: int, index: int) -> Scenario:
         if split:
             job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
-    faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)))
+    twists = random.Random(f"{seed}/{index}/twists")
+    faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)), twists)
     # From generators of their own, so the scenarios drawn before small disks and kills were are drawn as they were.
     disk_mib = kill_at = None
+    read_only = False
     if "protection=storage" in job and every is not None:
         storage = random.Random(f"{seed}/{index}/disk").random()
         if storage < SMALL_DISK_SHARE:
             disk_mib = small_disk_mib(cfg)
+            read_only = random.Random(f"{seed}/{index}/read-only").random() < READ_ONLY_SHARE
             job += [f"protection.max_failed_saves={steps}", "protection.allow_low_space=true"]  # every save may fail
         elif storage < SMALL_DISK_SHARE + COORDINATOR_KILL_SHARE:  # the checkpoints must outlive the job
             kill_at = random.Random(f"{seed}/{index}/kill").randint(every + 1, steps - 1)
-    return Scenario(index, job, faults, every, notes, disk_mib, kill_at)
+    return Scenario(index, job, faults, every, notes, disk_mib, read_only, kill_at)
 
 
 def small_disk_mib(cfg: ModelConfig) -> int:
@@ -216,8 +234,11 @@ def draw_protection(rng: random.Random, every: int, replicated: bool = True) -> 
     return ["protection=reft", f"protection.mode={mode}", "protection.interval=1", f"protection.flush_every={every}"]
 
 
-def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: int) -> tuple[list[str], list[str]]:
-    """A schedule that loses at most ``budget`` nodes (joins come on top)."""
+def draw_faults(
+    rng: random.Random, nodes: int, wpn: int, steps: int, budget: int, twists: random.Random
+) -> tuple[list[str], list[str]]:
+    """A schedule that loses at most ``budget`` nodes (joins come on top). ``twists`` draws which explicit node faults
+    come with a preemption warning and which hangs end (stalls), apart from ``rng``'s draws."""
     if budget == 0:
         return ["faults=explicit", f"faults.events=[{{kind: join, node: {nodes}, at_step: {rng.randint(1, steps - 2)}}}]"], ["join only"]
     schedule = rng.choice(["explicit", "explicit", "explicit", "fixed", "exponential", "weibull", "trace"])
@@ -253,8 +274,13 @@ def draw_faults(rng: random.Random, nodes: int, wpn: int, steps: int, budget: in
         if kind in ("process", "hang"):
             event += f", worker: {rng.randrange(wpn)}"
             dead.add(node)  # a lost process loses its node under an in-place policy
-        if phase and kind != "hang":
+        warned = kind == "node" and twists.random() < WARNED_SHARE
+        if warned:  # a warned preemption is killed when its grace ends, in no phase
+            event += f", warning_s: {twists.uniform(0.5, 3.0):.1f}"
+        elif phase and kind != "hang":
             event += f", phase: {phase}"
+        if kind == "hang" and twists.random() < STALL_SHARE:
+            event += f", for_s: {twists.uniform(1.0, 5.0):.1f}"
         events.append(event + "}")
     if rng.random() < 0.4:
         events.append(f"{{kind: join, node: {nodes + joined}, at_step: {rng.randint(1, steps - 2)}}}")
@@ -271,12 +297,13 @@ class Outcome:
 
 
 def run_ftlab(
-    overrides: list[str], workdir: Path, cache: Path, mark: str, disk_mib: int | None = None, kill_at: int | None = None
+    overrides: list[str], workdir: Path, cache: Path, mark: str, disk_mib: int | None = None, kill_at: int | None = None,
+    read_only: bool = False,
 ) -> tuple[subprocess.CompletedProcess[str], str]:
-    """Run one job through the ftlab command, its checkpoints on a small disk of ``disk_mib`` if given, its
-    coordinator SIGKILLed before step ``kill_at`` if given (held there: ``runtime.processes.hold``); its completed
-    process (``args`` holds the command and, last, the coordinator's pid, which names the job's node memories in
-    /dev/shm) and its MLflow store."""
+    """Run one job through the ftlab command, its checkpoints on a small disk of ``disk_mib`` if given (``read_only``
+    once its first checkpoint is committed), its coordinator SIGKILLed before step ``kill_at`` if given (held there:
+    ``runtime.processes.hold``); its completed process (``args`` holds the command and, last, the coordinator's pid,
+    which names the job's node memories in /dev/shm) and its MLflow store."""
     workdir.mkdir(parents=True, exist_ok=True)
     store = f"sqlite:///{workdir}/mlflow.db"
     checkpoints = workdir / "checkpoints"
@@ -284,7 +311,7 @@ def run_ftlab(
                f"train.cache_dir={cache}", f"train.checkpoint_dir={checkpoints}", f"hydra.run.dir={workdir}/hydra"]  # fmt: skip
     if disk_mib is not None:
         checkpoints.mkdir(exist_ok=True)
-        command = on_small_disk(command, checkpoints, disk_mib)
+        command = on_small_disk(command, checkpoints, disk_mib, read_only)
     env = {**os.environ, MARK: mark}
     reached = None
     if kill_at is not None:
@@ -324,10 +351,16 @@ def _until(proc: subprocess.Popen[str], reached: Path | None, timeout_s: float) 
                 raise
 
 
-def on_small_disk(command: list[str], folder: Path, mib: int) -> list[str]:
+def on_small_disk(command: list[str], folder: Path, mib: int, read_only: bool = False) -> list[str]:
     """``command`` run with ``folder`` a tmpfs of ``mib`` MiB, mounted in a user and mount namespace of its own (it
-    needs no root, and the mount goes with the job); the job's pid stays the command's (``exec``)."""
-    mount = 'mount -t tmpfs -o size="$1"m tmpfs "$2" && shift 2 && exec "$@"'
+    needs no root, and the mount goes with the job); the job's pid stays the command's (``exec``). ``read_only``: a
+    watcher in the namespace remounts it read-only as soon as a committed checkpoint (its manifest) is there, and
+    gives up when the job ends."""
+    mount = 'mount -t tmpfs -o size="$1"m tmpfs "$2" || exit 1; dir="$2"; shift 2; '
+    if read_only:
+        mount += (f'job=$$; {{ until ls "$dir"/*/step-*/{checkpoint.MANIFEST} >/dev/null 2>&1; do '
+                  'kill -0 $job 2>/dev/null || exit 0; sleep 0.1; done; mount -o remount,ro "$dir"; } & ')  # fmt: skip
+    mount += 'exec "$@"'
     return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, "sh", str(mib), str(folder), *command]
 
 
@@ -394,7 +427,7 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
         client = MlflowClient(store)
         (run,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
         overrides = [*overrides, f"train.resume_from={workdir / 'checkpoints' / run.info.run_id}"]
-    done, store = run_ftlab(overrides, workdir, cache, mark, scenario.disk_mib)
+    done, store = run_ftlab(overrides, workdir, cache, mark, scenario.disk_mib, read_only=scenario.read_only)
     time.sleep(1.0)  # processes ended by the job's shutdown finish dying
     if done.returncode != 0:
         problems.append(f"exit {done.returncode}: {done.stderr.strip()[-600:]}")
@@ -412,7 +445,7 @@ def check(scenario: Scenario, root: Path, twins: dict[str, dict[int, float]], ca
             problems.append(f"losses differ from the fault-free twin at steps {wrong[:5]}")
         problems += lost_step_problems(events, scenario.every)
         if scenario.disk_mib is not None and not any(e["kind"] == "save_failed" for e in events):
-            problems.append(f"the small disk ({scenario.disk_mib} MiB) refused no save")
+            problems.append(f"the small disk ({scenario.describe_disk()}) refused no save")
     problems += [f"{what} left behind: {found}" for what, found in leftover_problems(done, mark) if found]
     if killed is not None and (memories := shm_segments(killed.args[-1])):
         problems.append(f"the killed coordinator's node memories left behind: {memories}")
@@ -456,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     for index in indices:
         scenario = draw(args.seed, index)
         outcome = check(scenario, root, twins, cache)
-        disk = f" (checkpoints on a {scenario.disk_mib} MiB disk)" if scenario.disk_mib is not None else ""
+        disk = f" (checkpoints on a {scenario.describe_disk()})" if scenario.disk_mib is not None else ""
         disk += f" (coordinator killed before step {scenario.kill_at})" if scenario.kill_at is not None else ""
         print(f"{'PASS' if outcome.ok else 'FAIL'} scenario {index} ({outcome.seconds:.0f} s): {scenario.command()}{disk}",
               flush=True)  # fmt: skip

@@ -3,6 +3,9 @@ slice of them passes every check on real processes."""
 
 from __future__ import annotations
 
+import errno
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +49,33 @@ def test_a_small_disk_holds_the_first_checkpoint_and_refuses_the_second() -> Non
     assert one < scenario.disk_mib * MIB < 2 * one
     assert cfg.protection.name == "storage" and cfg.protection.allow_low_space
     assert cfg.protection.max_failed_saves >= cfg.train.steps  # every save but the first may fail: the job goes on
+
+
+WRITES_UNTIL_REFUSED = """
+import pathlib, sys, time
+disk = pathlib.Path(sys.argv[1])
+(disk / "run" / "step-000002").mkdir(parents=True)
+(disk / "run" / "step-000002" / "manifest.json").write_text("{}")
+for _ in range(600):  # until the watcher has remounted the disk (it looks every 0.1 s)
+    try:
+        (disk / "run" / "later").write_text("x")
+    except OSError as refused:
+        print(refused.errno)
+        break
+    time.sleep(0.05)
+"""
+
+
+def test_a_read_only_disk_refuses_writes_once_a_checkpoint_is_committed(tmp_path: Path) -> None:
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("this kernel lets no unprivileged user create a mount namespace")
+    drawn = [soak.draw(2026, i) for i in range(40)]
+    assert any(s.read_only for s in drawn) and any(s.disk_mib and not s.read_only for s in drawn), "both are drawn"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = soak.on_small_disk([sys.executable, "-c", WRITES_UNTIL_REFUSED, str(disk)], disk, 4, read_only=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == str(errno.EROFS), done.stderr
 
 
 def test_a_coordinator_is_killed_only_after_a_checkpoint_that_outlives_it() -> None:
