@@ -426,7 +426,10 @@ class Preflight:
     faults: list[FaultEvent]
     make_job: Callable[[Membership], Job]
     beyond: list[FaultEvent] = field(default_factory=list)
-    """Generated or replayed faults at steps the job never runs: warned of, not fired."""
+    """Faults at steps the job never runs (generated or replayed ones past its end, any before a resumed job's
+    first step): warned of, not fired."""
+    first_step: int = 0
+    """The step the job starts at: 0, or a resumed job's checkpoint."""
     backend: str = ""
     """gloo or nccl (real processes only); with agents on other hosts, as requested (auto too) until they report
     their GPUs."""
@@ -446,7 +449,7 @@ def check_job(cfg: JobConfig) -> Preflight:
     first_step = start.step if start is not None else 0
     faults = check_reach(cfg.faults, scheduled, first_step, cfg.train.steps)
     beyond = beyond_job(scheduled, first_step, cfg.train.steps)
-    return Preflight(policy, protection, decision, faults, make_job, beyond)
+    return Preflight(policy, protection, decision, faults, make_job, beyond, first_step=first_step)
 
 
 def preflight(cfg: JobConfig) -> Preflight:
@@ -687,8 +690,16 @@ def record_checks(cfg: JobConfig, tracker: Tracker | None, seen: Observers, chec
     if tracker is not None:
         for key, value in checked.protection.describe().items():
             tracker.set_tag(f"protection.{key}", value)
-    beyond = [(fault, f"the job runs steps before {cfg.train.steps} only (train.steps)") for fault in checked.beyond]
-    _warn_unfired(seen.bus, beyond, at)
+    _warn_unfired(seen.bus, [(fault, _beyond_reason(fault, checked.first_step, cfg.train.steps))
+                             for fault in checked.beyond], at)  # fmt: skip
+
+
+def _beyond_reason(fault: FaultEvent, first_step: int, steps: int) -> str:
+    if (fault.at_step or 0) >= steps:
+        return f"the job runs steps before {steps} only (train.steps)"
+    return f"the job resumes at step {first_step} (train.resume_from): the job it resumes ran the steps before"
+
+
 @dataclass
 class _Collector:
     """What the job's result and summary need from the event stream."""

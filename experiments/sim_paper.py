@@ -44,8 +44,8 @@ from the paper's Table 4 rather than from the storage servers' NVMe (see there);
 
 **Oobleck's Figure 10** (Section 7.3): the same models, cluster and batches under the spot traces ``p3`` and ``scale_gcp``
 replayed for 12 hours, nodes leaving and joining, each preemption announced ``GRACE_S`` before its kill (Varuna and
-checkpoint-restart checkpoint then, Section 7.3's "preemption grace period"). The coordinator heeds a warning at the
-next iteration boundary, so the checkpoint is lost with the node when the iteration in flight or the write outlasts the
+checkpoint-restart checkpoint then, Section 7.3's "preemption grace period"). They hear a warning at once and give
+the iteration in flight up for the save, so the checkpoint is lost with the node only when the write outlasts the
 grace (at ``OOBLECK_IO``'s 0.28 GB/s, 6.7B's 82 GB take 290 s). The paper gives no figures in its text, only
 orderings (Oobleck ahead of Varuna ahead of Bamboo) and collapses (Bamboo runs no GPT-3 model, Varuna makes no progress
 on GPT-3 6.7B): those are the published cells.

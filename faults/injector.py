@@ -10,8 +10,11 @@
   after its workers have registered (``Backend.joined``). "Joins at step k" means "starts at step k", as a
   replacement node on a real cluster boots for minutes beside the job it joins.
 - A warned preemption (``warning_s``) is announced when it fires (``PreemptionWarned``; the coordinator asks the
-  policy at the next iteration boundary) and the node is killed ``warning_s`` later on the backend's clock, from a
-  timer (the simulator's own timers where it has them), whatever the policy did meanwhile.
+  policy at the next iteration boundary, or at once for a policy that heeds warnings at once) and the node is killed
+  ``warning_s`` later on the backend's clock, from a timer (the simulator's own timers where it has them), whatever
+  the policy did meanwhile.
+- A hang with ``for_s`` (a stall) resumes its worker ``for_s`` after it stopped it, from a timer like a warned
+  preemption's kill; a worker fenced meanwhile stays dead.
 - Step events with a phase are armed on the target worker, which stops at the start of that phase and reports it;
   the injector then kills it there. So "kill a node during the gradient reduction of step 7" happens exactly then,
   which tests need. Arms are sent again after every configuration, since restarted workers are new processes.
@@ -59,8 +62,8 @@ class Injector:
         self._armed: dict[int, FaultEvent] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._grace: list[threading.Timer] = []
-        """The kills of warned preemptions, pending on the wall clock."""
+        self._timers: list[threading.Timer] = []
+        """The kills of warned preemptions and the ends of stalls, pending on the wall clock."""
         self._thread: threading.Thread | None = None
         bus.subscribe(self.on_event)
 
@@ -112,7 +115,7 @@ class Injector:
 
     def stop(self) -> None:
         self._stop.set()
-        for timer in self._grace:
+        for timer in self._timers:
             timer.cancel()
 
     def pending(self) -> list[FaultEvent]:
@@ -139,18 +142,18 @@ class Injector:
             self.bus.publish(ev.FaultSkipped(at=self.clock(), fault=fault.to_dict(), reason="node already dead"))
             return
         at, grace = self.clock(), fault.warning_s or 0.0
-
-        def kill() -> None:
-            self.bus.publish(self._cause(fault))
-
-        if self.schedule is not None:
-            self.schedule(at + grace, kill)
-        else:
-            timer = threading.Timer(grace, kill)
-            timer.daemon = True
-            self._grace.append(timer)
-            timer.start()
+        self._later(at + grace, lambda: self.bus.publish(self._cause(fault)))
         self.bus.publish(ev.PreemptionWarned(at=at, fault=fault.to_dict(), nodes=(fault.node,), grace_s=grace))
+
+    def _later(self, at: float, action: Callable[[], None]) -> None:
+        """Run ``action`` at ``at`` on the backend's clock: on its own timers where it has them, else the wall's."""
+        if self.schedule is not None:
+            self.schedule(at, action)
+            return
+        timer = threading.Timer(max(0.0, at - self.clock()), action)
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
 
     def _cause(self, fault: FaultEvent) -> ev.Event:
         with self._lock:
@@ -171,6 +174,8 @@ class Injector:
             at = self.clock()
             if fault.kind == "hang":
                 self.target.hang_worker(worker)
+                if fault.for_s is not None:
+                    self._later(at + fault.for_s, lambda: self.target.resume_worker(worker))
             else:
                 self.target.kill_worker(worker)
             return self._injected(at, fault, (worker,))

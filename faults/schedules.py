@@ -4,8 +4,9 @@ The injector fires the events; this module only decides what happens, to whom, a
 ``build_schedule``, before any worker starts, and every ``FaultConfigError`` says what to change.
 
 Kinds. ``node`` kills a node's agent and all its workers (its host memory is lost); ``process`` kills one worker;
-``hang`` stops one worker (SIGSTOP); ``join`` starts a new node. ``process`` and ``hang`` leave the node alive as far
-as the schedule is concerned: what becomes of the worker is the policy's business.
+``hang`` stops one worker (SIGSTOP), for good or, with ``for_s``, for that many seconds (a stall: a long pause, a
+frozen link); ``join`` starts a new node. ``process`` and ``hang`` leave the node alive as far as the schedule is
+concerned: what becomes of the worker is the policy's business.
 
 Clocks. An event fires when the job reaches a training step (``at_step``, optionally in one ``phase`` of it) or a
 number of seconds after training starts (``at_time_s``). Steps and seconds cannot be ordered against each other
@@ -140,6 +141,10 @@ class FaultEvent:
     warning_s: float | None = None
     """A node fault only: a preemption notice at the firing point, the kill this many seconds later (a spot
     instance's grace period), whatever the policy does meanwhile."""
+    for_s: float | None = None
+    """A hang only: the worker resumes (SIGCONT) this many seconds later. A stall shorter than
+    ``cluster.heartbeat_timeout_s`` is never taken for a hang; one longer than ``cluster.comm_timeout_s`` fails the
+    operations its peers wait in, with no death to explain it (the backend then fences a failed worker)."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -172,6 +177,12 @@ class FaultEvent:
             if self.phase is not None:
                 raise FaultConfigError(f"a warned preemption is killed warning_s={self.warning_s:g} s after its "
                                        f"notice, not in a phase: remove phase {self.phase!r} or warning_s")  # fmt: skip
+        if self.for_s is not None:
+            if self.kind != "hang":
+                raise FaultConfigError(f"for_s is how long a hang lasts: a {self.kind} fault has no duration; remove "
+                                       f"for_s or use kind: hang")  # fmt: skip
+            if not (math.isfinite(self.for_s) and self.for_s > 0):
+                raise FaultConfigError(f"for_s {self.for_s} must be a finite number of seconds > 0")
 
     @property
     def when(self) -> str:
@@ -196,6 +207,7 @@ class FaultEventConfig:
     at_time_s: float | None = None
     phase: str | None = None
     warning_s: float | None = None
+    for_s: float | None = None
 
 
 @dataclass
@@ -419,7 +431,7 @@ def _explicit(cfg: FaultsConfig, cluster: ClusterShape) -> list[FaultEvent]:
     events = []
     for i, e in enumerate(cfg.events):
         try:
-            events.append(FaultEvent(e.kind, e.node, e.worker, e.at_step, e.at_time_s, e.phase, e.warning_s))
+            events.append(FaultEvent(e.kind, e.node, e.worker, e.at_step, e.at_time_s, e.phase, e.warning_s, e.for_s))
         except FaultConfigError as err:
             raise FaultConfigError(f"faults.events[{i}]: {err}") from err
     if len({e.at_step is None for e in events}) > 1:
@@ -721,14 +733,17 @@ def beyond_job(events: list[FaultEvent], first_step: int, steps: int) -> list[Fa
 
 
 def check_reach(cfg: FaultsConfig, events: list[FaultEvent], first_step: int, steps: int) -> list[FaultEvent]:
-    """The events of ``cfg`` that the job can reach. An explicit event it cannot is an error (the user named that
-    step); a generated or replayed one is dropped, and the caller warns of it (see ``beyond_job``)."""
+    """The events of ``cfg`` that the job can reach. An explicit event at or after ``steps`` is an error (the user
+    named a step the job never runs); a generated or replayed one is dropped, and so is any event before a resumed
+    job's ``first_step`` (the job it resumes ran those steps, with their faults): the caller warns of both (see
+    ``beyond_job``)."""
     beyond = beyond_job(events, first_step, steps)
-    if beyond and cfg.schedule == "explicit":
-        what = ", ".join(f"the {e.kind} fault at {e.when}" for e in beyond)
+    late = [e for e in beyond if (e.at_step or 0) >= steps]
+    if late and cfg.schedule == "explicit":
+        what = ", ".join(f"the {e.kind} fault at {e.when}" for e in late)
         raise FaultConfigError(
             f"{what} cannot fire: the job runs steps {first_step} to {steps - 1} (train.steps={steps}); move "
-            f"{'it' if len(beyond) == 1 else 'them'} into that range or raise train.steps"
+            f"{'it' if len(late) == 1 else 'them'} into that range or raise train.steps"
         )
     return [e for e in events if e not in beyond]
 

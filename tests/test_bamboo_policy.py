@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from ftlab.experiments.job import JobResult, check_job, compose_config
 from ftlab.experiments.simulate import simulate_job
 from ftlab.policies.bamboo import redundancy as rc
+from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.contract import ConfigError
 from ftlab.runtime.core.program_check import check_programs
@@ -65,6 +66,18 @@ def test_a_first_stage_of_a_deeper_pipeline_has_no_copy_and_restarts(job_overrid
     result = simulate(job_overrides, node(3, 5, "backward"), stages=3)
     assert 3 not in rc.copies_of(result.plans[1]), "the first stage of (3, 4, 5) has no copy"
     assert result.faults[0].lost_steps == 2, "restarted from the checkpoint of step 3"
+
+
+def test_a_stage_lost_with_its_copy_before_the_first_checkpoint_restarts_from_scratch(job_overrides: list[str]) -> None:
+    # Nodes 2 and 3 hold a stage and the copy of it, and die together before step 3's checkpoint: as
+    # checkpoint-restart does, Bamboo restarts from step 0 (fewer steps lost than the interval), not a stop.
+    result = simulate(job_overrides, node(2, 2, "backward"), node(3, 2, "backward"))
+    assert [(p.step, [q.workers for q in p.pipelines]) for p in result.plans][2] == (0, [(0, 1), (4, 5)])
+    assert {f.lost_steps for f in result.faults} == {2} and [s.step for s in result.steps] == [0, 1, *range(10)]
+    with pytest.raises(JobStopped, match="protection=none keeps no saved state"):
+        unprotected = [o for o in JOB if not o.startswith("protection")]
+        simulate_job(compose_config([*job_overrides, *unprotected, "protection=none",
+                                     *explicit(node(2, 2, "backward"), node(3, 2, "backward"))]))  # fmt: skip
 
 
 def refused(job_overrides: list[str], *overrides: str) -> str:

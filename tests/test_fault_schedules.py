@@ -311,6 +311,8 @@ INVALID: list[tuple[str, FaultsConfig, ClusterShape, str]] = [
      "worker 2, but nodes have 2 workers; use a worker index from 0 to 1"),
     ("worker missing", explicit(E("hang", 1, at_step=1)), FOUR, "a hang fault hits one worker; set worker"),
     ("worker on a node fault", explicit(E("node", 1, worker=0, at_step=1)), FOUR, r"remove worker \(0\)"),
+    ("stall of a node", explicit(E("node", 1, at_step=1, for_s=5.0)), FOUR, "a node fault has no duration; remove for_s"),
+    ("stall of no time", explicit(E("hang", 1, worker=0, at_step=1, for_s=0.0)), FOUR, "for_s 0.0 must be .* > 0"),
     ("negative node", explicit(E("node", -1, at_step=1)), FOUR, "node -1 is negative"),
     ("both clocks", explicit(E("node", 1, at_step=1, at_time_s=1.0)), FOUR, "set exactly one of at_step"),
     ("no clock", explicit(E("node", 1)), FOUR, "set exactly one of at_step"),
@@ -481,6 +483,14 @@ def test_generated_faults_past_the_job_are_dropped_for_a_warning() -> None:
     assert [e.at_step for e in check_reach(cfg, events, 0, 25)] == [10, 20]
     assert [e.at_step for e in beyond_job(events, 0, 25)] == [30]
     assert [e.at_step for e in beyond_job(events, 15, 40)] == [10]  # a resumed job starts at step 15
+
+
+def test_explicit_faults_before_a_resumed_jobs_first_step_are_dropped_for_a_warning() -> None:
+    # The job it resumes ran those steps, with their faults: the same command line with train.resume_from must run.
+    cfg = explicit(E("node", 1, at_step=3), E("node", 2, at_step=12))
+    events = build_schedule(cfg, FOUR)
+    assert [e.at_step for e in check_reach(cfg, events, 8, 30)] == [12]
+    assert [e.at_step for e in beyond_job(events, 8, 30)] == [3]
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONF_DIR.glob("*.yaml") if p.stem != "none"))

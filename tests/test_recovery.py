@@ -98,6 +98,22 @@ def test_a_hung_worker_is_detected_fenced_and_recovered(run, tmp_path: Path, fau
     assert hung["workers"] == [3]
 
 
+def test_a_stall_that_fails_peers_with_no_death_gets_a_failed_worker_fenced(run, tmp_path: Path, fault_free: list[float]) -> None:  # noqa: ANN001
+    # Worker 3 stops for 6 s at step 4 and goes on: its peers' operations time out after 2 s and report failures that
+    # no death explains. Each failed worker waits for an abort that only a failure brings, so without a fence the job
+    # would wait for ever; the first to report is fenced once the heartbeat timeout passes, and the job recovers.
+    result = run(*COMMON, "cluster.comm_timeout_s=2", "cluster.heartbeat_timeout_s=12",
+                 *explicit("{kind: hang, node: 3, worker: 0, at_step: 4, for_s: 6}"))  # fmt: skip
+    assert committed_losses(result, STEPS) == pytest.approx(fault_free, rel=LOSS_RTOL)
+    events = events_of(result, tmp_path)
+    failed = [e for e in events if e["kind"] == "comm_error"]
+    fenced = [e for e in events if e["kind"] == "comm_error_fenced"]
+    assert failed and fenced, "the stall failed its peers' operations, and a failed worker was fenced"
+    assert fenced[0]["worker"] == failed[0]["worker"] and fenced[0]["waited_s"] >= 12
+    assert not any(e["kind"] == "hang_detected" for e in events), "a 6 s stall is no hang under a 12 s timeout"
+    assert any(e["kind"] == "failure_detected" and fenced[0]["worker"] in e["workers"] for e in events)
+
+
 def test_a_hang_and_a_node_loss_in_one_step_are_one_recovery(run, fault_free: list[float]) -> None:  # noqa: ANN001
     # The node's loss starts the abort; the hung worker never acknowledges it, and is found only at the heartbeat
     # timeout, after the others did. Their acknowledgements must outlive that interruption of the wait (seed

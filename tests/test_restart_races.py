@@ -71,15 +71,18 @@ def reached(holds: Path, point: str) -> int:
     return int(mark.read_text())
 
 
-def worker_processes(incarnation: int) -> list[int]:
-    """Live worker processes started as the given incarnation."""
+def worker_processes(cluster: LocalCluster, incarnation: int) -> list[int]:
+    """Live worker processes of ``cluster`` (by its control server's port: other jobs may run on this host) started
+    as the given incarnation."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             command = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"ftlab.runtime.processes.worker" in command and command[command.index(b"--incarnation") + 1] == str(incarnation).encode():
+        if (b"ftlab.runtime.processes.worker" in command
+                and command[command.index(b"--coordinator-port") + 1] == str(cluster.port).encode()
+                and command[command.index(b"--incarnation") + 1] == str(incarnation).encode()):  # fmt: skip
             found.append(int(entry.name))
     return found
 
@@ -101,7 +104,7 @@ def test_a_restart_interrupted_while_workers_start_leaves_no_process_to_register
     assert cluster.incarnation[0] == 2
     # Held before its Hello, the interrupted process has sent nothing: ended, it can never register.
     assert not _running(interrupted), "the interrupted start's process still runs"
-    assert worker_processes(incarnation=1) == []
+    assert worker_processes(cluster, incarnation=1) == []
     registered = cluster.worker_pids[0]
     assert registered == [first_pid, cluster.workers[0].pid], "a process of the interrupted start registered"
 

@@ -180,6 +180,29 @@ def test_a_hang_is_found_after_the_heartbeat_timeout(job_overrides: list[str]) -
     assert sorted({s.step for s in result.steps}) == list(range(STEPS))
 
 
+def test_a_stall_shorter_than_the_heartbeat_timeout_costs_its_length_and_fences_no_one(job_overrides: list[str]) -> None:
+    overrides = [*job_overrides, *RESTART, "cluster.heartbeat_timeout_s=7"]
+    plain = simulate(sim_cfg(overrides)).result
+    stalled = simulate(sim_cfg(overrides, *kills("{kind: hang, node: 2, worker: 0, at_step: 4, for_s: 5}"))).result
+    assert not stalled.faults[0].lost_steps and not any(isinstance(e, ev.HangDetected) for e in stalled.events)
+    assert [s.step for s in stalled.steps] == [s.step for s in plain.steps] == list(range(STEPS))
+    assert stalled.steps[4].iter_s == pytest.approx(plain.steps[4].iter_s + 5.0, rel=0.05)
+
+
+def test_oobleck_that_cannot_recover_in_place_before_its_first_checkpoint_restarts_from_scratch(job_overrides: list[str]) -> None:
+    # Four two-node pipelines lose every second stage at step 2 (f = 1): no replica of those layers survives, and the
+    # first checkpoint (step 3) is not written yet. A protection that keeps state restarts the four survivors from
+    # step 0; protection=none stops.
+    job = [*OOBLECK, "cluster.nodes=8", *kills(*(f"{{kind: node, node: {n}, at_step: 2}}" for n in (1, 3, 5, 7)))]
+    result = simulate(sim_cfg(job_overrides, *job, "protection=storage", "protection.every=3")).result
+    (restarted,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert restarted.outcome == "restart" and restarted.resume_step == 0 and "scratch (nothing saved" in restarted.reason
+    assert [p.workers for p in result.plans[-1].pipelines] == [(0, 2), (4, 6)]
+    assert sorted({s.step for s in result.steps}) == list(range(STEPS))
+    stopped = simulate(sim_cfg(job_overrides, *job, "protection=none")).result.stopped
+    assert stopped is not None and "keeps no saved state" in stopped
+
+
 def test_a_phase_fault_strikes_inside_its_step(job_overrides: list[str]) -> None:
     at = {}
     for phase in ("forward", "backward", "reduce"):

@@ -1,7 +1,7 @@
-"""Preemption warnings (``warning_s``): the schedule refuses what cannot be warned, the policy hears of the notice at
-an iteration boundary before the kill (varuna and checkpoint_restart checkpoint, the others go on), the kill comes
-when the warning said, and the run's events record both; on the simulator and on real processes, held to the
-fault-free trajectory."""
+"""Preemption warnings (``warning_s``): the schedule refuses what cannot be warned, the policy hears of the notice
+before the kill (varuna and checkpoint_restart at once, giving the iteration in flight up, and checkpoint; the others
+at the next iteration boundary, and go on), the kill comes when the warning said, and the run's events record both;
+on the simulator and on real processes, held to the fault-free trajectory."""
 
 from __future__ import annotations
 
@@ -80,6 +80,23 @@ def test_varuna_checkpoints_when_warned_and_restarts_from_it(job_overrides: list
     assert restored.step == heed.step, "the only checkpoint is the one taken when warned"
 
 
+def test_varuna_gives_up_an_iteration_longer_than_the_grace_period_to_checkpoint_before_the_kill(
+    job_overrides: list[str],
+) -> None:
+    # Iterations of several seconds against a 1 s grace period: the next iteration boundary comes after the kill, so
+    # Varuna hears the warning at once, gives the iteration up, saves step 4 and runs it again until the kill.
+    result = warned(job_overrides, "varuna", "train.global_batch=512")
+    assert min(s.iter_s for s in result.steps) > 1.0, "the iteration outlasts the grace period"
+    heed = heeded(result)
+    assert heed.step_given_up and heed.step == 4 and heed.actions == ("SaveCheckpoint",)
+    saved = next(e for e in result.events if isinstance(e, ev.StateSaved))
+    (kill,) = [e for e in result.events if isinstance(e, ev.FaultInjected)]
+    (restored,) = [e for e in result.events if isinstance(e, ev.StateRestored)]
+    assert saved.step == restored.step == 4 and saved.at < kill.at, "the checkpoint beat the kill"
+    assert result.faults[0].lost_steps == 0
+    assert [s.step for s in result.steps] == list(range(12))
+
+
 def test_a_policy_that_ignores_warnings_goes_on_until_the_kill(job_overrides: list[str]) -> None:
     result = warned(job_overrides, "elastic")
     heed = heeded(result)
@@ -100,3 +117,4 @@ def test_checkpoint_restart_warned_on_real_processes_stays_on_the_fault_free_tra
     heed = next(e for e in result.events if isinstance(e, ev.WarningHeeded))
     (restored,) = [e for e in result.events if isinstance(e, ev.StateRestored)]
     assert heed.actions == ("SaveCheckpoint",) and restored.step == heed.step
+    assert heed.step_given_up, "warned as step 3 began, it gave that iteration up to save at once"

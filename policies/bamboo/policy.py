@@ -123,8 +123,10 @@ class Bamboo(Policy):
         )
 
     def _restart(self, change: Change, job: Job, protection: Protection) -> Outcome:
+        """Restart from the protection's newest state; from scratch where it keeps state but has saved none yet (as
+        checkpoint-restart does: the steps lost are fewer than its interval), never where it keeps none."""
         source = protection.restore_source(change)
-        if source is None and change.step > 0:
-            return Stop(f"{change.describe()}: no live worker keeps a copy of every failed stage, and the protection "
-                        f"has no saved state to restart from")  # fmt: skip
+        if source is None and change.step > 0 and not protection.keeps_state:
+            return Stop(f"{change.describe()}: no live worker keeps a copy of every failed stage, and "
+                        f"protection={protection.name} keeps no saved state to restart from")  # fmt: skip
         return restart(job, change.generation, source, f"{change.describe()}: a failed stage has no live copy")

@@ -5,7 +5,8 @@ PP x DP grid those nodes allow and resumes from the newest saved state its prote
 or REFT's in-memory snapshot). The steps since that state are lost and recomputed; because the data order is a
 function of (seed, step) and every layout computes the same gradient, the recomputed losses repeat the fault-free
 run's step for step. A node that joins waits for the next restart (Varuna adds capacity only when it morphs).
-Warned of a preemption, it checkpoints the warned step at once (``policies.warnings``).
+Warned of a preemption, it checkpoints the committed step at once, giving the iteration in flight up
+(``heeds_warnings_at_once``, ``policies.warnings``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ftlab.runtime.core.contract import (
 
 class CheckpointRestart(Policy):
     roles = Roles(restarts=True, candidate="restart")
+    heeds_warnings_at_once = True  # it checkpoints when warned: mid-iteration, not after the kill
 
     def check(self, protection: Protection) -> None:
         if not protection.keeps_state:

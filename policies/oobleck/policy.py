@@ -166,17 +166,21 @@ class Oobleck(Policy):
                               transfers=transfers)  # fmt: skip
 
     def _restart(self, change: Change, job: Job, protection: Protection, generation: int, why: str) -> Outcome:
+        """Restart from the protection's newest state; from scratch where it keeps state but has saved none yet (the
+        steps lost are fewer than its interval), never where it keeps none and steps were committed."""
         source: Source | None = protection.restore_source(change)
-        if source is None:
-            return Stop(f"Oobleck {why}, and protection={protection.name} holds no saved state to restart from")
+        if source is None and change.step > 0 and not protection.keeps_state:
+            return Stop(f"Oobleck {why}, and protection={protection.name} keeps no saved state to restart from")
         nodes = sorted(job.slots_of_node)
+        step = source.step if source else 0
         try:
             counts = instantiate(self.templates, len(nodes), max_pipelines=job.train.global_batch // job.train.micro_batch)
             pipelines = tuple(assign_nodes(self.templates, counts, nodes))
-            plan = self._plan(pipelines, job.slots_of_node, job, generation, source.step)
+            plan = self._plan(pipelines, job.slots_of_node, job, generation, step)
         except (InstantiationError, PlanError) as exc:
             return Stop(f"Oobleck {why}, and the {len(nodes)} live nodes cannot restart either: {exc}")
-        reason = f"{change.describe()}: {why}; restart on {len(nodes)} nodes from {source.kind} of step {source.step}"
+        where = f"{source.kind} of step {step}" if source else "scratch (nothing saved yet)"
+        reason = f"{change.describe()}: {why}; restart on {len(nodes)} nodes from {where}"
         return self._decision(plan, pipelines, reason, restart=True, restore=source)
 
 

@@ -27,8 +27,11 @@ Where the papers leave it open, this module chooses:
   lets a joined node wait for the next failure.
 - **Checkpoints**: the protection's (``protection=storage``: every ``every`` steps or ``every_s`` seconds);
   Oobleck's evaluation checkpoints Varuna every 10 iterations.
-- **Preemption warnings**: Varuna checkpoints the warned step at once (``policies.warnings``), and restarts from it
-  when the kill comes, if the checkpoint completed within the grace period.
+- **Preemption warnings**: Varuna checkpoints the committed step as the warning comes, giving up the iteration in
+  flight (``heeds_warnings_at_once``; ``policies.warnings``), and restarts from it when the kill comes, if the
+  checkpoint completed within the grace period. Oobleck's paper has Varuna checkpoint ahead of preemptions on its
+  spot traces (its Appendix C); waiting for the iteration boundary would miss the grace period whenever an
+  iteration outlasts it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ftlab.runtime.core.plan import PlanError
 
 class Varuna(Policy):
     roles = Roles(restarts=True)
+    heeds_warnings_at_once = True  # it checkpoints when warned: mid-iteration, not after the kill
 
     def check(self, protection: Protection) -> None:
         if not protection.keeps_state:

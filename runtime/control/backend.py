@@ -11,7 +11,7 @@ as plain control flow: ``result = backend.finish_step(...)``, then ``if isinstan
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ftlab.runtime.control.update import Piece, Update
@@ -65,6 +65,12 @@ class StepReport:
     grad_sq: dict[Piece, float] | None = None
     """The squared L2 norm of the reduced gradient of each piece of the model (``runtime.control.update``), where
     the job clips or runs fp16; None where nobody computes them (not asked for, or the simulator)."""
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """``finish_step``'s wait ended because the coordinator asked (``interrupted`` answered True): the step is
+    neither done nor failed, and its caller aborts it."""
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,12 @@ class Backend(ABC):
         loss multiplied by ``loss_scale`` before the backward (fp16)."""
 
     @abstractmethod
-    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
-        """Wait until every worker has reduced its gradients and is ready to commit."""
+    def finish_step(
+        self, plan: Plan, step: int, interrupted: Callable[[], bool] = lambda: False
+    ) -> StepReport | Failure | Interrupted:
+        """Wait until every worker has reduced its gradients and is ready to commit; ``interrupted`` is asked as
+        the wait goes on (from the thread that waits, on the backend's clock), and the wait ends as soon as it
+        answers True (a preemption warning a policy acts on at once)."""
 
     @abstractmethod
     def commit(self, plan: Plan, step: int, update: Update = Update()) -> None:
@@ -214,6 +224,10 @@ class FaultTarget(ABC):
     @abstractmethod
     def hang_worker(self, worker: int) -> None:
         """The worker stops responding (and stops heartbeating) without dying."""
+
+    @abstractmethod
+    def resume_worker(self, worker: int) -> None:
+        """A hung worker goes on where it stopped; nothing, if it was fenced (killed) meanwhile."""
 
     @abstractmethod
     def start_node(self, node: int) -> None:

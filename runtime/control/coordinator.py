@@ -15,21 +15,26 @@ as events (``runtime.control.events``).
 The update itself (the global gradient norm, clipping, fp16's loss scale) is decided between Ready and Commit by the
 job's ``UpdateRule`` (``runtime.control.update``) and travels in the Commit, so it is part of the two-phase commit:
 a decision that resumes from a committed step rewinds the rule to that step.
+
+Preemption warnings are heard at the next iteration boundary, or at once by a policy that says so
+(``Policy.heeds_warnings_at_once``: it saves when warned, and the boundary may come after the kill): the iteration
+in flight is then given up, the saves made, and the same plan goes on in a new generation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 from ftlab.runtime.control import events as ev
-from ftlab.runtime.control.backend import Backend, Failure, Membership
+from ftlab.runtime.control.backend import Backend, Failure, Interrupted, Membership
 from ftlab.runtime.control.update import StepNumerics, UpdateRule, UpdateStopped
 from ftlab.runtime.core.contract import (
     Action, Change, Decision, Job, Keep, Outcome, Policy, PreemptionWarning, Protection, SaveCheckpoint, Stop,
 )  # fmt: skip
+from ftlab.runtime.core.instructions import Program
 from ftlab.runtime.core.plan import Plan
 from ftlab.runtime.core.scheduler import transfer_programs
 
@@ -69,6 +74,8 @@ class Coordinator:
         self._warned: list[ev.PreemptionWarned] = []
         """Preemption notices the policy has not seen yet (the injector's thread adds them)."""
         self._warned_lock = threading.Lock()
+        self._programs: Mapping[int, Program] = {}
+        """The confirmed plan's programs: what it runs again in a new generation (``_heed_at_once``)."""
         bus.subscribe(self._on_warning)
 
     def _on_warning(self, event: ev.Event) -> None:
@@ -118,6 +125,7 @@ class Coordinator:
                           reason=restore.reason, seconds=report.restore_s, nbytes=report.restored_bytes,
                           generation=plan.generation)  # fmt: skip
         self.confirmed = plan
+        self._programs = decision.programs
         self._publish(ev.PlanConfigured, generation=plan.generation, step=plan.step,
                       pipelines=len(plan.pipelines), plan=plan)  # fmt: skip
         return None
@@ -144,9 +152,11 @@ class Coordinator:
             self.backend.begin_step(plan, step, rule.loss_scale(step) if rule else 1.0)
             self._report(unreported)
             unreported = None
-            result = self.backend.finish_step(plan, step)
+            result = self.backend.finish_step(plan, step, self._warned_now)
             if isinstance(result, Failure):
                 return self._recover(result, plan, step)
+            if isinstance(result, Interrupted):
+                return self._heed_at_once(plan, step)
             self._absorb_saves()
             numerics = self._commit(plan, step, result.grad_sq)
             step += 1
@@ -167,9 +177,27 @@ class Coordinator:
         self._report(unreported)
         return None, step
 
-    def _heed_warnings(self, plan: Plan, step: int) -> Failure | None:
-        """At an iteration boundary: ask the policy about each preemption warned since the last one and carry out
-        the saves it asks for (the kill comes when the warning said, whatever they are)."""
+    def _warned_now(self) -> bool:
+        """Whether a preemption was warned that the policy hears as it comes (``Policy.heeds_warnings_at_once``)."""
+        return self.policy.heeds_warnings_at_once and bool(self._warned)
+
+    def _heed_at_once(self, plan: Plan, step: int) -> tuple[Decision, int]:
+        """A warning came during step ``step`` to a policy that hears it at once: give the iteration up (nothing of
+        it is committed, so the state to save is the same), carry out the saves the policy asks for, and go on with
+        the same plan in a new generation, the abort having ended this one's groups."""
+        failure = Failure()
+        self.backend.abort(plan, failure, step)  # members that die meanwhile are folded into it
+        self._absorb_saves()
+        failure = failure or self._heed_warnings(plan, step, given_up=True)
+        if failure:
+            return self._recover(failure, plan, step)
+        again = dataclasses.replace(plan, generation=self.tried + 1, step=step)
+        return Decision(again, self._programs, reason=f"step {step} given up to save before a preemption"), step
+
+    def _heed_warnings(self, plan: Plan, step: int, given_up: bool = False) -> Failure | None:
+        """At an iteration boundary (or with the iteration ``given_up`` for them): ask the policy about each
+        preemption warned since the last time and carry out the saves it asks for (the kill comes when the warning
+        said, whatever they are)."""
         with self._warned_lock:
             warned, self._warned = self._warned, []
         for notice in warned:
@@ -177,7 +205,8 @@ class Coordinator:
             warning = PreemptionWarning(plan, step, notice.nodes, notice.grace_s, left)
             heed = self.policy.on_warning(warning, self.job(), self.protection)
             self._publish(ev.WarningHeeded, policy=self.policy.name, nodes=notice.nodes, step=step, left_s=left,
-                          actions=tuple(type(a).__name__ for a in heed.actions), reason=heed.reason)  # fmt: skip
+                          actions=tuple(type(a).__name__ for a in heed.actions), reason=heed.reason,
+                          step_given_up=given_up)  # fmt: skip
             for action in heed.actions:
                 failure = self._save(step, action, first_holders(plan), plan.num_layers)
                 if failure:

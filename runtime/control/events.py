@@ -105,8 +105,9 @@ class PreemptionWarned(Event):
 
 @dataclass(frozen=True)
 class WarningHeeded(Event):
-    """What the policy did about a preemption warning, at the iteration boundary it saw it (``Policy.on_warning``):
-    the actions it asked for (``save`` for a checkpoint) and why; ``left_s`` of the grace period remained then."""
+    """What the policy did about a preemption warning, at the iteration boundary it saw it or with the iteration in
+    flight given up for it (``step_given_up``, ``Policy.heeds_warnings_at_once``): the actions it asked for
+    (``save`` for a checkpoint) and why; ``left_s`` of the grace period remained then."""
 
     kind: ClassVar[str] = "warning_decision"
     policy: str
@@ -115,6 +116,7 @@ class WarningHeeded(Event):
     left_s: float
     actions: tuple[str, ...]
     reason: str
+    step_given_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,18 @@ class CommError(Event):
     kind: ClassVar[str] = "comm_error"
     worker: int
     error: str
+
+
+@dataclass(frozen=True)
+class CommErrorFenced(Event):
+    """A worker's operation failed and no death explained it within ``cluster.heartbeat_timeout_s`` (a peer that
+    stalled past ``cluster.comm_timeout_s``, a link that dropped): the worker was fenced (killed), so that the job
+    recovers from its death instead of waiting for ever for a worker that waits for an abort."""
+
+    kind: ClassVar[str] = "comm_error_fenced"
+    worker: int
+    error: str
+    waited_s: float
 
 
 @dataclass(frozen=True)

@@ -143,9 +143,9 @@ class Change:
 
 @dataclass(frozen=True)
 class PreemptionWarning:
-    """A preemption notice (a spot instance's grace period), seen at an iteration boundary: ``nodes`` are killed
-    ``grace_s`` seconds after the notice, on the backend's clock, whatever the policy does; ``left_s`` of it remain
-    now. The policy may act first (``Policy.on_warning``)."""
+    """A preemption notice (a spot instance's grace period), seen by the policy between iterations: ``nodes`` are
+    killed ``grace_s`` seconds after the notice, on the backend's clock, whatever the policy does; ``left_s`` of it
+    remain now. The policy may act first (``Policy.on_warning``)."""
 
     plan: Plan
     """The running plan."""
@@ -431,6 +431,10 @@ class Policy(ABC):
     moves_layers: ClassVar[bool] = False
     """Copies layers with their optimizer state between live workers (in place), which ZeRO-1 (train.zero=1)
     splits across replicas: such a policy cannot run with it."""
+    heeds_warnings_at_once: ClassVar[bool] = False
+    """Hears a preemption warning as it comes, the iteration in flight given up, not at the next iteration boundary,
+    which may come after the kill: for a policy that saves when warned. Until the iteration commits, every worker
+    holds the committed step's state, so the save holds the same either way; the iteration is run again after it."""
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
@@ -457,7 +461,8 @@ class Policy(ABC):
 
     def on_warning(self, warning: PreemptionWarning, job: Job, protection: Protection) -> Heed:
         """What to do before a warned preemption: a ``Heed`` whose actions are carried out at once (the kill comes
-        when the warning said, whatever they are). The default ignores it: the failure is handled when it comes."""
+        when the warning said, whatever they are), at the iteration boundary it is heard at (or mid-iteration,
+        ``heeds_warnings_at_once``). The default ignores it: the failure is handled when it comes."""
         return Heed("this policy does not act on preemption warnings")
 
     def review(self, change: Change, job: Job, protection: Protection) -> Decision | Keep:

@@ -11,7 +11,10 @@ flight blocks for the whole timeout. Hence:
 - an abort comes from the worker's abort thread, which calls ``interrupt``: it closes every connection of the
   generation on purpose (a receive with a 1 ms timeout from each peer, whose timeout closes that pair), so any wait
   in the main thread fails at once, on this worker and on the peers waiting for it;
-- a generation that was aborted is never destroyed, only dropped into ``_RETIRED``.
+- a generation that was aborted is never destroyed, only dropped into ``_RETIRED``;
+- a group is built once every member has arrived at its rendezvous, waited for in short polls that ask whether the
+  generation was aborted meanwhile (``_arrive``): a member that died before it arrived would leave the others in the
+  store's wait for the whole timeout, where no abort reaches them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -33,6 +37,7 @@ _AOR_TAG = 7
 # No message is ever sent with this tag: a receive on it only exists to time out and close its connection.
 _INTERRUPT_TAG = 1 << 30
 _INTERRUPT_TIMEOUT = datetime.timedelta(milliseconds=1)
+_ARRIVAL_POLL = datetime.timedelta(milliseconds=200)
 
 
 class Aborted(Exception):
@@ -53,6 +58,23 @@ def _close_connections(group: dist.ProcessGroup, rank: int, size: int) -> None:
     for probe in probes:
         with contextlib.suppress(RuntimeError):  # the timeout, which is the point
             probe.wait(_INTERRUPT_TIMEOUT)
+
+
+def _arrive(store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float, aborted: Callable[[], bool]) -> None:
+    """Wait until every member of the group ``prefix`` has arrived; Aborted as soon as ``aborted`` says so, CommError
+    after ``timeout_s`` (a member that never came)."""
+    arrivals = dist.PrefixStore(f"{prefix}/arrived", store)
+    arrivals.set(str(rank), b"1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if aborted():
+            raise Aborted()
+        try:
+            arrivals.wait([str(r) for r in range(size)], _ARRIVAL_POLL)
+            return
+        except RuntimeError as exc:  # the poll timed out (DistStoreError), or the store is gone
+            if time.monotonic() > deadline:
+                raise CommError(f"the members of {prefix} did not all arrive within {timeout_s:g} s: {exc}") from exc
 
 
 def _new_group(
@@ -105,11 +127,14 @@ class GenerationComm:
         helpers: Iterable[int] = (),
         host_addr: str | None = None,
         device: torch.device | None = None,
+        abort_requested: Callable[[], bool] = lambda: False,
     ) -> None:
         """``helpers``: live workers outside the plan that join the generation's world group (after the plan's
         workers, in order) to send what only their node holds, e.g. snapshot records after a restart.
         ``host_addr``: the address of this worker's node, which its peers connect to (``_new_group``).
-        ``device``: where buffers and received tensors are placed (the worker's own GPU with NCCL)."""
+        ``device``: where buffers and received tensors are placed (the worker's own GPU with NCCL).
+        ``abort_requested``: whether the coordinator aborted this generation, asked while the groups wait for their
+        members (raises Aborted; CommError when a member never comes)."""
         self.plan = plan
         self.worker = worker
         self.aborted = threading.Event()
@@ -119,9 +144,15 @@ class GenerationComm:
         workers = (*plan.workers, *sorted(helpers))
         self._rank = {w: r for r, w in enumerate(workers)}
         generation = f"gen{plan.generation}"
-        self.world = _new_group(
-            store, f"{generation}/world", self._rank[worker], len(workers), backend, timeout_s, host_addr
-        )
+
+        def group(prefix: str, rank: int, size: int) -> dist.ProcessGroup:
+            _arrive(store, prefix, rank, size, timeout_s, abort_requested)
+            try:
+                return _new_group(store, prefix, rank, size, backend, timeout_s, host_addr)
+            except RuntimeError as exc:  # a member died between its arrival and its connections
+                raise CommError(f"{prefix}: {exc}") from exc
+
+        self.world = group(f"{generation}/world", self._rank[worker], len(workers))
         # (group, this worker's rank in it, its size) for every group, which ``interrupt`` closes.
         self._groups = [(self.world, self._rank[worker], len(workers))]
         # One group per distinct replica set; every member builds the groups in the same order.
@@ -131,11 +162,9 @@ class GenerationComm:
         for holders, layers in plan.reduction_groups():
             if worker in holders:
                 key = "-".join(map(str, holders))
-                group = _new_group(
-                    store, f"{generation}/reduce/{key}", holders.index(worker), len(holders), backend, timeout_s, host_addr
-                )
-                self.reduce_groups.append((layers, group))
-                self._groups.append((group, holders.index(worker), len(holders)))
+                reduce = group(f"{generation}/reduce/{key}", holders.index(worker), len(holders))
+                self.reduce_groups.append((layers, reduce))
+                self._groups.append((reduce, holders.index(worker), len(holders)))
                 self._member[layers] = holders.index(worker), len(holders)
         self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._buckets: dict[tuple[int, ...], tuple[torch.Tensor, dist.ProcessGroup]] = {}

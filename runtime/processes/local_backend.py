@@ -5,7 +5,9 @@ backend reads from the coordinator's thread: membership changes and step results
 happened, with no locks in the protocol. While it waits for one kind of message (Ready, Configured, ...), any sign of
 a death (a closed connection, an agent's report of a worker's exit, a heartbeat missed for
 ``heartbeat_timeout_s``) ends the wait with a ``Failure``; a short window then lets the rest of the failure arrive
-(a node's agent and workers report apart, and simultaneous kills should be one recovery).
+(a node's agent and workers report apart, and simultaneous kills should be one recovery). A worker that reports a
+failed operation (``Failed``) while no death explains it for ``heartbeat_timeout_s`` is fenced, as a hung one is:
+it waits for an abort that only a failure brings.
 
 Snapshots (``TakeSnapshot``) are asynchronous: ``save`` hands each writer its records and returns; each writer's
 ``Snapshotted`` report arrives later, among the other messages, and is passed on by ``completed_saves``. A restore
@@ -33,8 +35,8 @@ from ftlab.runtime.state import checkpoint
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.processes import messages as msg
 from ftlab.runtime.control.backend import (
-    Backend, ConfigureReport, Failure, FaultTarget, Membership, PendingSnapshot, SaveProgress, SaveReport, StepReport,
-    WorkerCrashed,
+    Backend, ConfigureReport, Failure, FaultTarget, Interrupted, Membership, PendingSnapshot, SaveProgress, SaveReport,
+    StepReport, WorkerCrashed,
 )  # fmt: skip
 from ftlab.runtime.processes.cluster import ClusterEvent, LocalCluster, NodeLost
 from ftlab.runtime.control.update import Update
@@ -139,9 +141,11 @@ class LocalBackend(Backend, FaultTarget):
         for worker in plan.workers:
             self.cluster.send(worker, msg.RunStep(step, loss_scale))
 
-    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
-        ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step)
-        if isinstance(ready, Failure):
+    def finish_step(
+        self, plan: Plan, step: int, interrupted: Callable[[], bool] = lambda: False
+    ) -> StepReport | Failure | Interrupted:
+        ready = self._collect(set(plan.workers), msg.Ready, lambda m: m.step == step, interrupted=interrupted)
+        if isinstance(ready, (Failure, Interrupted)):
             return ready
         snapshot = [r.snapshot_s for r in ready.values() if r.snapshot_s is not None]
         return StepReport(
@@ -317,6 +321,9 @@ class LocalBackend(Backend, FaultTarget):
     def hang_worker(self, worker: int) -> None:
         self.cluster.kill_worker(worker, signal.SIGSTOP)
 
+    def resume_worker(self, worker: int) -> None:
+        self.cluster.kill_worker(worker, signal.SIGCONT)
+
     def start_node(self, node: int) -> None:
         with self._joining_lock:
             self._joining[node] = self.clock()
@@ -328,17 +335,22 @@ class LocalBackend(Backend, FaultTarget):
     # -- waiting for messages ----------------------------------------------------------------------------------
     def _collect(
         self, expected: set[int], kind: type[M], accept: Callable[[M], bool], role: str = "worker",
-        got: dict[int, M] | None = None,
-    ) -> dict[int, M] | Failure:
-        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait.
+        got: dict[int, M] | None = None, interrupted: Callable[[], bool] = lambda: False,
+    ) -> dict[int, M] | Failure | Interrupted:
+        """One ``kind`` message from every expected worker (or agent), or the Failure that interrupted the wait, or
+        Interrupted once ``interrupted`` answers True (asked before every event and quiet poll).
         ``got``: the messages already received, which this wait adds to (and which outlive an interrupted one)."""
         got = {} if got is None else got
+        failed: dict[int, tuple[float, str]] = {}  # workers waited for that reported a failed operation instead
         while not expected <= got.keys():
+            if interrupted():
+                return Interrupted()
             failure = Failure()
             event = self._next_event(failure)
             if failure:
                 failure.merge(self._gather())
                 return failure
+            self._fence_unexplained(failed, expected - got.keys())
             if event is None:
                 continue
             message = event.message
@@ -346,7 +358,25 @@ class LocalBackend(Backend, FaultTarget):
                 got[event.ident] = message
             elif isinstance(message, msg.Failed):
                 self._publish(ev.CommError, worker=event.ident, error=message.error)
+                if event.role == role:
+                    failed.setdefault(event.ident, (self.clock(), message.error))
         return got
+
+    def _fence_unexplained(self, failed: dict[int, tuple[float, str]], awaited: set[int]) -> None:
+        """Fence the first worker whose failed operation no death has explained for ``heartbeat_timeout_s``, the
+        longest a death takes to be noticed. A worker that reports ``Failed`` waits for an abort, which only a failure
+        brings: with every member alive (a stall past ``comm_timeout_s``, a dropped link), the wait would never end.
+        Its death is the failure the job then recovers from, as from a hung worker's."""
+        waiting = {w: f for w, f in failed.items() if w in awaited}
+        if not waiting:
+            return
+        worker, (since, error) = min(waiting.items(), key=lambda item: item[1][0])
+        waited = self.clock() - since
+        if waited < self.heartbeat_timeout_s:
+            return
+        del failed[worker]
+        self._publish(ev.CommErrorFenced, worker=worker, error=error, waited_s=waited)
+        self.cluster.kill_worker(worker)  # its exit arrives as any death does, and ends the wait
 
     def _next_event(self, failure: Failure) -> ClusterEvent | None:
         """The next event, or None after a quiet poll; records failures it sees into ``failure``."""

@@ -196,10 +196,18 @@ class Worker:
             )
         if self.comm is not None:
             self.comm.retire()
-        comm = GenerationComm(
-            self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers,
-            self.host_addr, self.device,
-        )
+            with self._comm_lock:
+                self.comm = None
+        try:
+            comm = GenerationComm(
+                self.store, plan, self.worker, self.setup["backend"], self.setup["comm_timeout_s"], message.helpers,
+                self.host_addr, self.device, abort_requested=lambda: self._aborted_generation >= plan.generation,
+            )
+        except Aborted:
+            return  # the main loop acknowledges the Abort that follows
+        except CommError as exc:  # a member never came: its death is the coordinator's to notice
+            self.channel.send(msg.Failed(plan.step, str(exc)))
+            return
         with self._comm_lock:
             self.comm = comm
             if self._aborted_generation >= plan.generation:  # the Abort overtook this Configure

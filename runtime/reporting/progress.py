@@ -51,6 +51,8 @@ class ProgressLine:
                 self.announce(f"failure: nodes {list(event.nodes)} workers {list(event.workers)} at step {event.step}")
             case ev.HangDetected():
                 self.announce(f"worker {event.worker} hung: fenced")
+            case ev.CommErrorFenced():
+                self.announce(f"worker {event.worker} failed with no death to explain it: fenced ({event.error})")
             case ev.NodesJoined():
                 self.announce(f"nodes {list(event.nodes)} joined")
             case ev.Decided(outcome=outcome) if outcome != "keep":

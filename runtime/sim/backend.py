@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import (
-    Backend, ConfigureReport, Failure, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
+    Backend, ConfigureReport, Failure, Interrupted, Membership, SaveProgress, SaveReport, StepReport, WorkerCrashed,
 )
 from ftlab.runtime.control.update import Update
 from ftlab.runtime.core import instructions as ins
@@ -176,7 +176,8 @@ class SimBackend(Backend):
         started = self.time.now + self.memory.copying(needs)  # a worker finishes its snapshot first
         serving = [w for w in sorted(cluster.alive) if w not in needs]
         cost = self.machine.configuring(plan, transfers, restore, cluster.held, serving)
-        if cost.unprovided is not None and plan.step != 0:
+        # A worker that died unnoticed lacks its layers too; the wait below ends with its failure instead.
+        if cost.unprovided is not None and plan.step != 0 and cost.unprovided[0] in cluster.alive:
             worker, layer = cost.unprovided
             raise WorkerCrashed(
                 f"worker {worker} crashed:\nRuntimeError: layer {layer} is missing at step {plan.step} and nothing "
@@ -231,16 +232,18 @@ class SimBackend(Backend):
             if at is not None:
                 self._step_timers.append(self.call_at(self._step_started + at, self._at_phase(worker, step, phase)))
 
-    def finish_step(self, plan: Plan, step: int) -> StepReport | Failure:
+    def finish_step(
+        self, plan: Plan, step: int, interrupted: Callable[[], bool] = lambda: False
+    ) -> StepReport | Failure | Interrupted:
         needs = self._running(plan).workers
         timing = self._step_timing
         assert timing is not None, "a step finished that never began"
         # A writer reports ready once its gradients are reduced and its copy is done.
         ready, longest = self.memory.step_ready(needs, self._step_started, timing)
-        failure = self.cluster.wait(ready, needs=needs)
+        ended = self.cluster.wait(ready, needs=needs, interrupted=interrupted)
         self._cancel_step_timers()
-        if failure:
-            return failure
+        if ended:
+            return ended
         snapshot_s = None
         if self._launched is not None or longest is not None:
             snapshot_s = (self._launched or 0.0) + (longest or 0.0)

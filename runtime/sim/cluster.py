@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ftlab.runtime.control import events as ev
-from ftlab.runtime.control.backend import Failure, FaultTarget, Membership
+from ftlab.runtime.control.backend import Failure, FaultTarget, Interrupted, Membership
 from ftlab.runtime.sim.clock import NEVER, Clock
 from ftlab.runtime.sim.machines import SimMachine
 
@@ -136,6 +136,11 @@ class SimCluster(FaultTarget):
         if worker in self.alive and worker not in self.hung:
             self.hung[worker] = self.clock.now + self.heartbeat_timeout_s
 
+    def resume_worker(self, worker: int) -> None:
+        """A stall ends before its hang was noticed: the waits it held go on from now. Operations timing out on it
+        (``cluster.comm_timeout_s``) are not simulated: the stall costs its length, as it does under the defaults."""
+        self.hung.pop(worker, None)
+
     def start_node(self, node: int) -> None:
         """The node boots beside training: the clock goes on, and ``joined`` offers it once its workers are up."""
         self.nodes.add(node)
@@ -153,11 +158,16 @@ class SimCluster(FaultTarget):
         self.changed()
 
     # -- noticing failures -------------------------------------------------------------------------------------
-    def wait(self, until: float, needs: set[int] | frozenset[int]) -> Failure | None:
+    def wait(
+        self, until: float, needs: set[int] | frozenset[int], interrupted: Callable[[], bool] = lambda: False
+    ) -> Failure | Interrupted | None:
         """Move the clock to ``until`` unless a failure is noticed first (then: that failure, the clock at its
-        notice plus the failure window). A dead or hung worker of ``needs`` holds the wait until it is noticed."""
+        notice plus the failure window), or Interrupted as soon as ``interrupted`` answers True (asked first, and
+        again after each timer fires). A dead or hung worker of ``needs`` holds the wait until it is noticed."""
         clock = self.clock
         while True:
+            if interrupted():
+                return Interrupted()
             blocked = any(w in needs for w in self.hung) or any(w in needs for w in self.dead_unnoticed)
             end = NEVER if blocked else until
             notice = min([*self.dead_unnoticed.values(), *self.hung.values()], default=NEVER)
