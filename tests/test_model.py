@@ -14,6 +14,7 @@ MODELS = [
     "gpt2-small",
     "gpt2-tiny",
     "gpt3-2.7b",
+    "gpt3-3.35b",
     "gpt3-6.7b",
     "gpt3-medium",
     "llama2-1.3b",
@@ -87,7 +88,7 @@ def test_6_7b_models_have_their_published_sizes():
 
 def test_other_models_are_near_their_nominal_sizes():
     # GPT-3 and BERT tie their heads: their published sizes leave out vocab * hidden.
-    for name, size in {"gpt3-medium": 350e6, "gpt3-2.7b": 2.7e9, "bert-large": 335e6}.items():
+    for name, size in {"gpt3-medium": 350e6, "gpt3-2.7b": 2.7e9, "gpt3-3.35b": 3.35e9, "bert-large": 335e6}.items():
         cfg = load_model_config(name)
         assert abs(total_params(cfg) - cfg.vocab_size * cfg.hidden - size) / size < 0.03, name
     # Sheared-LLaMA-1.3B's shape: 1.35B with its untied head (named "1.3B" by its authors).
