@@ -136,11 +136,31 @@ def everyone(cfg: JobConfig) -> Membership:
 
 
 # -- checks before any worker starts -------------------------------------------------------------------------------
+def _layer_bytes(job: Job) -> list[LayerProfile]:
+    t = job.train
+    return [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len, t.precision))
+            for spec in job.specs]  # fmt: skip
+
+
+def check_layers_fit(job: Job) -> None:
+    """Refuse a job with a layer that no plan can place: alone on a device with one micro-batch in flight, it needs
+    more than the device has. Checked before a policy plans, which may first measure every layer on this machine
+    (minutes for a large model) only to find no plan that fits."""
+    t, layers = job.train, _layer_bytes(job)
+    for index in range(len(layers)):
+        need = stage_footprint(layers, index, index + 1, 1, t.activation_checkpointing, t.precision)
+        if need > job.device_memory_bytes:
+            raise ConfigError(
+                f"layer {index} of {job.model.name} alone needs {need / GIB:.2f} GiB with one micro-batch of "
+                f"{t.micro_batch} in flight, but a device has {job.device_memory_bytes / GIB:.2f} GiB, so no plan can "
+                f"place it: raise cluster.device_memory_gb, use a smaller train.micro_batch or "
+                f"train.activation_checkpointing=true, or choose a smaller model"
+            )
+
+
 def check_memory(plan: Plan, job: Job) -> None:
     """Refuse a plan whose stage would not fit the configured device memory (``runtime.core.costs.stage_memory``)."""
-    t = job.train
-    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len, t.precision))
-              for spec in job.specs]  # fmt: skip
+    t, layers = job.train, _layer_bytes(job)
     for p, s, stage in plan.stages():
         in_flight = len(plan.pipelines[p].stages) - s
         need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing, t.precision)
@@ -370,6 +390,7 @@ def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tup
             f"policy={policy.name} copies layers with their optimizer state between workers, which train.zero=1 "
             f"splits across replicas: use train.zero=0, or a policy that restarts (checkpoint_restart)"
         )
+    check_layers_fit(job)
     try:
         protection.check(job)
         policy.check(protection)

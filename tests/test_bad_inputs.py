@@ -38,6 +38,9 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("workers", ["cluster.workers_per_node=0"], ConfigError, "cluster.workers_per_node"),
     ("device memory", ["model=gpt2-small", "cluster.device_memory_gb=0.5"], ConfigError, "raise cluster.device_memory_gb"),
     ("device memory 0", ["cluster.device_memory_gb=0"], ConfigError, "cluster.device_memory_gb=0"),
+    # refused from the layers' sizes, before oobleck's planner measures the layers on this machine
+    ("a layer larger than a device", ["model=gpt2-small", "policy=oobleck", "cluster=local-6",
+                                      "cluster.device_memory_gb=0.05"], ConfigError, "no plan can place it"),
     ("heartbeat timeout", ["cluster.heartbeat_timeout_s=0"], ConfigError, "cluster.heartbeat_timeout_s=0"),
     ("backend", ["cluster.backend=mpi"], ConfigError, "use auto, gloo or nccl"),
     ("nccl on cpu", ["cluster.backend=nccl"], ConfigError, "use cluster.backend=gloo"),
