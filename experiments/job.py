@@ -143,18 +143,21 @@ def _layer_bytes(job: Job) -> list[LayerProfile]:
 
 
 def check_layers_fit(job: Job) -> None:
-    """Refuse a job with a layer that no plan can place: alone on a device with one micro-batch in flight, it needs
-    more than the device has. Checked before a policy plans, which may first measure every layer on this machine
-    (minutes for a large model) only to find no plan that fits."""
+    """Refuse a job with a layer that no plan can place: what any stage holding it needs at least (the layer's state,
+    and its activations for one micro-batch) is more than a device has. Checked before a policy plans, which may
+    first measure every layer on this machine (minutes for a large model) only to find no plan that fits."""
     t, layers = job.train, _layer_bytes(job)
+    # A checkpointed stage keeps its first layer's input per micro-batch in flight, which depends on where it
+    # starts: left out, so that this is a lower bound for every stage holding the layer.
+    in_flight = 0 if t.activation_checkpointing else 1
     for index in range(len(layers)):
-        need = stage_footprint(layers, index, index + 1, 1, t.activation_checkpointing, t.precision)
+        need = stage_footprint(layers, index, index + 1, in_flight, t.activation_checkpointing, t.precision)
         if need > job.device_memory_bytes:
             raise ConfigError(
-                f"layer {index} of {job.model.name} alone needs {need / GIB:.2f} GiB with one micro-batch of "
-                f"{t.micro_batch} in flight, but a device has {job.device_memory_bytes / GIB:.2f} GiB, so no plan can "
-                f"place it: raise cluster.device_memory_gb, use a smaller train.micro_batch or "
-                f"train.activation_checkpointing=true, or choose a smaller model"
+                f"layer {index} of {job.model.name} needs at least {need / GIB:.2f} GiB on the device that holds it "
+                f"(its state and one micro-batch of {t.micro_batch}), but a device has "
+                f"{job.device_memory_bytes / GIB:.2f} GiB, so no plan can place it: raise cluster.device_memory_gb, "
+                f"use a smaller train.micro_batch or train.activation_checkpointing=true, or choose a smaller model"
             )
 
 
