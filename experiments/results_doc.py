@@ -106,11 +106,12 @@ def commit() -> str:
 
 
 def uncommitted() -> bool:
-    """Whether tracked files of the checkout other than ``docs/results.md`` differ from its HEAD (the figures ran on
-    code no commit holds)."""
+    """Whether tracked files of the checkout other than the results files (``docs/results*.md``, which the benches
+    write as they go) differ from its HEAD (the figures ran on code no commit holds)."""
+    results = RESULTS.relative_to(REPO).with_name("results*.md")
     try:
         out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".",
-                              f":(exclude){RESULTS.relative_to(REPO)}"], capture_output=True, text=True, timeout=30)  # fmt: skip
+                              f":(exclude,glob){results}"], capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return False
     return out.returncode == 0 and bool(out.stdout.strip())
