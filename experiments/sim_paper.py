@@ -78,8 +78,8 @@ nothing is fitted to them):
   cells are about a quarter of Oobleck's, a gap Oobleck's authors call surprising and put down to their environment and
   to indirect costs they could not separate (Sections 7.2 and 7.4.2).
 - Varuna at 10m on GPT-2 and GPT-3 medium: at the published rates an iteration of 8192 samples takes about 95 and 280
-  seconds, so a checkpoint every 10 iterations comes every 16 and 47 minutes, after the next failure: no checkpoint commits
-  and the simulation collapses, where the paper reports 69.67 and 20.71 samples/s. The paper's checkpoint interval and
+  seconds, so a checkpoint every 10 iterations comes every 16 and 47 minutes, after the next failure: no checkpoint
+  commits and the simulation collapses, where the paper reports 69.67 and 20.71 samples/s. The paper's checkpoint interval and
   these two cells do not agree; the simulation keeps the interval.
 - Oobleck at 10m on GPT-3 medium: 0.75 of the published figure. A failure every 600 s loses half of a 280 s iteration on
   average, where the paper reports 2% below its 6h cell.
