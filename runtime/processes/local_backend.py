@@ -342,21 +342,28 @@ class LocalBackend(Backend, FaultTarget):
         ``got``: the messages already received, which this wait adds to (and which outlive an interrupted one)."""
         got = {} if got is None else got
         failed: dict[int, tuple[float, str]] = {}  # workers waited for that reported a failed operation instead
+
+        def awaited(event: ClusterEvent) -> bool:
+            if event.role == role and isinstance(event.message, kind) and accept(event.message):
+                got[event.ident] = event.message
+                return True
+            return False
+
         while not expected <= got.keys():
             if interrupted():
                 return Interrupted()
             failure = Failure()
             event = self._next_event(failure)
             if failure:
-                failure.merge(self._gather())
+                # What the failure window brings is kept too: a caller that waits on after the failure (an abort
+                # that a death interrupted) would otherwise wait for ever for the acknowledgements it swallowed.
+                failure.merge(self._gather(awaited))
                 return failure
             self._fence_unexplained(failed, expected - got.keys())
             if event is None:
                 continue
             message = event.message
-            if event.role == role and isinstance(message, kind) and accept(message):
-                got[event.ident] = message
-            elif isinstance(message, msg.Failed):
+            if not awaited(event) and isinstance(message, msg.Failed):
                 self._publish(ev.CommError, worker=event.ident, error=message.error)
                 if event.role == role:
                     failed.setdefault(event.ident, (self.clock(), message.error))
@@ -450,8 +457,9 @@ class LocalBackend(Backend, FaultTarget):
             self.cluster.mark_dead("worker", worker)
             failure.workers[worker] = at
 
-    def _gather(self) -> Failure:
-        """Let the rest of a failure arrive (the other half of a node, simultaneous kills)."""
+    def _gather(self, awaited: Callable[[ClusterEvent], object]) -> Failure:
+        """Let the rest of a failure arrive (the other half of a node, simultaneous kills); every other event of the
+        window goes to ``awaited``."""
         failure = Failure()
         deadline = time.monotonic() + _FAILURE_WINDOW_S
         while time.monotonic() < deadline:
@@ -460,6 +468,7 @@ class LocalBackend(Backend, FaultTarget):
             except queue.Empty:
                 break
             self._classify(event, failure)
+            awaited(event)
         return failure
 
     def _wait_for(self, workers: set[int], watch: list[int]) -> Failure | None:
