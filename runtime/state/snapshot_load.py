@@ -143,6 +143,11 @@ class Target:
     regions: tuple[Region, ...]
     host: bool
 
+    @property
+    def step_at(self) -> int:
+        """The byte offset of the step's word in a shard's record: after its part of the three flat vectors."""
+        return 3 * self.geometry.chunk * WORD
+
     def spans(self, index: int) -> Iterator[tuple[int, Bytes]]:
         """(byte offset in the record, bytes) of the parts of shard ``index`` that land in the layers held, in order
         (padding, layers not held and the step's word are left out)."""
@@ -217,7 +222,7 @@ def _fresh_moments(fresh: Fresh, held: Held, host: bool) -> tuple[list[torch.Ten
 def _buffers(target: Target, index: int, nbytes: int) -> list[np.ndarray]:
     """The buffers that shard ``index``'s ``nbytes`` land in, in order: the layers' memory, and scratch for the rest
     (padding, layers not held; the step's word and the words after it last)."""
-    step = 3 * target.geometry.chunk * WORD
+    step = target.step_at
     buffers: list[np.ndarray] = []
     at = 0
     for offset, run in target.spans(index):
@@ -286,7 +291,7 @@ def _copy_into(target: Target, index: int, data: torch.Tensor) -> float:
     else:
         for offset, run in target.spans(index):
             run.copy_(data[offset : offset + len(run)])  # type: ignore[union-attr]  # a device target: tensors
-    step = 3 * target.geometry.chunk * WORD
+    step = target.step_at
     return float(data[step : step + WORD].cpu().view(torch.float32))
 
 
