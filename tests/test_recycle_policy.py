@@ -18,7 +18,7 @@ from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Policy, Protection, Stop
 from ftlab.runtime.core.plan import Plan
-from ftlab.runtime.core.program_check import check_programs
+from ftlab.runtime.core.program_check import check_programs, simulate
 from ftlab.runtime.core.scheduler import one_f_one_b
 
 
@@ -80,6 +80,22 @@ def test_the_first_plan_is_the_grid_with_1f1b_programs() -> None:
     assert [p.workers for p in plan.pipelines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert cluster.first.programs == one_f_one_b(plan)
     assert cluster.first.details["predicted_iter_s"] > 0
+
+
+def test_the_first_plan_takes_the_planners_schedule_where_it_beats_1f1b() -> None:
+    """GPT-3 3.35B's 34 layers split unevenly over four stages (nine blocks on stage 1, eight or seven and the
+    embedding or the head on the others), and the list scheduler fits them better than 1F1B: the fault-free plan is
+    scheduled as its reroutes will be, with every backward still one pass."""
+    cluster = Cluster("model=gpt3-3.35b", "cluster.device=A100-80GB", "cluster.device_memory_gb=80", "train.stages=4",
+                      "train.global_batch=128", "train.micro_batch=2", "train.precision=bf16",
+                      "train.activation_checkpointing=false")
+    first, job = cluster.first, cluster.job()
+    assert first.details["method"] == "heuristic"
+    assert first.programs != one_f_one_b(first.plan)
+    assert decoupled(first.programs) == 0
+    check_programs(first.plan, first.programs)
+    deepspeed_s = simulate(one_f_one_b(first.plan), job.costs.durations(first.plan), first.plan)
+    assert first.details["predicted_iter_s"] < deepspeed_s
 
 
 def test_only_the_peers_that_absorb_rerouted_work_decouple_their_backward() -> None:
