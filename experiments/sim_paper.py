@@ -642,8 +642,8 @@ TITLES = {
                  "The paper publishes orderings only (Oobleck ahead of Varuna ahead of Bamboo) and collapses (Bamboo's "
                  "OOM on GPT-3, Varuna's lack of progress on GPT-3 6.7B)."),
     "recycle": ("ReCycle's Table 1: samples/s over 6 h with a GPU failing every 6 h, 2 h, 30 min",
-                "Calibrated per model on the fault-free DeepSpeed figure (policy=none); gpt3-3.35b is GPT-3's 32 "
-                "blocks at the width that gives 3.35B."),
+                "Calibrated per model on the fault-free DeepSpeed figure, run as ReCycle's plan with no failure "
+                "(policy=recycle); gpt3-3.35b is GPT-3's 32 blocks at the width that gives 3.35B."),
     "reft": ("REFT: restore from NFS and from host memory (Figure 12), snapshot overhead (Table 3)",
              "Restore: the slowest worker's load, seconds. Iteration: seconds per iteration without and with a "
              "snapshot every iteration."),
@@ -659,7 +659,7 @@ def calibration_rows(cells: list[Cell]) -> list[dict[str, Any]]:
         rows.append({"model": model, "cluster": "a40-30x1", "calibrated on": f"Oobleck's {CALIBRATION_TRACE} cell",
                      "cluster.device_efficiency": f"{oobleck_efficiency(model):.4g}"})  # fmt: skip
     for model in dict.fromkeys(c.model for c in cells if c.study == "recycle"):
-        rows.append({"model": model, "cluster": "azure-a100-4x8", "calibrated on": "fault-free DeepSpeed",
+        rows.append({"model": model, "cluster": "azure-a100-4x8", "calibrated on": "fault-free DeepSpeed, as ReCycle's plan",
                      "cluster.device_efficiency": f"{recycle_efficiency(model):.4g}"})  # fmt: skip
     return rows
 
