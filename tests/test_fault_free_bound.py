@@ -1,9 +1,9 @@
 """A plan on fewer workers never trains faster than the fault-free plan of the same job (``runtime.sim.fault_free``).
 
 Simulated on GPU clusters: ReCycle and Oobleck on ReCycle's four nodes of eight A100s (``azure-a100-4x8``) with
-ReCycle's models (GPT-3 Medium on PP 2 x DP 16, GPT-3 2.7B and 3.35B on PP 4 x DP 8) losing 1, 2, 4 or 8 GPUs at once, and
-Oobleck on its own paper's thirty one-A40 nodes. Every plan the simulator configures after the failures is held to
-the first plan's samples/s.
+ReCycle's models (GPT-3 Medium on PP 2 x DP 16, GPT-3 2.7B and 3.35B on PP 4 x DP 8) losing 1, 2, 4 or 8 GPUs at
+once, and Oobleck on its own paper's thirty one-A40 nodes. Every plan the simulator configures after the failures is
+held to the first plan's samples/s.
 """
 
 from __future__ import annotations
