@@ -23,8 +23,9 @@ class ReCycleConfig:
     """Each worker steps its optimizer as soon as its own gradients are reduced, before the commit, and undoes the
     step if the iteration is aborted (``runtime.core.instructions.OptimizerStep.early``)."""
     memory_limit: int = 0
-    """Micro-batches whose activations a worker may hold at once in a rerouted schedule; 0: what the device memory
-    allows (``cluster.device_memory_gb``), at most twice the number of stages."""
+    """Micro-batches whose activations a worker may hold at once in the planner's schedules (rerouted, or the
+    fault-free grid's); 0: what the device memory allows (``cluster.device_memory_gb``), at most twice the number of
+    stages."""
 
 
 SCHEMAS = {"policy": ReCycleConfig}
