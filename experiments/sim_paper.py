@@ -659,7 +659,8 @@ def calibration_rows(cells: list[Cell]) -> list[dict[str, Any]]:
         rows.append({"model": model, "cluster": "a40-30x1", "calibrated on": f"Oobleck's {CALIBRATION_TRACE} cell",
                      "cluster.device_efficiency": f"{oobleck_efficiency(model):.4g}"})  # fmt: skip
     for model in dict.fromkeys(c.model for c in cells if c.study == "recycle"):
-        rows.append({"model": model, "cluster": "azure-a100-4x8", "calibrated on": "fault-free DeepSpeed, as ReCycle's plan",
+        rows.append({"model": model, "cluster": "azure-a100-4x8",
+                     "calibrated on": "fault-free DeepSpeed, as ReCycle's plan",
                      "cluster.device_efficiency": f"{recycle_efficiency(model):.4g}"})  # fmt: skip
     return rows
 
