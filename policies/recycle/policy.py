@@ -78,6 +78,8 @@ from ftlab.runtime.core.program_check import simulate
 from ftlab.runtime.core.scheduler import one_f_one_b
 
 PatternKey = tuple[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], frozenset[int]]
+FaultFreeSchedule = tuple[dict[int, ins.Program], float, str]
+"""A grid's fault-free programs, their predicted iteration in seconds and the scheduler that made them."""
 
 
 class ReCycle(Policy):
@@ -93,6 +95,9 @@ class ReCycle(Policy):
         """The layout of every plan this policy proposed, by generation."""
         self._schedules: dict[PatternKey, ReCyclePlan] = {}
         """Rerouted schedules by failure pattern."""
+        self._fault_free_schedules: dict[PatternKey, FaultFreeSchedule] = {}
+        """The fault-free programs of a layout and their predicted iteration, by layout (no dead slot): every reroute
+        compares against them, and predicting them again takes seconds on a thousand workers."""
         self._proposed: dict[int, Plan] = {}
         """The plan this policy proposed for every generation: tells its own running plan from another policy's."""
 
@@ -191,7 +196,7 @@ class ReCycle(Policy):
 
     def _scheduled(self, layout: Plan, dead: frozenset[int], job: Job) -> tuple[bool, ReCyclePlan]:
         """The schedule of ``layout`` around ``dead``, and whether it was cached."""
-        key: PatternKey = (tuple((p.workers, p.microbatches) for p in layout.pipelines), dead)
+        key = _pattern(layout, dead)
         cached = key in self._schedules
         if not cached:
             try:
@@ -270,18 +275,22 @@ class ReCycle(Policy):
         return Decision(layout, self._finish(programs), reason=reason, details=details, predicted_iter_s=predicted,
                         **kwargs)  # fmt: skip
 
-    def _fault_free_schedule(self, layout: Plan, job: Job) -> tuple[dict[int, ins.Program], float, str]:
+    def _fault_free_schedule(self, layout: Plan, job: Job) -> FaultFreeSchedule:
         """The grid's programs, their predicted iteration and their scheduler: the planner's schedule of the grid
         with no dead slot (no reroute, so every backward is one pass), or DeepSpeed's 1F1B where that is predicted
         faster. A rerouted plan is scheduled by the same planner, so a failure is charged what it costs and never
         credited with a better schedule than the fault-free plan had (``runtime.sim.fault_free``)."""
-        _, scheduled = self._scheduled(layout, frozenset(), job)
-        planned = self._predict(layout, scheduled.programs, job)
-        deepspeed = one_f_one_b(layout)
-        one_f_one_b_s = self._predict(layout, deepspeed, job)
-        if one_f_one_b_s <= planned:
-            return deepspeed, one_f_one_b_s, "1f1b"
-        return dict(scheduled.programs), planned, scheduled.method
+        key = _pattern(layout, frozenset())
+        if key not in self._fault_free_schedules:
+            _, scheduled = self._scheduled(layout, frozenset(), job)
+            planned = self._predict(layout, scheduled.programs, job)
+            deepspeed = one_f_one_b(layout)
+            one_f_one_b_s = self._predict(layout, deepspeed, job)
+            self._fault_free_schedules[key] = (
+                (deepspeed, one_f_one_b_s, "1f1b") if one_f_one_b_s <= planned
+                else (dict(scheduled.programs), planned, scheduled.method)
+            )  # fmt: skip
+        return self._fault_free_schedules[key]
 
     def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
         """The programs with the optimizer step this policy's settings ask for."""
@@ -293,6 +302,11 @@ class ReCycle(Policy):
     def _predict(plan: Plan, programs: Mapping[int, ins.Program], job: Job) -> float:
         """One iteration on the cost model, gradient reduction and optimizer step included."""
         return simulate(programs, job.costs.durations(plan), plan)
+
+
+def _pattern(layout: Plan, dead: frozenset[int]) -> PatternKey:
+    """A failure pattern: the layout's pipelines (workers and micro-batches) and its dead slots."""
+    return tuple((p.workers, p.microbatches) for p in layout.pipelines), dead
 
 
 def _decoupled(programs: Mapping[int, ins.Program]) -> int:
