@@ -12,6 +12,7 @@ from ftlab.policies.recycle import (
     ReCycleError,
     StageCosts,
     heuristic,
+    milp,
     normalize_failures,
     plan_recycle,
 )
@@ -220,6 +221,16 @@ def test_auto_uses_the_heuristic_when_the_milp_is_too_big() -> None:
     assert big.method == "heuristic" and not big.optimal
     small = plan_recycle(healthy, (0, 3), UNIT, max_binaries=big.binaries, time_limit_s=10)
     assert small.method == "milp" and small.makespan < big.makespan
+
+
+def test_the_binaries_are_counted_as_the_milp_lists_them() -> None:
+    """The planner counts the MILP's ordering binaries without listing them (on a large grid listing takes longer
+    than planning): the count is the list's length, with and without failures."""
+    for stages, replicas, per_pipeline in ((2, 2, 2), (3, 2, 4), (4, 3, 5)):
+        healthy = grid(stages, replicas, per_pipeline)
+        for failed in failure_sets(healthy, 2):
+            problem = Problem.build(healthy, failed, UNIT)
+            assert problem.unordered_pairs() == len(milp.ordering_pairs(problem)) > 0
 
 
 def test_per_stage_costs() -> None:

@@ -14,6 +14,8 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments.config import JobConfig, build
 from ftlab.experiments.job import compose_config, first_decision, job_factory
+from ftlab.policies.recycle.planner import plan_recycle
+from ftlab.policies.recycle.problem import StageCosts
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.contract import Change, ConfigError, Decision, Job, Keep, Policy, Protection, Stop
@@ -96,6 +98,22 @@ def test_the_first_plan_takes_the_planners_schedule_where_it_beats_1f1b() -> Non
     check_programs(first.plan, first.programs)
     deepspeed_s = simulate(one_f_one_b(first.plan), job.costs.durations(first.plan), first.plan)
     assert first.details["predicted_iter_s"] < deepspeed_s
+
+
+def test_the_fault_free_grid_is_planned_one_pipeline_per_length() -> None:
+    """Without a reroute the pipelines share nothing before the gradient reduction, so the planner schedules one
+    pipeline of each length and the others run its programs renamed: they check on the whole grid and are predicted
+    as fast as the planner's schedule of the whole grid."""
+    cluster = Cluster("model=gpt3-3.35b", "cluster.device=A100-80GB", "cluster.device_memory_gb=80", "train.stages=4",
+                      "train.micro_batch=2", "train.precision=bf16", "train.activation_checkpointing=false",
+                      "cluster.nodes=12", "train.global_batch=124")  # fmt: skip
+    first, job = cluster.first, cluster.job()
+    assert sorted(len(p.microbatches) for p in first.plan.pipelines) == [20, 21, 21]
+    assert first.details["method"] == "heuristic"
+    check_programs(first.plan, first.programs)
+    whole = plan_recycle(first.plan, (), StageCosts.of_grid(job.costs, first.plan), memory_limit=8)
+    whole_s = simulate(whole.programs, job.costs.durations(first.plan), first.plan)
+    assert first.details["predicted_iter_s"] == pytest.approx(whole_s, rel=1e-9)
 
 
 def test_only_the_peers_that_absorb_rerouted_work_decouple_their_backward() -> None:

@@ -88,7 +88,7 @@ def plan_recycle(
         target = normalize_failures(len(grid.pipelines), len(bounds), per_pipeline, actual).per_stage
         grid, transfers = rebalance(grid, failed, target)
     problem = Problem.build(grid, failed, costs, memory_limit)
-    binaries = len(milp.ordering_pairs(problem))
+    binaries = problem.unordered_pairs()
     began = time.perf_counter()
     schedule = problem.symmetric(heuristic.list_schedule(problem))
     order = {w: [op for op, _ in ops] for w, ops in schedule.items()}

@@ -49,7 +49,7 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from ftlab.policies.grid import grid, restart_grid
@@ -282,15 +282,33 @@ class ReCycle(Policy):
         credited with a better schedule than the fault-free plan had (``runtime.sim.fault_free``)."""
         key = _pattern(layout, frozenset())
         if key not in self._fault_free_schedules:
-            _, scheduled = self._scheduled(layout, frozenset(), job)
-            planned = self._predict(layout, scheduled.programs, job)
+            scheduled, method = self._pipelines_scheduled(layout, job)
+            planned = self._predict(layout, scheduled, job)
             deepspeed = one_f_one_b(layout)
             one_f_one_b_s = self._predict(layout, deepspeed, job)
             self._fault_free_schedules[key] = (
-                (deepspeed, one_f_one_b_s, "1f1b") if one_f_one_b_s <= planned
-                else (dict(scheduled.programs), planned, scheduled.method)
-            )  # fmt: skip
+                (deepspeed, one_f_one_b_s, "1f1b") if one_f_one_b_s <= planned else (scheduled, planned, method)
+            )
         return self._fault_free_schedules[key]
+
+    def _pipelines_scheduled(self, layout: Plan, job: Job) -> tuple[dict[int, ins.Program], str]:
+        """The planner's programs for ``layout`` with no dead slot, and the scheduler that made them. Without a
+        reroute the pipelines share nothing before the gradient reduction, so the planner schedules the first
+        pipeline of each length alone and the others of that length run its programs under their own workers and
+        micro-batches: one pipeline's problem instead of the grid's, whose size grows with the workers."""
+        programs: dict[int, ins.Program] = {}
+        methods: set[str] = set()
+        reference: dict[int, Pipeline] = {}
+        for pipeline in layout.pipelines:
+            count = len(pipeline.microbatches)
+            first = reference.setdefault(count, pipeline)
+            alone = Pipeline(first.stages, tuple(range(count)))
+            one = dataclasses.replace(layout, pipelines=(alone,), global_batch=count * layout.micro_batch)
+            _, scheduled = self._scheduled(one, frozenset(), job)
+            methods.add(scheduled.method)
+            workers = dict(zip(first.workers, pipeline.workers))
+            programs.update(_renamed(scheduled.programs, workers, pipeline.microbatches))
+        return programs, "milp" if "milp" in methods else "heuristic"
 
     def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
         """The programs with the optimizer step this policy's settings ask for."""
@@ -307,6 +325,24 @@ class ReCycle(Policy):
 def _pattern(layout: Plan, dead: frozenset[int]) -> PatternKey:
     """A failure pattern: the layout's pipelines (workers and micro-batches) and its dead slots."""
     return tuple((p.workers, p.microbatches) for p in layout.pipelines), dead
+
+
+def _renamed(
+    programs: Mapping[int, ins.Program], workers: Mapping[int, int], microbatches: Sequence[int]
+) -> dict[int, ins.Program]:
+    """One pipeline's ``programs`` run by another: each worker and peer ``w`` becomes ``workers[w]`` and
+    micro-batch ``k`` becomes ``microbatches[k]``."""
+
+    def renamed(instruction: ins.Instruction) -> ins.Instruction:
+        fields = {f.name for f in dataclasses.fields(instruction)}
+        changes: dict[str, int] = {}
+        if "microbatch" in fields:
+            changes["microbatch"] = microbatches[instruction.microbatch]  # type: ignore[attr-defined]
+        if "peer" in fields:
+            changes["peer"] = workers[instruction.peer]  # type: ignore[attr-defined]
+        return dataclasses.replace(instruction, **changes) if changes else instruction
+
+    return {workers[w]: [renamed(i) for i in program] for w, program in programs.items()}
 
 
 def _decoupled(programs: Mapping[int, ins.Program]) -> int:

@@ -38,6 +38,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import cached_property
+from typing import NamedTuple
 
 from ftlab.runtime.core import instructions as ins
 from ftlab.runtime.core.plan import Pipeline, Plan, Stage
@@ -56,8 +57,10 @@ class Phase(IntEnum):
     BACKWARD_WEIGHT = 2
 
 
-@dataclass(frozen=True, order=True)
-class Op:
+class Op(NamedTuple):
+    """One micro-batch's work of one phase at one stage. A named tuple: the planners hash and compare operations
+    millions of times on a large grid, which tuples do in C."""
+
     microbatch: int
     stage: int
     phase: Phase
@@ -318,25 +321,37 @@ class Problem:
     def _index(self) -> dict[Op, int]:
         return {op: i for i, op in enumerate(self.ops)}
 
-    def _same_worker(self, bits: int, worker: int) -> list[Op]:
-        return [op for op in self.ops_by_worker[worker] if bits >> self._index[op] & 1]
+    @cached_property
+    def _same_worker_ancestors(self) -> dict[Op, list[Op]]:
+        """Per operation, the operations of its own worker that precede it."""
+        return {
+            op: [a for a in self.ops_by_worker[self.worker(op)] if self._ancestors[op] >> self._index[a] & 1]
+            for op in self.ops
+        }
+
+    def unordered_pairs(self) -> int:
+        """Pairs of operations on one worker that no precedence chain orders: the MILP's ordering binaries
+        (``milp.ordering_pairs``), counted without listing them."""
+        pairs = sum(len(ops) * (len(ops) - 1) // 2 for ops in self.ops_by_worker.values())
+        return pairs - sum(len(before) for before in self._same_worker_ancestors.values())
 
     @cached_property
     def _heads_and_tails(self) -> tuple[dict[Op, float], dict[Op, float]]:
+        same_worker = self._same_worker_ancestors
         head: dict[Op, float] = {}
         for op in self.ops:
             h = max((head[p] + self.duration(p) + lag for p, lag in self.precedences(op)), default=0.0)
             # Every ancestor on the same worker runs before ``op`` there: for each release threshold r, the ones
             # released at r or later take their whole durations after r.
             done = 0.0
-            for a in sorted(self._same_worker(self._ancestors[op], self.worker(op)), key=lambda x: -head[x]):
+            for a in sorted(same_worker[op], key=lambda x: -head[x]):
                 done += self.duration(a)
                 h = max(h, head[a] + done)
             head[op] = h
-        descendants: dict[Op, int] = dict.fromkeys(self.ops, 0)
-        for op in reversed(self.ops):
-            for p, _ in self.precedences(op):
-                descendants[p] |= descendants[op] | (1 << self._index[op])
+        after_on_worker: dict[Op, list[Op]] = {op: [] for op in self.ops}
+        for op, before in same_worker.items():
+            for a in before:
+                after_on_worker[a].append(op)
         tail: dict[Op, float] = {}
         successors: dict[Op, list[tuple[Op, float]]] = {op: [] for op in self.ops}
         for op in self.ops:
@@ -345,7 +360,7 @@ class Problem:
         for op in reversed(self.ops):
             q = max((lag + self.duration(s) + tail[s] for s, lag in successors[op]), default=0.0)
             after = 0.0
-            for d in sorted(self._same_worker(descendants[op], self.worker(op)), key=lambda x: -tail[x]):
+            for d in sorted(after_on_worker[op], key=lambda x: -tail[x]):
                 after += self.duration(d)
                 q = max(q, after + tail[d])
             tail[op] = q
