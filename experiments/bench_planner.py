@@ -19,6 +19,13 @@ pipeline 1 stage 5, pipeline 2 stage 1, pipeline 3 stage 6; the first k of them)
 (``--recycle-time-limit``, default 20 s) and the table says so, with the makespan it reached, the proven lower bound
 (a healthy pipeline's optimum, ``milp.improve``) and the gap.
 
+ReCycle at scale: the policy itself (``policies/recycle``) on GPT-3 2.7B over 1,024 A100s (``azure-a100-4x8`` grown
+to 128 nodes: 8 stages x 128 pipelines of 16 micro-batches). Timed once each: its first decision (the fault-free grid,
+which it plans one pipeline per length and renames onto the others), beside it the same grid planned whole by
+``plan_recycle`` (the reference: the planning a first decision did before the renaming, without the decision's two
+predictions of the whole grid, so ``whole_over_first`` understates the gain) and the reroute after one failed worker
+of stage 1.
+
 Every time is the fastest of several runs (the machine is shared; see ``fastest``), except the MILP's, which runs
 once to its time limit. The last line printed is one JSON object.
 """
@@ -31,11 +38,15 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
+from ftlab.experiments.job import first_decision, job_factory
+from ftlab.experiments.sim_paper import job_config
 from ftlab.policies.oobleck.batch import distribute_batch
 from ftlab.policies.oobleck.instantiate import assign_nodes, instantiate
 from ftlab.policies.oobleck.templates import TemplatePlanner, generate_templates
 from ftlab.policies.recycle import ReCyclePlan, StageCosts, plan_recycle
+from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.config import ClusterConfig
+from ftlab.runtime.core.contract import Change
 from ftlab.runtime.core.model_spec import layer_specs, load_model_config
 from ftlab.runtime.core.plan import even_split, grid_plan
 from ftlab.runtime.core.costs import ModelProfile, profile_from_specs
@@ -184,6 +195,49 @@ def bench_recycle(time_limit_s: float = RECYCLE_TIME_LIMIT_S) -> dict:
     }  # fmt: skip
 
 
+RECYCLE_SCALE = ["model=gpt3-2.7b", "cluster=azure-a100-4x8", "cluster.nodes=128", "train.stages=8",
+                 "train.global_batch=4096", "train.micro_batch=2", "policy=recycle", "faults=none"]  # fmt: skip
+
+
+def bench_recycle_scale() -> dict:
+    """The ReCycle policy's first decision and first reroute on 1,024 GPUs, beside the grid planned whole."""
+    cfg = job_config(RECYCLE_SCALE)
+    make = job_factory(cfg, None)
+    slots = {n: tuple(range(n * cfg.cluster.workers_per_node, (n + 1) * cfg.cluster.workers_per_node))
+             for n in range(cfg.cluster.nodes)}  # fmt: skip
+    began = time.perf_counter()
+    policy, protection, first = first_decision(cfg, make)
+    first_s = time.perf_counter() - began
+    job = make(Membership(slots, slots))
+    began = time.perf_counter()
+    whole = plan_recycle(first.plan, (), StageCosts.of_grid(job.costs, first.plan))
+    whole_s = time.perf_counter() - began
+    failed = first.plan.pipelines[0].stages[1].worker
+    alive = {n: tuple(w for w in ws if w != failed) for n, ws in slots.items()}
+    holdings = {w: tuple(range(a, b)) for w, (a, b) in first.plan.layer_ranges().items() if w != failed}
+    change = Change(first.plan, 1, 1, holdings=holdings, failed_workers=(failed,))
+    began = time.perf_counter()
+    reroute = policy.on_change(change, make(Membership(alive, slots)), protection)
+    reroute_s = time.perf_counter() - began
+    return {
+        "workers": len(first.plan.workers), "stages": len(first.plan.pipelines[0].stages),
+        "pipelines": len(first.plan.pipelines), "first_decision_s": first_s, "whole_grid_planned_s": whole_s,
+        "whole_over_first": whole_s / first_s, "reroute_s": reroute_s, "method": first.details["method"],
+        "predicted_iter_s": first.details["predicted_iter_s"], "whole_grid_makespan_s": whole.makespan,
+        "reroute_predicted_iter_s": reroute.details["predicted_iter_s"],
+    }  # fmt: skip
+
+
+def print_recycle_scale(r: dict) -> None:
+    print(
+        f"\nReCycle on {r['workers']} workers ({r['stages']} stages x {r['pipelines']} pipelines): first decision "
+        f"{r['first_decision_s']:.2f} s ({r['method']}, iteration {r['predicted_iter_s']:.3f} s); the grid planned "
+        f"whole {r['whole_grid_planned_s']:.2f} s, {r['whole_over_first']:.1f}x (makespan before the reduction "
+        f"{r['whole_grid_makespan_s']:.3f} s); a reroute after one failure {r['reroute_s']:.2f} s (iteration "
+        f"{r['reroute_predicted_iter_s']:.3f} s)"
+    )
+
+
 def print_templates(cells: list[dict]) -> None:
     print("Pipeline template generation (seconds): ours (one template, cold) | all templates 1..n | paper | speed-up")
     print(f"{'nodes':>5} {'GPUs':>4} {'layers':>6} {'ours':>10} {'all 1..n':>10} {'paper':>9} {'speed-up':>9}")
@@ -240,12 +294,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_instantiate(rows)
     recycle = bench_recycle(args.recycle_time_limit)
     print_recycle(recycle)
+    scale = bench_recycle_scale()
+    print_recycle_scale(scale)
     summary = {
         "templates": cells,
         "min_speedup": min(c["speedup"] for c in cells),
         "min_speedup_all_templates": min(c["paper_s"] / c["all_templates_s"] for c in cells),
         "instantiate_s": {str(nodes): r["seconds"] for nodes, r in rows.items()},
         "recycle": recycle,
+        "recycle_scale": scale,
     }
     print(json.dumps(summary))
     if args.write_docs:
@@ -257,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 [{"nodes": nodes, **r} for nodes, r in rows.items()],
             f"ReCycle's schedule after failures, PP {recycle['pp']} x DP {recycle['dp']}, {recycle['model']} on "
             f"{recycle['device']} (fault-free iteration {recycle['fault_free_s']:.4g} s)": recycle["cases"],
+            "ReCycle's policy on 1,024 GPUs, GPT-3 2.7B at 8 stages x 128 pipelines (seconds)": [scale],
         }, argv)  # fmt: skip
 
 
