@@ -38,7 +38,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
-from ftlab.experiments.job import first_decision, job_factory
+from ftlab.experiments.job import everyone, first_decision, job_factory
 from ftlab.experiments.sim_paper import job_config
 from ftlab.policies.oobleck.batch import distribute_batch
 from ftlab.policies.oobleck.instantiate import assign_nodes, instantiate
@@ -203,12 +203,12 @@ def bench_recycle_scale() -> dict:
     """The ReCycle policy's first decision and first reroute on 1,024 GPUs, beside the grid planned whole."""
     cfg = job_config(RECYCLE_SCALE)
     make = job_factory(cfg, None)
-    slots = {n: tuple(range(n * cfg.cluster.workers_per_node, (n + 1) * cfg.cluster.workers_per_node))
-             for n in range(cfg.cluster.nodes)}  # fmt: skip
     began = time.perf_counter()
     policy, protection, first = first_decision(cfg, make)
     first_s = time.perf_counter() - began
-    job = make(Membership(slots, slots))
+    cluster = everyone(cfg)
+    slots = cluster.slots_of_node
+    job = make(cluster)
     began = time.perf_counter()
     whole = plan_recycle(first.plan, (), StageCosts.of_grid(job.costs, first.plan))
     whole_s = time.perf_counter() - began

@@ -296,18 +296,18 @@ class ReCycle(Policy):
         reroute the pipelines share nothing before the gradient reduction, so the planner schedules the first
         pipeline of each length alone and the others of that length run its programs under their own workers and
         micro-batches: one pipeline's problem instead of the grid's, whose size grows with the workers."""
+        by_length: dict[int, tuple[Pipeline, ReCyclePlan]] = {}
         programs: dict[int, ins.Program] = {}
-        methods: set[str] = set()
-        reference: dict[int, Pipeline] = {}
         for pipeline in layout.pipelines:
             count = len(pipeline.microbatches)
-            first = reference.setdefault(count, pipeline)
-            alone = Pipeline(first.stages, tuple(range(count)))
-            one = dataclasses.replace(layout, pipelines=(alone,), global_batch=count * layout.micro_batch)
-            _, scheduled = self._scheduled(one, frozenset(), job)
-            methods.add(scheduled.method)
+            if count not in by_length:
+                alone = Pipeline(pipeline.stages, tuple(range(count)))
+                one = dataclasses.replace(layout, pipelines=(alone,), global_batch=count * layout.micro_batch)
+                by_length[count] = pipeline, self._scheduled(one, frozenset(), job)[1]
+            first, scheduled = by_length[count]
             workers = dict(zip(first.workers, pipeline.workers))
             programs.update(_renamed(scheduled.programs, workers, pipeline.microbatches))
+        methods = {scheduled.method for _, scheduled in by_length.values()}
         return programs, "milp" if "milp" in methods else "heuristic"
 
     def _finish(self, programs: Mapping[int, ins.Program]) -> dict[int, ins.Program]:
