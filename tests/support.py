@@ -51,7 +51,7 @@ BURSTY_FAULT_AT_STEP_2 = ("faults=weibull", "faults.kind=process", "faults.weibu
                          "faults.weibull_scale_steps=0.05", "faults.max_failures=1", "faults.seed=22")  # fmt: skip
 """One failure, of a bursty kind: Weibull gaps of mean 0.46 steps and shape 0.3, so right after a failure the next is
 expected within a step, but after two quiet steps only 4.7 steps on (``policies/adaptive/horizon.py``). Seed 22 draws
-worker 2 of an eight-node cluster (one worker a node) at the start of step 2."""
+worker 1 of a six-node cluster (one worker a node) at the start of step 2."""
 
 REVIEW_MACHINERY = ("sim.layer_overhead_s=0.00313873", "sim.control_s=0.0238024", "sim.configure_s=0.00506956",
                     "sim.configure_group_s=0", "sim.build_bytes_per_s=2.62101e+08", "sim.codec_bytes_per_s=3.65449e+08",
@@ -59,8 +59,8 @@ REVIEW_MACHINERY = ("sim.layer_overhead_s=0.00313873", "sim.control_s=0.0238024"
 """The machinery constants adaptive's review scenarios are costed with: a measured set of this machine's, fixed
 (the runtime's cost per instruction as a cost per layer of the four-layer stages these scenarios run, the rest of a
 step in ``control_s``, and the rates of building and decoding at 3/4 of those measured) so that a re-measurement of
-this machine's constants does not move a decision these scenarios hold: with them, rerouting around worker 3 (the
-bursty scenario's failure) is about 10% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
+this machine's constants does not move a decision these scenarios hold: with them, rerouting around worker 1 (the
+bursty scenario's failure) is about 14% slower an iteration than Oobleck's plan, so the review at step 4 switches."""
 
 
 REROUTE_MACHINERY = ("sim.layer_overhead_s=0.00005", "sim.control_s=0.00684272", "sim.configure_s=0.00211632",

@@ -229,9 +229,9 @@ def improve(problem: Problem, warm: Schedule, warm_makespan: float, time_limit_s
         sizes.setdefault(home, []).append(mb)
     templates = {m: fault_free_template(problem, m, 0.1 * time_limit_s) for m in {len(v) for v in sizes.values()}}
     for home, mbs in sizes.items():
-        # A healthy pipeline none of whose workers absorbs a reroute: the template (every backward one pass) is its
-        # restriction. A peer that absorbs one decouples and may finish its pipeline sooner than the template's bound.
-        if all(problem.routes[mb] == home for mb in mbs) and problem.fused.issuperset(home):
+        # A pipeline none of whose micro-batches is rerouted: the template (every backward one pass) is its
+        # restriction, whatever rerouted work its workers absorb besides.
+        if all(problem.routes[mb] == home for mb in mbs):
             bound = max(bound, templates[len(mbs)].lower_bound)
     best = _better(best, None, bound)
     steps = ((0.3, template_orders(problem, templates)), (1.0, None))

@@ -13,13 +13,11 @@ dead workers in their slots, and the planner (``planner.plan_recycle``) sends ev
 through a dead slot to a surviving peer of that stage, then schedules one iteration of the rerouted work with the
 list scheduler (``policy.solver=list``) or the MILP (``milp``: warm-started from the list schedule, at most
 ``policy.milp_time_limit_s``). Programs use decoupled backward (``BackwardInput`` now, ``BackwardWeight`` later)
-where the schedule defers a weight gradient into a bubble, and only on the peers that run rerouted micro-batches
-(``problem``: "avoid decoupling Backward unless necessary"); every other worker's backward stays one pass, as in
-1F1B. Decoupling every worker would also fill the bubbles of the healthy pipelines, credit a failure with that gain
-and make the job faster after it than before, above the bound (``tests/test_fault_free_bound.py``). Where a
-pipeline idles much (many stages, few micro-batches a pipeline: 8 stages with 8 idle 7/15 of the iteration), the
-absorbing peers' decoupled schedules alone can still fill more of it than the lost workers cost; the simulator
-reports such plans (``Simulated.faster_than_fault_free``) rather than hide them.
+for the rerouted micro-batches alone (``problem``: "avoid decoupling Backward unless necessary"); every other
+backward stays one pass, as in 1F1B, the absorbing peers' own micro-batches included. Decoupling more would fill
+the bubbles of the healthy pipelines, or of the peers' own work, credit a failure with that gain and make the job
+faster after it than before, above the bound (``tests/test_fault_free_bound.py``); the simulator reports any plan
+that still is (``Simulated.faster_than_fault_free``) rather than hide it.
 Schedules are cached per failure pattern (the layout and its dead slots), so a pattern seen again (a failure during
 the reconfiguration it caused, a join followed by the same failure) is planned in no time.
 
