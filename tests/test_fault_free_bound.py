@@ -67,7 +67,7 @@ def test_no_plan_after_failures_beats_the_fault_free_plan_on_recycles_testbed(po
 def test_no_recycle_plan_beats_the_fault_free_plan_where_bubbles_are_large(
     precision: str, gpus: list[tuple[int, int]]
 ) -> None:
-    # GPT-3 6.7B on 8 stages with 8 micro-batches a pipeline: 1F1B idles 7/15 of the iteration. A peer that decoupled
+    # GPT-3 6.7B on 8 stages with 4 micro-batches a pipeline: 1F1B idles 7/11 of the iteration. A peer that decoupled
     # its own micro-batches' backward as well as the rerouted ones' filled enough of that to run 1-3% faster than the
     # fault-free plan after losing two or four GPUs.
     run = simulated("cluster=azure-a100-4x8", "policy=recycle", "model=gpt3-6.7b", "train.stages=8",
