@@ -164,7 +164,7 @@ class Coordinator:
             unreported = ev.StepCommitted(
                 at=committed_at, step=step - 1, loss=result.loss, iter_s=committed_at - started,
                 compute_s=result.compute_s, generation=plan.generation, samples=plan.global_batch,
-                alive_nodes=len(self.backend.membership().nodes), pipelines=len(plan.pipelines),
+                alive_nodes=len(self.backend.membership().slots_of_node), pipelines=len(plan.pipelines),
                 snapshot_s=result.snapshot_s, numerics=numerics,
             )  # fmt: skip
             for action in self.protection.after_commit(step, plan):

@@ -23,8 +23,9 @@ parts up for a policy that predicts, so the two agree by construction (``tests/t
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from ftlab.runtime.core import instructions as ins
@@ -143,9 +144,14 @@ class SimMachine(Machine):
         own = self.sim.configure_s + self.sim.configure_group_s * max(groups, default=0)
         return own * self.contention(len(plan.workers))
 
-    def checkpoint_bytes(self, layers: object) -> float:
-        """What a checkpoint, a restore or a transfer of ``layers`` (an iterable of layer indices) carries."""
-        return sum(self.costs.checkpoint_bytes(layer, layer + 1) for layer in layers)  # type: ignore[attr-defined]
+    def checkpoint_bytes(self, layers: Iterable[int]) -> float:
+        """What a checkpoint, a restore or a transfer of ``layers`` (layer indices) carries."""
+        return sum(map(self._layer_checkpoint_bytes.__getitem__, layers))
+
+    @cached_property
+    def _layer_checkpoint_bytes(self) -> tuple[float, ...]:
+        # A restart at 16,384 GPUs asks for millions of layers' bytes: a lookup each, not a cost-model call.
+        return tuple(self.costs.checkpoint_bytes(layer, layer + 1) for layer in range(self.costs.num_layers))
 
     def numel(self, layers: tuple[int, ...]) -> int:
         """Parameters of ``layers`` (a snapshot's geometry is in float32 elements)."""
