@@ -138,7 +138,7 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
         return {"error": f"{type(exc).__name__}: {exc}", "wall_s": time.monotonic() - started}
     figures = measure(result)
     figures["wall_s"] = time.monotonic() - started
-    unfired = unfired_faults(result)
+    unfired = result.unfired
     if unfired:
         figures["unfired"] = unfired
         print(f"  {policy}: planned faults that never fired: {'; '.join(unfired)}", flush=True)
@@ -149,14 +149,6 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
-
-
-def unfired_faults(result: Any) -> list[str]:
-    """The planned faults a finished job did not fire (skipped, or never reached), each with the reason."""
-    from ftlab.runtime.control import events as ev
-
-    missed = [e for e in result.events if isinstance(e, (ev.FaultUnfired, ev.FaultSkipped))]
-    return [f"{e.fault.get('kind')} fault at step {e.fault.get('at_step')}: {e.reason}" for e in missed]
 
 
 def join_figures(result: Any) -> dict[str, Any]:

@@ -36,10 +36,12 @@ the bench also sets the planner's predicted iteration time (``predicted_iter_s``
 cost model) beside the measured one: the absolute error (the cost model is profiled on an idle machine, the job runs
 six workers on two cores) and the error of the predicted slowdown over the fault-free plan.
 
-Kills fire in the ``reduce`` phase by default, where every survivor has finished its point-to-point work with the
-victim, so the figures compare the policies rather than where in the pipeline a kill lands. ``--kill-phase backward``
-kills mid-pipeline, where survivors also see the victim's closed connections in their sends and receives; the
-runtime recovers from that as well (``tests/test_recovery.py`` kills a node in every phase).
+The first faulted step's kills fire in the ``reduce`` phase by default, where every survivor has finished its
+point-to-point work with the victim, so the figures compare the policies rather than where in the pipeline a kill
+lands. ``--kill-phase backward`` kills mid-pipeline, where survivors also see the victim's closed connections in their
+sends and receives; the runtime recovers from that as well (``tests/test_recovery.py`` kills a node in every phase).
+A later kill fires as its step starts (``explicit_kills``): after a recovery, a policy's plan may give its victim no
+work in that phase. Every planned fault must fire: one that did not fails the bench (exit status 1, each named).
 
 Part 2 (``--table2``, on by default), the shape of Oobleck's Table 2 at this machine's scale: average throughput
 (``summary/samples_per_s``: committed samples over the whole training time) of the fault-free job, checkpoint-restart,
@@ -102,6 +104,8 @@ SWEEP_WORKERS, SWEEP_BATCH = 8, 16
 RESTART_PROTECTION = ["protection=storage", "protection.every=5"]
 """What the restart baseline restarts from."""
 SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
+LATER_PARTS = ("table2", "failed_workers")
+"""The report's keys of parts 2 and 3, whose entries are lists of cells beside part 1's policies."""
 """Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
 
 
@@ -140,6 +144,8 @@ class Outcome:
     faults: list[dict[str, Any]] = field(default_factory=list)
     store: Path | None = None
     """The job's MLflow store directory (its events.jsonl is read for the planner's predictions)."""
+    unfired: list[str] = field(default_factory=list)
+    """The planned faults the job did not fire, with the reasons: each fails the bench."""
 
     @property
     def ok(self) -> bool:
@@ -186,7 +192,9 @@ def run_one(policy: str, label: str, overrides: list[str], scratch: Path, job: l
         f"goodput {s['summary/goodput_ratio']:.3f}",
         flush=True,
     )
-    return Outcome(policy, label, wall, result, None, faults, store=d)
+    if result.unfired:
+        print(f"  [{label}] {policy}: planned faults that never fired: {'; '.join(result.unfired)}", flush=True)
+    return Outcome(policy, label, wall, result, None, faults, store=d, unfired=result.unfired)
 
 
 def losses_by_step(result: Any) -> dict[int, float]:
@@ -306,6 +314,7 @@ def figures(outcome: Outcome) -> dict[str, Any]:
         "median_iter_s": s["summary/median_iter_s"],
         "final_loss": s["summary/final_loss"],
         "wall_s": outcome.wall_s,
+        **({"unfired": outcome.unfired} if outcome.unfired else {}),
     }
 
 
@@ -442,6 +451,8 @@ def failed_workers_sweep(args: argparse.Namespace, scratch: Path) -> dict[str, A
                 predicted = predictions(outcome, free_rate and SWEEP_BATCH / free_rate)
                 if predicted:
                     cell["predictions"] = predicted
+                if outcome.unfired:
+                    cell["unfired"] = outcome.unfired
             cells.append(cell)
     out = {"fault_free_samples_per_s": free_rate, "steps": args.sweep_steps, "kill_step": args.sweep_kill_step,
            "cells": cells}  # fmt: skip
@@ -535,8 +546,8 @@ def step_kills(every: int, steps: int, max_failures: int, seed: int, nodes: int 
     """(node, step) of a node kill every ``every`` steps, victims drawn with ``seed`` among the alive nodes.
 
     The highest alive node is never drawn after the first kill: checkpoint-restart leaves it idle on five nodes (its
-    grid takes the lowest workers), and a kill armed on a phase of an idle worker would never fire there, so the two
-    policies would not meet the same faults."""
+    grid takes the lowest workers), where its loss would cost nothing, so the policies would not meet the same
+    faults."""
     rng = random.Random(seed)
     alive = list(range(nodes))
     kills = []
@@ -551,8 +562,24 @@ def step_kills(every: int, steps: int, max_failures: int, seed: int, nodes: int 
 
 
 def explicit_kills(kills: list[tuple[int, int]], phase: str) -> list[str]:
-    events = ", ".join(f"{{kind: node, node: {n}, at_step: {s}, phase: {phase}}}" for n, s in kills)
+    """``faults=explicit`` with a node kill per (node, step). The kills of the first step they hit wait for
+    ``phase``: they meet the first plan, which has every victim in it. A later one fires as its step starts: after a
+    recovery, a policy may have left its victim out as a spare or moved it where it has no work in ``phase`` (Varuna
+    morphs five nodes into one pipeline, which reduces no gradients), and a kill armed on a phase its target never
+    enters would not fire, so the policies would not meet the same faults."""
+    first = min((step for _, step in kills), default=None)
+    events = ", ".join(
+        f"{{kind: node, node: {n}, at_step: {s}" + (f", phase: {phase}}}" if s == first else "}") for n, s in kills
+    )
     return ["faults=explicit", f"faults.events=[{events}]"]
+
+
+def unfired(report: dict[str, Any]) -> list[str]:
+    """Every planned fault of the bench's jobs that did not fire, named by its job."""
+    entries = [(name, e) for name, e in report.items() if isinstance(e, dict) and name not in LATER_PARTS]
+    for part in LATER_PARTS:
+        entries += [(f"{part} {c['policy']}", c) for c in (report.get(part) or {}).get("cells", [])]
+    return [f"{name}: {fault}" for name, e in entries for fault in e.get("unfired", [])]
 
 
 def table2(args: argparse.Namespace, scratch: Path, part1: dict[str, Any]) -> dict[str, Any]:
@@ -653,6 +680,8 @@ def _cell(outcome: Outcome, every: float | None) -> dict[str, Any]:
         recover_s_median=_median(recover),
         lost_steps=sum(f["lost_steps"] or 0 for f in outcome.faults),
     )
+    if outcome.unfired:
+        cell["unfired"] = outcome.unfired
     return cell
 
 
@@ -721,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-steps", type=int, default=16, help="part 3: training steps")
     parser.add_argument("--sweep-kill-step", type=int, default=4, help="part 3: the step the workers die in")
     parser.add_argument("--table2-steps", type=int, default=40)
-    parser.add_argument("--kill-phase", default="reduce", help="phase of the step in which step-armed kills fire")
+    parser.add_argument("--kill-phase", default="reduce",
+                        help="phase of the step in which the first faulted step's kills fire")
     parser.add_argument("--table2-schedule", choices=("steps", "fixed", "exponential"), default="steps",
                         help="steps: explicit kills every K steps; fixed/exponential: wall-time schedules")
     parser.add_argument("--table2-every-steps", default="33,16,8", help="steps schedule: K, one per rate")
@@ -749,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(scratch, ignore_errors=True)
     print(f"total {time.monotonic() - started:.0f} s")
+    missed = unfired(report)
+    for fault in missed:
+        print(f"FAILED: a planned fault never fired, so its scenario was not tested: {fault}")
     print(json.dumps(report, default=str))
     if args.write_docs:
         from ftlab.experiments import results_doc
@@ -756,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = {
             "bench_recovery": ("In-place recovery against checkpoint-restart",
                                {p: f for p, f in report.items()
-                                if isinstance(f, dict) and p not in ("table2", "failed_workers")}),
+                                if isinstance(f, dict) and p not in LATER_PARTS}),
             "bench_recovery_table2": ("The shape of Oobleck's Table 2 on the local runtime",
                                       report["table2"] and [report["table2"]["fault_free"], *report["table2"]["cells"]]
                                       if "table2" in report else None),
@@ -766,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (title, rows) in parts.items():
             if rows:
                 results_doc.write_section(name, title, {"": rows}, argv, module="bench_recovery")
-    return 0
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":

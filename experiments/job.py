@@ -92,6 +92,13 @@ class JobResult:
     stopped: str | None = None
     """Why the policy stopped the job before train.steps, if it did."""
 
+    @property
+    def unfired(self) -> list[str]:
+        """The scheduled faults the job did not fire (skipped, never reached, or whose target never entered their
+        phase), each with the reason: a bench whose faults did not all fire did not test what it claims to."""
+        missed = [e for e in self.events if isinstance(e, (ev.FaultUnfired, ev.FaultSkipped))]
+        return [f"{e.fault.get('kind')} fault at step {e.fault.get('at_step')}: {e.reason}" for e in missed]
+
 
 # -- the costs a job plans with ------------------------------------------------------------------------------------
 def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict[str, Any]]:

@@ -109,6 +109,8 @@ def test_a_fault_free_run_reads_goodput_one_and_a_fault_past_the_job_is_a_warnin
     assert result.summary["summary/lost_steps_total"] == 0 and result.summary["summary/recovery_s_total"] == 0
     assert result.summary["summary/faults_unfired"] == 1
     assert "fault not fired: the node fault at step 12" in caplog.text
+    (missed,) = result.unfired  # what a bench checks: every fault it plans must fire
+    assert missed.startswith("node fault at step 12:") and "train.steps" in missed
     client, record = only_run(tmp_path)
     (unfired,) = [e for e in events_of(client, record.info.run_id, tmp_path) if e["kind"] == "fault_unfired"]
     assert unfired["fault"]["at_step"] == 12 and "train.steps" in unfired["reason"]
