@@ -4,8 +4,9 @@
     .venv/bin/python -m ftlab.experiments.bench_policies --smoke    # local-6, 20 steps: that it runs and prints
     .venv/bin/python -m ftlab.experiments.bench_policies --rounds 3 # each policy three times: its median run
 
-The job: gpt2-tiny, ``train.stages=2``, each device granted 40 MB (so every policy's pipelines have two stages and
-the schedule's victims sit in known stages of the 2 x N grid: even workers hold stage 0, odd ones stage 1). The
+The job: gpt2-tiny, ``train.stages=2``, each device granted 40 MB for each stage's state its policy keeps (80 MB for
+Bamboo's own and its neighbour's; so every policy's pipelines have two stages and the schedule's victims sit in
+known stages of the 2 x N grid: even workers hold stage 0, odd ones stage 1). The
 schedule (explicit, step-clocked, the same kills for every policy):
 
 - a single worker process killed (worker 1, stage 1), in ``--phase`` of its step,
@@ -90,9 +91,18 @@ def compared() -> list[str]:
     return [*singles(), *choosers()]
 
 
+DEVICE_MEMORY_GB = 0.04
+"""A device's memory for one stage's state: two-stage pipelines; a policy gets it for each stage's state it holds."""
+
+
 def job(nodes: int, steps: int) -> list[str]:
-    return ["experiment=plain", "model=gpt2-tiny", f"cluster=local-{nodes}", "cluster.device_memory_gb=0.04",
-            "train.stages=2", "train.global_batch=16", "train.micro_batch=2", f"train.steps={steps}"]  # fmt: skip
+    return ["experiment=plain", "model=gpt2-tiny", f"cluster=local-{nodes}", "train.stages=2",
+            "train.global_batch=16", "train.micro_batch=2", f"train.steps={steps}"]  # fmt: skip
+
+
+def device_memory(policy: str) -> list[str]:
+    """``DEVICE_MEMORY_GB`` for each stage's state the policy keeps on a device (Bamboo: its own and a neighbour's)."""
+    return [f"cluster.device_memory_gb={DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies:g}"]
 
 
 def schedule(nodes: int, steps: int, phase: str) -> list[str]:
@@ -121,17 +131,16 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
-              f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}"]  # fmt: skip
-    host = []
-    if measure_cores:
-        cfg, plan = first_plan([*common, *overrides])
-        host = host_overrides(measured_host(cfg, plan, workers_share(cfg, plan)))
-    common += host
-    print(f"  {policy}: {' '.join([*overrides, *host])}", flush=True)
+              f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}", *device_memory(policy)]
     started = time.monotonic()
     try:
-        result = run_job(compose_config([*common, *overrides]))
-    except Exception as exc:  # noqa: BLE001 - JobStopped, a crash: findings to report
+        host = []
+        if measure_cores:
+            cfg, plan = first_plan([*common, *overrides])
+            host = host_overrides(measured_host(cfg, plan, workers_share(cfg, plan)))
+        print(f"  {policy}: {' '.join([*device_memory(policy), *overrides, *host])}", flush=True)
+        result = run_job(compose_config([*common, *host, *overrides]))
+    except Exception as exc:  # noqa: BLE001 - a refusal, JobStopped, a crash: findings to report
         print(f"  {policy}: did not finish: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
         if type(exc).__name__ != "JobStopped":
             traceback.print_exc()
