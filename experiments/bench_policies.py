@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="local-6, 20 steps: that it runs and prints")
     parser.add_argument("--nodes", type=int, default=8, help="cluster=local-N (even: a 2 x N/2 grid)")
     parser.add_argument("--steps", type=int, default=40,
-                        help="enough that the joining node, started after the stage is lost, is up before the end")
+                        help="enough that the joining node, started after the stage is lost, is up before the end "
+                             "where the stage loss was recovered in place (a restart may leave too few steps: "
+                             "join_stall_s is then -)")
     parser.add_argument("--phase", default="reduce", help="the phase of its step the first kill fires in")
     parser.add_argument("--protection", default="reft", help="every policy's protection (reft or storage)")
     parser.add_argument("--flush-every", type=int, default=10, help="reft: storage flush period; storage: its period")
