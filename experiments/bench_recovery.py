@@ -104,9 +104,9 @@ SWEEP_WORKERS, SWEEP_BATCH = 8, 16
 RESTART_PROTECTION = ["protection=storage", "protection.every=5"]
 """What the restart baseline restarts from."""
 SETTINGS = {"oobleck": ["policy.fault_threshold=1"]}
+"""Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
 LATER_PARTS = ("table2", "failed_workers")
 """The report's keys of parts 2 and 3, whose entries are lists of cells beside part 1's policies."""
-"""Settings a policy runs with here beyond its defaults (which policies run is what their roles say)."""
 
 
 def restarts() -> tuple[str, ...]:
