@@ -70,6 +70,8 @@ from ftlab.policies import catalog
 
 JOIN_STALL_TARGET_S = 1.0
 """A join may stop training for its configuration, not for a node's start."""
+DEVICE_MEMORY_GB = 0.04
+"""A device's memory for one stage's state: two-stage pipelines; a policy gets it for each stage's state it holds."""
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".ftlab" / "cache"
@@ -89,10 +91,6 @@ def choosers() -> tuple[str, ...]:
 def compared() -> list[str]:
     """Every policy the bench runs, the single ones first."""
     return [*singles(), *choosers()]
-
-
-DEVICE_MEMORY_GB = 0.04
-"""A device's memory for one stage's state: two-stage pipelines; a policy gets it for each stage's state it holds."""
 
 
 def job(nodes: int, steps: int) -> list[str]:
