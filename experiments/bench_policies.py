@@ -98,11 +98,6 @@ def job(nodes: int, steps: int) -> list[str]:
             "train.global_batch=16", "train.micro_batch=2", f"train.steps={steps}"]  # fmt: skip
 
 
-def device_memory(policy: str) -> list[str]:
-    """``DEVICE_MEMORY_GB`` for each stage's state the policy keeps on a device (Bamboo: its own and a neighbour's)."""
-    return [f"cluster.device_memory_gb={DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies:g}"]
-
-
 def schedule(nodes: int, steps: int, phase: str) -> list[str]:
     """The mixed schedule, spread over the job: a worker, a node, the rest of stage 1, then a new node (node ids are
     never reused) that boots through the rest of the job."""
@@ -128,15 +123,16 @@ def run_policy(policy: str, overrides: list[str], scratch: Path, measure_cores: 
     from ftlab.experiments.job import compose_config, run_job
 
     d = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=scratch))
+    memory = catalog.device_memory(policy, DEVICE_MEMORY_GB)
     common = [f"tracking.uri=sqlite:///{d}/mlflow.db", f"train.cache_dir={CACHE_DIR}",
-              f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}", *device_memory(policy)]
+              f"train.checkpoint_dir={d}/checkpoints", "progress=false", f"policy={policy}", memory]
     started = time.monotonic()
     try:
         host = []
         if measure_cores:
             cfg, plan = first_plan([*common, *overrides])
             host = host_overrides(measured_host(cfg, plan, workers_share(cfg, plan)))
-        print(f"  {policy}: {' '.join([*device_memory(policy), *overrides, *host])}", flush=True)
+        print(f"  {policy}: {' '.join([memory, *overrides, *host])}", flush=True)
         result = run_job(compose_config([*common, *host, *overrides]))
     except Exception as exc:  # noqa: BLE001 - a refusal, JobStopped, a crash: findings to report
         print(f"  {policy}: did not finish: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)

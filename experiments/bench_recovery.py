@@ -128,8 +128,7 @@ def overrides_of(policy: str) -> list[str]:
     """``policy=NAME`` with what it runs with here: the baseline checkpoints to storage, a device holds each stage's
     state the policy keeps, ``SETTINGS`` the rest."""
     saved = RESTART_PROTECTION if policy in restarts() else []
-    memory_gb = DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies
-    return [f"policy={policy}", *saved, f"cluster.device_memory_gb={memory_gb:g}", *SETTINGS.get(policy, [])]
+    return [f"policy={policy}", *saved, catalog.device_memory(policy, DEVICE_MEMORY_GB), *SETTINGS.get(policy, [])]
 
 
 @dataclass
@@ -144,12 +143,15 @@ class Outcome:
     faults: list[dict[str, Any]] = field(default_factory=list)
     store: Path | None = None
     """The job's MLflow store directory (its events.jsonl is read for the planner's predictions)."""
-    unfired: list[str] = field(default_factory=list)
-    """The planned faults the job did not fire, with the reasons: each fails the bench."""
 
     @property
     def ok(self) -> bool:
         return self.result is not None
+
+    @property
+    def unfired(self) -> list[str]:
+        """The planned faults the job did not fire, with the reasons: each fails the bench."""
+        return self.result.unfired if self.ok else []
 
 
 def run_one(policy: str, label: str, overrides: list[str], scratch: Path, job: list[str] = JOB) -> Outcome:
@@ -194,7 +196,7 @@ def run_one(policy: str, label: str, overrides: list[str], scratch: Path, job: l
     )
     if result.unfired:
         print(f"  [{label}] {policy}: planned faults that never fired: {'; '.join(result.unfired)}", flush=True)
-    return Outcome(policy, label, wall, result, None, faults, store=d, unfired=result.unfired)
+    return Outcome(policy, label, wall, result, None, faults, store=d)
 
 
 def losses_by_step(result: Any) -> dict[int, float]:

@@ -97,13 +97,13 @@ def segments() -> set[str]:
 
 
 def scenario(policy: str, protection: str, workdir: Path, numerics: list[str]) -> Callable[..., JobResult]:
-    memory_gb = DEVICE_MEMORY_GB * catalog.roles()[policy].state_copies
+    memory = catalog.device_memory(policy, DEVICE_MEMORY_GB)
 
     def run(*extra: str) -> JobResult:
         overrides = [
             "experiment=plain", f"policy={policy}", f"protection={protection}", *protection_settings(protection),
             *numerics,
-            "cluster=local-6", f"cluster.device_memory_gb={memory_gb:g}", f"train.steps={STEPS}", "progress=false",
+            "cluster=local-6", memory, f"train.steps={STEPS}", "progress=false",
             f"tracking.uri=sqlite:///{workdir}/mlflow.db", f"train.checkpoint_dir={workdir}/checkpoints", *extra,
         ]  # fmt: skip
         return run_job(compose_config(overrides))

@@ -70,6 +70,12 @@ def roles() -> dict[str, Roles]:
     return {name: cls.roles for name, cls in policy_classes().items()}
 
 
+def device_memory(policy: str, per_stage_gb: float) -> str:
+    """The ``cluster.device_memory_gb`` override of a harness that sizes a device for one stage's state: that much
+    for each stage's state ``policy`` keeps on a device (``Roles.state_copies``)."""
+    return f"cluster.device_memory_gb={per_stage_gb * roles()[policy].state_copies:g}"
+
+
 def policies_with(wanted: Callable[[Roles], bool]) -> tuple[str, ...]:
     """The policies whose roles ``wanted`` accepts, by name."""
     return tuple(name for name, declared in roles().items() if wanted(declared))
