@@ -150,3 +150,13 @@ def test_every_policy_found_declares_the_roles_it_plays() -> None:
     assert found["none"].recovers is False
     assert {name for name, roles in found.items() if roles.candidate} >= {"recycle", "oobleck", "checkpoint_restart"}
     assert found["adaptive"].chooses and found["checkpoint_restart"].restarts_only
+
+
+@pytest.mark.parametrize("group", catalog.COMPONENT_GROUPS)
+def test_the_readme_lists_every_option_of_each_component_group(group: str) -> None:
+    """README's table of config groups names every shipped option, so a new policy cannot land unlisted."""
+    readme = (job_module.CONF_DIR.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `{group}` |"))
+    shipped = {path.stem for path in (job_module.CONF_DIR / group).glob("*.yaml")}
+    assert "none" in shipped
+    assert {name for name in shipped if f"`{name}`" not in row} == set()
