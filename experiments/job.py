@@ -474,9 +474,10 @@ def check_job(cfg: JobConfig) -> Preflight:
     plan, its memory, the fault schedule. Raises ConfigError (or the fault schedule's error) with what to change."""
     check_settings(cfg)
     start = resume_point(cfg)
+    # The schedule's errors are the config's alone: said before the first plan, which loads and runs the planner.
+    scheduled = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
     make_job = job_factory(cfg, start)
     policy, protection, decision = first_decision(cfg, make_job)
-    scheduled = build_schedule(cfg.faults, ClusterShape(cfg.cluster.nodes, cfg.cluster.workers_per_node))
     first_step = start.step if start is not None else 0
     faults = check_reach(cfg.faults, scheduled, first_step, cfg.train.steps)
     beyond = beyond_job(scheduled, first_step, cfg.train.steps)

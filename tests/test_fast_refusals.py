@@ -66,3 +66,13 @@ def test_an_unknown_model_is_refused_at_composition_before_the_heavy_imports(tmp
     assert "hydra" in before
     assert not before & set(HEAVY), f"loaded before the refusal was printed: {sorted(before & set(HEAVY))}"
     assert "Available options" in done.stderr and "gpt2-tiny" in done.stderr
+
+
+def test_a_bad_fault_schedule_is_refused_before_the_policy_plans(tmp_path: Path) -> None:
+    """The schedule's own errors need no plan: they are said before Oobleck loads its solvers (scipy, Pyomo)."""
+    done = ftlab(tmp_path, "policy=oobleck", "faults=exponential", "faults.mtbf_steps=-1")
+    assert done.returncode == 1
+    before = loaded_before(done.stderr, "ftlab: ")
+    assert "faults.mtbf_steps is -1.0" in done.stderr
+    planning = {"scipy", "pyomo", *HEAVY}
+    assert not before & planning, f"loaded before the refusal was printed: {sorted(before & planning)}"
