@@ -38,7 +38,7 @@ from ftlab.faults.schedules import (
 from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
-from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig
+from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig, TrainConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
 from ftlab.runtime.core.costs import (
     CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint, with_precision,
@@ -718,7 +718,12 @@ def conclude(
 
 
 def record_checks(cfg: JobConfig, tracker: Tracker | None, seen: Observers, checked: Preflight, at: float) -> None:
-    """What the checks before the job found: the protection's choices as tags, faults beyond the job warned of."""
+    """What the checks before the job found: the protection's choices as tags, faults beyond the job warned of, a
+    ``train.stages`` the policy does not use."""
+    if checked.policy.plans_own_depth and cfg.train.stages != TrainConfig.stages:
+        depths = sorted({len(p.stages) for p in checked.decision.plan.pipelines})
+        log.warning("train.stages=%d is not used: policy=%s chooses its pipelines' depth itself (its first plan: %s "
+                    "stages)", cfg.train.stages, cfg.policy.name, " and ".join(map(str, depths)))  # fmt: skip
     if tracker is not None:
         for key, value in checked.protection.describe().items():
             tracker.set_tag(f"protection.{key}", value)

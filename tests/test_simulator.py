@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -523,6 +524,17 @@ def test_oobleck_with_reft_runs_on_a_gpu_cluster(job_overrides: list[str]) -> No
     result = simulate(sim_cfg(job_overrides, *base)).result
     assert sorted({s.step for s in result.steps}) == list(range(STEPS)) and len(result.faults) == 2
     assert all(s.snapshot_s is not None for s in result.steps[1:3])
+
+
+def test_a_train_stages_the_policy_does_not_use_is_warned_of(
+    job_overrides: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Oobleck chooses its pipelines' depth from its templates: a train.stages given to it is said to be unused."""
+    with caplog.at_level(logging.WARNING, logger=job_module.__name__):
+        simulate(sim_cfg(job_overrides, *OOBLECK, "train.stages=3"))
+        simulate(sim_cfg(job_overrides, *RESTART, "train.stages=3"))
+    unused = [r.getMessage() for r in caplog.records if "is not used" in r.getMessage()]
+    assert len(unused) == 1 and unused[0].startswith("train.stages=3 is not used: policy=oobleck chooses")
 
 
 # -- activation checkpointing in the cost and memory model --------------------------------------------------------

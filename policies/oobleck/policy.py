@@ -52,6 +52,7 @@ class Layout:
 class Oobleck(Policy):
     roles = Roles(in_place=True, candidate="reconfigure")
     moves_layers = True
+    plans_own_depth = True  # its templates' depths
 
     def __init__(self, settings: object) -> None:
         super().__init__(settings)

@@ -48,6 +48,7 @@ from ftlab.runtime.core.plan import PlanError
 class Varuna(Policy):
     roles = Roles(restarts=True)
     heeds_warnings_at_once = True  # it checkpoints when warned: mid-iteration, not after the kill
+    plans_own_depth = True  # it morphs to the fastest depth
 
     def check(self, protection: Protection) -> None:
         if not protection.keeps_state:

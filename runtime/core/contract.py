@@ -435,6 +435,9 @@ class Policy(ABC):
     """Hears a preemption warning as it comes, the iteration in flight given up, not at the next iteration boundary,
     which may come after the kill: for a policy that saves when warned. Until the iteration commits, every worker
     holds the committed step's state, so the save holds the same either way; the iteration is run again after it."""
+    plans_own_depth: ClassVar[bool] = False
+    """Chooses its pipelines' depth itself (templates, morphing): ``train.stages`` shapes none of its plans, and a
+    job that sets it is warned that it is not used."""
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
