@@ -470,8 +470,8 @@ class Preflight:
 
 
 def check_job(cfg: JobConfig) -> Preflight:
-    """What every job is checked for, real or simulated: settings, the policy and protection with their first
-    plan, its memory, the fault schedule. Raises ConfigError (or the fault schedule's error) with what to change."""
+    """What every job is checked for, real or simulated: settings, the fault schedule, the policy and protection
+    with their first plan, its memory. Raises ConfigError (or the fault schedule's error) with what to change."""
     check_settings(cfg)
     start = resume_point(cfg)
     # The schedule's errors are the config's alone: said before the first plan, which loads and runs the planner.
