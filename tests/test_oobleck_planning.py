@@ -3,6 +3,7 @@ reconfiguration and plans, checked against brute force and against the paper's g
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from functools import cache
@@ -26,7 +27,7 @@ from ftlab.policies.oobleck.templates import (
 )
 from ftlab.policies.oobleck.to_plan import to_plan, worker_transfers
 from ftlab.runtime.core.plan import PlanError
-from ftlab.runtime.core.costs import LayerProfile, ModelProfile
+from ftlab.runtime.core.costs import CostModel, LayerProfile, ModelProfile
 
 GB = 1 << 30
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -242,6 +243,21 @@ def test_templates_are_well_formed_and_fit_in_memory(
     times = [s.time_s for s in template.stages]
     for nb in (1, template.num_stages, 4 * template.num_stages, 50):
         assert template.iteration_time(nb) == pytest.approx(paper_time(times, nb), rel=1e-12)
+
+
+@given(profile=profiles(), precision=st.sampled_from(["fp32", "bf16", "fp16"]), checkpointing=st.booleans())
+@FAST
+def test_a_stage_s_memory_is_the_preflight_check_s(profile: ModelProfile, precision: str, checkpointing: bool) -> None:
+    """The templates count a stage's memory as the check before any worker starts does (``CostModel.stage_memory``,
+    ``stage_footprint``): with autocast's copy of the weights under bf16 and fp16 too, or a template the search
+    found to fit would be refused (as a 7-of-8-layer stage of gpt2-tiny on 40 MB devices was)."""
+    profile = dataclasses.replace(profile, precision=precision, activation_checkpointing=checkpointing)
+    costs, reference = stage_costs(profile, (1,)), CostModel(profile)
+    n = profile.num_layers
+    for start, stop in itertools.combinations(range(n + 1), 2):
+        for in_flight in (1, 2, n):
+            want = reference.stage_memory(start, stop, in_flight)
+            assert costs.memory(start, stop, 1, in_flight) == pytest.approx(want, rel=1e-12)
 
 
 def test_uniform_layers_are_split_evenly() -> None:

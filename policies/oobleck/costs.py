@@ -11,7 +11,9 @@ Time of a stage for one micro-batch, forward plus backward (the F + B of the pap
   at the profile's p2p bandwidth (a stage boundary inside a node is charged like one across nodes: we take the
   slower link so a template never counts on a placement it does not control).
 
-Memory per GPU: ``runtime.core.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``.
+Memory per GPU: ``runtime.core.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``,
+with autocast's copy of the weights (``weight_copy_bytes``, held whatever the schedule) counted with the state: the
+figure the preflight check (``stage_footprint``) holds a plan to.
 Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches. With activation checkpointing (the
 profile says so) a stage keeps only its input per micro-batch in flight, holds one micro-batch's full activations
 while it recomputes them (counted with the state: it does not grow with the micro-batches in flight), and its
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftlab.runtime.core.costs import ModelProfile, stage_memory
+from ftlab.runtime.core.costs import ModelProfile, stage_memory, weight_copy_bytes
 
 TP_ALLREDUCES_PER_LAYER = 4
 
@@ -72,6 +74,8 @@ def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
     outputs = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
     output_ranges = _ranges(outputs)
     static = _ranges(np.array([layer.state_bytes for layer in layers], dtype=np.float64))
+    static = static + weight_copy_bytes(_ranges(np.array([layer.param_bytes for layer in layers], dtype=np.float64)),
+                                        profile.precision)  # fmt: skip
     saved = _ranges(np.array([layer.saved_bytes for layer in layers], dtype=np.float64))
     if checkpointing:  # the stage's input per micro-batch in flight; its activations once, while it recomputes
         static = static + saved

@@ -216,8 +216,10 @@ class ReCycle(Policy):
             return self.settings.memory_limit
         bounds = grid_shape(layout)
         costs = job.costs
+        # Room for micro-batches in flight: the device less what a stage holds with none (its state, autocast's
+        # weight copy, a checkpointed stage's recomputation).
         fits = min(
-            int((job.device_memory_bytes - costs.state_bytes(a, b)) // max(1.0, costs.activation_bytes(a, b)))
+            int((job.device_memory_bytes - costs.stage_memory(a, b, 0)) // max(1.0, costs.activation_bytes(a, b)))
             for a, b in bounds
         )
         return max(1, min(fits, 2 * len(bounds)))
