@@ -116,6 +116,21 @@ def test_the_fault_free_grid_is_planned_one_pipeline_per_length() -> None:
     assert first.details["predicted_iter_s"] == pytest.approx(whole_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("memory_gb", [30, 34, 40])
+def test_the_micro_batches_a_stage_may_hold_leave_room_for_autocasts_weight_copy(memory_gb: int) -> None:
+    """With no policy.memory_limit, a stage may hold as many micro-batches in flight as fit beside everything it holds
+    with none (its state and, in bf16, autocast's copy of its weights): the most that fit, never one more."""
+    cluster = Cluster("model=gpt3-3.35b", f"cluster.device_memory_gb={memory_gb}", "train.stages=4",
+                      "train.global_batch=128", "train.micro_batch=2", "train.precision=bf16",
+                      "train.activation_checkpointing=false")  # fmt: skip
+    plan, job = cluster.first.plan, cluster.job()
+    limit = cluster.policy._memory_limit(plan, job)  # type: ignore[attr-defined]
+    stages = [(s.start, s.stop) for s in plan.pipelines[0].stages]
+    assert 1 < limit < 2 * len(stages)  # bound by memory, not by the cap
+    assert all(job.costs.stage_memory(a, b, limit) <= job.device_memory_bytes for a, b in stages)
+    assert any(job.costs.stage_memory(a, b, limit + 1) > job.device_memory_bytes for a, b in stages)
+
+
 def test_only_the_peers_that_absorb_rerouted_work_decouple_their_backward() -> None:
     """As the paper: decoupling where a reroute needs it, every other worker's backward one pass as in 1F1B, so the
     rerouted plan is no faster than the fault-free grid."""
