@@ -11,22 +11,20 @@ Time of a stage for one micro-batch, forward plus backward (the F + B of the pap
   at the profile's p2p bandwidth (a stage boundary inside a node is charged like one across nodes: we take the
   slower link so a template never counts on a placement it does not control).
 
-Memory per GPU: ``runtime.core.costs.stage_memory`` of the layers' state and saved activations, both divided by ``g``,
-with autocast's copy of the weights (``weight_copy_bytes``, held whatever the schedule) counted with the state: the
-figure the preflight check (``stage_footprint``) holds a plan to.
-Under 1F1B a stage with ``k`` stages after it holds ``k + 1`` micro-batches. With activation checkpointing (the
-profile says so) a stage keeps only its input per micro-batch in flight, holds one micro-batch's full activations
-while it recomputes them (counted with the state: it does not grow with the micro-batches in flight), and its
-time gains one forward.
+Memory per GPU: ``CostModel.stage_memory`` (the figure the preflight check holds a plan to), divided by ``g``: what
+a stage holds with no micro-batch in flight (its state, autocast's copy of its weights, a checkpointed stage's
+recomputed activations) and what each micro-batch in flight adds. Under 1F1B a stage with ``k`` stages after it holds
+``k + 1`` micro-batches. With activation checkpointing (the profile says so) a stage's time gains one forward.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from ftlab.runtime.core.costs import ModelProfile, stage_memory, weight_copy_bytes
+from ftlab.runtime.core.costs import CostModel, ModelProfile, stage_memory
 
 TP_ALLREDUCES_PER_LAYER = 4
 
@@ -65,6 +63,17 @@ def _ranges(per_layer: np.ndarray) -> np.ndarray:
     return np.triu(prefix[None, :] - prefix[:, None], k=1)
 
 
+def _memory_tables(model: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """[u, v] -> what a stage of layers [u, v) holds with no micro-batch in flight, and what each one in flight adds:
+    ``CostModel``'s own figures, so a template fits exactly when the preflight check says it does."""
+    n = model.num_layers
+    held, per_microbatch = np.zeros((n + 1, n + 1)), np.zeros((n + 1, n + 1))
+    for start, stop in itertools.combinations(range(n + 1), 2):
+        held[start, stop] = model.stage_memory(start, stop, 0)
+        per_microbatch[start, stop] = model.activation_bytes(start, stop)
+    return held, per_microbatch
+
+
 def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
     layers = profile.layers
     n = len(layers)
@@ -73,14 +82,7 @@ def stage_costs(profile: ModelProfile, degrees: tuple[int, ...]) -> StageCosts:
     compute = _ranges(np.array([layer.time_s for layer in layers]) + recompute)
     outputs = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
     output_ranges = _ranges(outputs)
-    static = _ranges(np.array([layer.state_bytes for layer in layers], dtype=np.float64))
-    static = static + weight_copy_bytes(_ranges(np.array([layer.param_bytes for layer in layers], dtype=np.float64)),
-                                        profile.precision)  # fmt: skip
-    saved = _ranges(np.array([layer.saved_bytes for layer in layers], dtype=np.float64))
-    if checkpointing:  # the stage's input per micro-batch in flight; its activations once, while it recomputes
-        static = static + saved
-        inputs = np.concatenate(([0.0], outputs[: n - 1], [0.0]))  # the input of a stage starting at u
-        saved = np.triu(np.repeat(inputs[:, None], n + 1, axis=1), k=1)
+    static, saved = _memory_tables(CostModel(profile))
     # The stage ending at v sends layer v-1's output forward and receives its gradient back; the last sends none.
     send = np.zeros(n + 1)
     send[1:n] = 2 * (profile.latency_s + outputs[: n - 1] / profile.p2p_bytes_per_s)
