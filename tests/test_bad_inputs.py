@@ -92,6 +92,7 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("restart without state", ["policy=checkpoint_restart", "protection=none"], ConfigError, "add protection=storage"),
     ("checkpoint interval", ["protection=storage", "protection.every=0"], ConfigError, "protection.every=0"),
     ("data missing", ["train.data=/nonexistent/corpus.txt"], FileNotFoundError, "/nonexistent/corpus.txt"),
+    ("data a folder", ["train.data=/"], FileNotFoundError, "training text '/' is a directory"),
     ("resume dir", ["train.resume_from=/nonexistent/run"], ConfigError, "holds no committed checkpoint"),
 ]
 

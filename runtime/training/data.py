@@ -41,8 +41,9 @@ def text_file(path: str) -> Path:
     """The local file ``train.data`` names, or a FileNotFoundError that says what to give instead."""
     file = Path(path).expanduser()
     if not file.is_file():
+        what = "is a directory" if file.is_dir() else "is not a regular file" if file.exists() else "does not exist"
         raise FileNotFoundError(
-            f"training text {str(file)!r} does not exist; set train.data to an existing local text file "
+            f"training text {str(file)!r} {what}; set train.data to an existing local text file "
             "(plain or .gz), or leave it unset for the bundled WikiText-2"
         )
     return file
