@@ -86,6 +86,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("trace compression", ["faults=trace", "faults.time_compression=0"], FaultConfigError, "time_compression"),
     ("fault threshold", ["policy=oobleck", "policy.fault_threshold=4"], ConfigError, "policy.fault_threshold"),
     ("negative threshold", ["policy=oobleck", "policy.fault_threshold=-1"], ConfigError, "policy.fault_threshold=-1"),
+    ("replicas do not fit", ["policy=oobleck", "policy.fault_threshold=2", "cluster.device_memory_gb=0.04"],
+     ConfigError, "4 nodes of 1 x 0.04 GiB: add nodes (cluster.nodes) or memory (cluster.device_memory_gb)"),
     ("template too small", ["policy=oobleck", "policy.min_nodes=0"], ConfigError, "policy.min_nodes=0"),
     ("template too large", ["policy=oobleck", "policy.min_nodes=3", "cluster=local-4"], ConfigError, "between 1 and 2"),
     ("review cadence", ["policy=adaptive", "policy.review_every=-1"], ConfigError, "policy.review_every=-1"),

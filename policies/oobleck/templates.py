@@ -215,8 +215,8 @@ def generate_templates(
     if n0 is None:
         raise ValueError(
             f"model {profile.model} does not fit f + 1 = {fault_threshold + 1} times in {num_nodes} nodes of "
-            f"{gpus_per_node} x {profile.device_memory_bytes / 2**30:.1f} GiB: add nodes, lower the fault "
-            f"threshold or the micro-batch"
+            f"{gpus_per_node} x {profile.device_memory_bytes / 2**30:.2f} GiB: add nodes (cluster.nodes) or memory "
+            f"(cluster.device_memory_gb), or lower policy.fault_threshold or train.micro_batch"
         )
     templates: list[PipelineTemplate] = []
     for nodes in node_specification(num_nodes, fault_threshold, n0):
