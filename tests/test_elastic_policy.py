@@ -1,6 +1,7 @@
 """``policy=elastic``'s decisions, on the simulator (the same policy code the processes run): survivors of broken
-replicas form a whole one when they hold complementary stages, a restart when no layer set survives, a stop without
-saved state, and a layout that cannot fit refused before any worker starts."""
+replicas form a whole one when they hold complementary stages, a restart when no layer set survives (on fewer stages
+when fewer workers than ``train.stages`` live), a stop without saved state, and a layout that cannot fit refused
+before any worker starts."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def test_no_surviving_copy_of_a_stage_restarts_from_the_protection(job_overrides
     (decided,) = decisions(result)
     assert decided.outcome == "restart" and decided.resume_step == 2
     assert [p.workers for p in result.plans[-1].pipelines] == [(0, 2)]
+
+
+def test_fewer_survivors_than_stages_restart_on_one_stage_each(job_overrides: list[str]) -> None:
+    # Three stages on four workers: replica (0, 1, 2) and worker 3 idle. Workers 0 and 1 die: two are left.
+    result = simulate(job_overrides, "train.stages=3", "protection=storage", "protection.every=2",
+                      *explicit(node(0, 3, "backward"), node(1, 3, "backward")))  # fmt: skip
+    (decided,) = decisions(result)
+    assert decided.outcome == "restart" and decided.resume_step == 2
+    assert [p.workers for p in result.plans[-1].pipelines] == [(2, 3)]
+    assert [r.step for r in result.steps][-1] == STEPS - 1
 
 
 def test_no_surviving_copy_of_a_stage_stops_without_saved_state(job_overrides: list[str]) -> None:

@@ -1,5 +1,6 @@
 """``policy=elastic`` on real processes: a killed node drops its replica and the whole ones go on in place; a joined
-node forms a new replica healed from a live one; both stay on the fault-free trajectory (``tests/oracle.py``).
+node forms a new replica healed from a live one; a lone survivor restarts with every layer; all stay on the
+fault-free trajectory (``tests/oracle.py``).
 
 Six local nodes of one worker each and ``train.stages=2``: three replicas (0, 1), (2, 3), (4, 5).
 """
@@ -78,3 +79,13 @@ def test_a_joined_node_forms_a_replica_healed_from_a_live_one(run, fault_free: J
     assert [p.workers for p in result.plans[-1].pipelines] == [(0, 1), (4, 5), (2, 6)]
     copied = [e for e in result.events if isinstance(e, ev.LayersCopied)]
     assert len(copied) == 1 and copied[0].copies == 8 and copied[0].nbytes > 0
+
+
+def test_one_survivor_of_a_two_stage_layout_restarts_alone(run, fault_free: JobResult) -> None:  # noqa: ANN001
+    """Five of six nodes die at once: no replica is whole and one worker cannot hold a stage of two, so the job
+    restarts on that worker with every layer from the newest checkpoint (Roles.restarts: any live node)."""
+    result = run(*JOB, *explicit(*(node(n, 4, "backward") for n in range(5))))
+    assert_on_fault_free_trajectory(result, fault_free, STEPS)
+    (decided,) = [e for e in result.events if isinstance(e, ev.Decided)]
+    assert decided.outcome == "restart"
+    assert [p.workers for p in result.plans[-1].pipelines] == [(5,)]

@@ -13,8 +13,9 @@
   stops with what to change.
 
 The layout never changes while the job runs in place: ``train.stages`` stages of ``even_split`` layers, the running
-plan's spans. A restart keeps it too (it needs ``train.stages`` live workers), so a checkpoint taken on one layout
-restores on the next.
+plan's spans. A restart keeps it where ``train.stages`` workers live; with fewer it restarts on one stage per live
+worker, as checkpoint-restart does (a checkpoint holds layers, not a layout, so any layout restores it), and new
+replicas then copy that layout until the next restart.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Elastic(Policy):
     moves_layers = True  # new replicas are healed by copying layers with their optimizer state
 
     def plan(self, job: Job, protection: Protection) -> Decision:
-        plan = self._grid(job.workers, job, generation=0, step=job.start_step)
+        plan = self._grid(job.workers, job, generation=0, step=job.start_step, stages=job.train.stages)
         why = f"{len(plan.pipelines)} replicas of {job.train.stages} stages (train.stages)"
         return decision(plan, why, restore=job.start)
 
@@ -64,8 +65,9 @@ class Elastic(Policy):
                 f"protection={protection.name} saves nothing to restart from: add protection=storage or protection=reft"
             )
         source: Source | None = protection.restore_source(change)
+        stages = min(job.train.stages, len(job.slots))  # the restart's promise (Roles.restarts): any live node
         try:
-            plan = self._grid(job.slots, job, change.generation, source.step if source else 0)
+            plan = self._grid(job.slots, job, change.generation, source.step if source else 0, stages)
         except PlanError as exc:
             return Stop(f"{change.describe()}: no replica is whole and no restart fits: {exc}")
         where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
@@ -73,9 +75,8 @@ class Elastic(Policy):
         return decision(plan, reason, restore=source, restart=True)
 
     @staticmethod
-    def _grid(workers: list[int], job: Job, generation: int, step: int) -> Plan:
-        """As many replicas of ``train.stages`` stages as ``workers`` fill and the global batch feeds."""
-        stages = job.train.stages
+    def _grid(workers: list[int], job: Job, generation: int, step: int, stages: int) -> Plan:
+        """As many replicas of ``stages`` stages as ``workers`` fill and the global batch feeds."""
         spans = tuple(even_split(len(job.specs), stages))
         count = min(len(workers) // stages, room(job))
         if count < 1:
