@@ -95,7 +95,9 @@ class Coordinator:
             if isinstance(loadable, Failure):
                 decision, step = self._recover(loadable, self.confirmed or decision.plan, step)
                 continue
-            decision = loadable
+            # A refused restore source makes the policy answer again, from other saved state or from scratch:
+            # training goes on from where that answer starts, not from where the refused one would have.
+            decision, step = loadable, loadable.plan.step
             if self.update_rule is not None:
                 self.update_rule.rewind(decision.plan.step)
             failure = self._carry_out(decision)
