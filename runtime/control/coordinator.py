@@ -88,23 +88,22 @@ class Coordinator:
 
     def run(self, first: Decision) -> None:
         """Train until ``steps`` steps are committed."""
+        # Each decision's plan starts at the step training goes on from; no other record of it is kept, so one
+        # replaced below (a refused restore source makes the policy answer again) brings its own.
         decision: Decision | None = first
-        step = first.plan.step
         while decision is not None:
             loadable = self._loadable(decision)
             if isinstance(loadable, Failure):
-                decision, step = self._recover(loadable, self.confirmed or decision.plan, step)
+                decision = self._recover(loadable, self.confirmed or decision.plan, decision.plan.step)
                 continue
-            # A refused restore source makes the policy answer again, from other saved state or from scratch:
-            # training goes on from where that answer starts, not from where the refused one would have.
-            decision, step = loadable, loadable.plan.step
+            decision = loadable
             if self.update_rule is not None:
                 self.update_rule.rewind(decision.plan.step)
             failure = self._carry_out(decision)
             if failure:
-                decision, step = self._recover(failure, decision.plan, step)
+                decision = self._recover(failure, decision.plan, decision.plan.step)
             else:
-                decision, step = self._train(decision.plan, step)
+                decision = self._train(decision.plan)
 
     # -- carrying out a decision -----------------------------------------------------------------------------------
     def _carry_out(self, decision: Decision) -> Failure | None:
@@ -133,9 +132,10 @@ class Coordinator:
         return None
 
     # -- training ------------------------------------------------------------------------------------------------
-    def _train(self, plan: Plan, step: int) -> tuple[Decision | None, int]:
-        """Run steps of the configured ``plan`` until the job is done (no decision), or a failure or a join asks for
-        a new decision. Each committed step is reported while the workers compute the next one."""
+    def _train(self, plan: Plan) -> Decision | None:
+        """Run steps of the configured ``plan`` from its first until the job is done (no decision), or a failure or a
+        join asks for a new decision. Each committed step is reported while the workers compute the next one."""
+        step = plan.step
         unreported: ev.StepCommitted | None = None
         writers: dict[int, tuple[int, ...]] | None = None  # found at the first save, then kept: the plan is fixed here
         while step < self.steps:
@@ -144,7 +144,7 @@ class Coordinator:
                 switch = self._review(plan, step)
             if switch is not None:
                 self._report(unreported)
-                return switch, switch.plan.step
+                return switch
             failure = self._heed_warnings(plan, step)
             if failure:
                 return self._recover(failure, plan, step)
@@ -177,13 +177,13 @@ class Coordinator:
                 if failure:
                     return self._recover(failure, plan, step)
         self._report(unreported)
-        return None, step
+        return None
 
     def _warned_now(self) -> bool:
         """Whether a preemption was warned that the policy hears as it comes (``Policy.heeds_warnings_at_once``)."""
         return self.policy.heeds_warnings_at_once and bool(self._warned)
 
-    def _heed_at_once(self, plan: Plan, step: int) -> tuple[Decision, int]:
+    def _heed_at_once(self, plan: Plan, step: int) -> Decision:
         """A warning came during step ``step`` to a policy that hears it at once: give the iteration up (nothing of
         it is committed, so the state to save is the same), carry out the saves the policy asks for, and go on with
         the same plan in a new generation, the abort having ended this one's groups."""
@@ -194,7 +194,7 @@ class Coordinator:
         if failure:
             return self._recover(failure, plan, step)
         again = dataclasses.replace(plan, generation=self.tried + 1, step=step)
-        return Decision(again, self._programs, reason=f"step {step} given up to save before a preemption"), step
+        return Decision(again, self._programs, reason=f"step {step} given up to save before a preemption")
 
     def _heed_warnings(self, plan: Plan, step: int, given_up: bool = False) -> Failure | None:
         """At an iteration boundary (or with the iteration ``given_up`` for them): ask the policy about each
@@ -309,7 +309,7 @@ class Coordinator:
                               nbytes=progress.nbytes)
 
     # -- recovery ------------------------------------------------------------------------------------------------
-    def _recover(self, failure: Failure, attempted: Plan, step: int) -> tuple[Decision, int]:
+    def _recover(self, failure: Failure, attempted: Plan, step: int) -> Decision:
         """Abort the iteration (or the configuration) in flight and ask the policy what to do.
 
         ``step`` is where every survivor that holds layers stands. Members that die during the abort are folded into
@@ -333,7 +333,7 @@ class Coordinator:
             self._stop(outcome, step, holdings)
         if isinstance(outcome, Keep):
             raise JobStopped(f"policy {self.policy.name} kept the running plan after a failure: {outcome.reason}")
-        return outcome, outcome.plan.step
+        return outcome
 
     def _decide(self, change: Change) -> Outcome:
         self._change = change
