@@ -40,9 +40,7 @@ from ftlab.runtime.control import events as ev
 from ftlab.runtime.control.backend import Membership
 from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS, WARMUP_TYPES, ClusterConfig, SimConfig, TrainConfig
 from ftlab.runtime.core.contract import ConfigError, Decision, Job, Policy, Protection, StorageSource
-from ftlab.runtime.core.costs import (
-    CostModel, LayerProfile, ModelProfile, layer_bytes, stage_footprint, with_precision,
-)  # fmt: skip
+from ftlab.runtime.core.costs import CostModel, ModelProfile, stage_footprint, with_precision
 from ftlab.runtime.control.coordinator import JobStopped
 from ftlab.runtime.training.data import load_tokens, text_file, tokenize_corpus
 from ftlab.runtime.core.devices import DEVICES, node_spec
@@ -52,6 +50,7 @@ from ftlab.runtime.control.update import UpdateRule, scaler_from_manifest
 from ftlab.runtime.reporting.fault_ledger import FaultLedger, FaultRecord
 from ftlab.runtime.processes.launchers import launch_problems, make_launcher
 from ftlab.runtime.processes.placement import choose_backend
+from ftlab.runtime.core.memory_fit import first_overfull, layer_memory
 from ftlab.runtime.core.model_spec import layer_specs, num_layers
 from ftlab.runtime.core.plan import Plan, PlanError
 from ftlab.runtime.processes.profiler import analytic_profile, measure_profile
@@ -143,17 +142,11 @@ def everyone(cfg: JobConfig) -> Membership:
 
 
 # -- checks before any worker starts -------------------------------------------------------------------------------
-def _layer_bytes(job: Job) -> list[LayerProfile]:
-    t = job.train
-    return [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, t.micro_batch, job.model.seq_len, t.precision))
-            for spec in job.specs]  # fmt: skip
-
-
 def check_layers_fit(job: Job) -> None:
     """Refuse a job with a layer that no plan can place: what any stage holding it needs at least (the layer's state,
     and its activations for one micro-batch) is more than a device has. Checked before a policy plans, which may
     first measure every layer on this machine (minutes for a large model) only to find no plan that fits."""
-    t, layers = job.train, _layer_bytes(job)
+    t, layers = job.train, layer_memory(job)
     # A checkpointed stage keeps its first layer's input per micro-batch in flight, which depends on where it
     # starts: left out, so that this is a lower bound for every stage holding the layer.
     in_flight = 0 if t.activation_checkpointing else 1
@@ -169,18 +162,13 @@ def check_layers_fit(job: Job) -> None:
 
 
 def check_memory(plan: Plan, job: Job) -> None:
-    """Refuse a plan whose stage would not fit the configured device memory (``runtime.core.costs.stage_memory``)."""
-    t, layers = job.train, _layer_bytes(job)
-    for p, s, stage in plan.stages():
-        in_flight = len(plan.pipelines[p].stages) - s
-        need = stage_footprint(layers, stage.start, stage.stop, in_flight, t.activation_checkpointing, t.precision)
-        if need > job.device_memory_bytes:
-            raise ConfigError(
-                f"stage {s} of pipeline {p} (layers {stage.start}..{stage.stop - 1} of {job.model.name}) needs "
-                f"{need / GIB:.2f} GiB but a device has {job.device_memory_bytes / GIB:.2f} GiB: use more "
-                f"pipeline stages (train.stages), a smaller train.micro_batch, train.activation_checkpointing=true, "
-                f"or raise cluster.device_memory_gb"
-            )
+    """Refuse a plan whose stage would not fit the configured device memory (``runtime.core.memory_fit``)."""
+    overfull = first_overfull(plan, job)
+    if overfull is not None:
+        raise ConfigError(
+            f"{overfull.describe(job.model.name)}: use more pipeline stages (train.stages), a smaller "
+            f"train.micro_batch, train.activation_checkpointing=true, or raise cluster.device_memory_gb"
+        )
 
 
 def check_settings(cfg: JobConfig) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ftlab.runtime.core.contract import Decision, Job, Outcome, Source, Stop
+from ftlab.runtime.core.memory_fit import first_overfull
 from ftlab.runtime.core.plan import Plan, PlanError, grid_plan
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -28,9 +29,21 @@ def largest_grid(workers: Sequence[int], job: Job, generation: int, step: int) -
 
 def restart_grid(job: Job, generation: int, source: Source | None) -> tuple[Plan, str]:
     """The largest grid over every live slot (the workers a restart starts), at ``source``'s step, and where its
-    state comes from, for the decision's reason. Raises PlanError when no grid fits."""
+    state comes from, for the decision's reason. Raises PlanError when no grid fits the slots or their devices."""
     plan = largest_grid(job.slots, job, generation, source.step if source else 0)
+    check_fits(plan, job)
     return plan, f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"
+
+
+def check_fits(plan: Plan, job: Job) -> None:
+    """Raise PlanError when a stage of ``plan`` does not fit its device: a restart on fewer workers than
+    ``train.stages`` gives each stage more layers than the first plan (the one the preflight check passed) had."""
+    overfull = first_overfull(plan, job)
+    if overfull is not None:
+        stages = len(plan.pipelines[0].stages)
+        raise PlanError(f"{overfull.describe(job.model.name)}, on the {stages} stages that {len(job.slots)} live "
+                        f"workers allow (train.stages={job.train.stages}): to restart on fewer workers, raise "
+                        f"cluster.device_memory_gb or set train.activation_checkpointing=true")  # fmt: skip
 
 
 def restart(job: Job, generation: int, source: Source | None, why: str) -> Outcome:

@@ -15,13 +15,14 @@
 The layout never changes while the job runs in place: ``train.stages`` stages of ``even_split`` layers, the running
 plan's spans. A restart keeps it where ``train.stages`` workers live; with fewer it restarts on one stage per live
 worker, as checkpoint-restart does (a checkpoint holds layers, not a layout, so any layout restores it), and new
-replicas then copy that layout until the next restart.
+replicas then copy that layout until the next restart. A restart whose fewer stages do not fit the devices stops the
+job with the stage that does not fit.
 """
 
 from __future__ import annotations
 
 from ftlab.policies.elastic.replicas import Spans, heal, replicas_plan, room
-from ftlab.policies.grid import decision
+from ftlab.policies.grid import check_fits, decision
 from ftlab.runtime.core.contract import (
     Change, Decision, Job, Keep, Outcome, Policy, Protection, Roles, Source, Stop,
 )  # fmt: skip
@@ -65,9 +66,11 @@ class Elastic(Policy):
                 f"protection={protection.name} saves nothing to restart from: add protection=storage or protection=reft"
             )
         source: Source | None = protection.restore_source(change)
-        stages = min(job.train.stages, len(job.slots))  # the restart's promise (Roles.restarts): any live node
+        # The restart's promise (Roles.restarts): any live node whose devices hold the model.
+        stages = min(job.train.stages, len(job.slots))
         try:
             plan = self._grid(job.slots, job, change.generation, source.step if source else 0, stages)
+            check_fits(plan, job)
         except PlanError as exc:
             return Stop(f"{change.describe()}: no replica is whole and no restart fits: {exc}")
         where = f"{source.kind} of step {source.step}" if source else "scratch (nothing saved yet)"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ftlab.runtime.core.contract import ConfigError, Job, Protection
-from ftlab.runtime.core.costs import LayerProfile, layer_bytes, stage_footprint
+from ftlab.runtime.core.memory_fit import overfull_bounds
 from ftlab.runtime.core.plan import Plan, PlanError, grid_plan
 from ftlab.runtime.core.scheduler import one_f_one_b
 
@@ -69,16 +69,8 @@ def _balanced(costs: tuple[float, ...], stages: int) -> tuple[tuple[int, int], .
 
 
 def fits(job: Job, bounds: Sequence[tuple[int, int]], micro_batch: int) -> bool:
-    """Every stage of ``bounds`` fits a device at ``micro_batch`` (1F1B keeps ``stages - s`` micro-batches in flight
-    at stage ``s``): the memory formula the preflight check uses."""
-    precision = job.train.precision
-    layers = [LayerProfile(0.0, 0.0, 0.0, **layer_bytes(spec, micro_batch, job.model.seq_len, precision))
-              for spec in job.specs]  # fmt: skip
-    return all(
-        stage_footprint(layers, start, stop, len(bounds) - s, job.train.activation_checkpointing, precision)
-        <= job.device_memory_bytes
-        for s, (start, stop) in enumerate(bounds)
-    )
+    """Every stage of ``bounds`` fits a device at ``micro_batch``: the check the preflight and restarts use."""
+    return next(overfull_bounds(job, bounds, micro_batch), None) is None
 
 
 def protects(protection: Protection, plan: Plan, job: Job) -> bool:
@@ -138,7 +130,7 @@ def morph(workers: Sequence[int], job: Job, protection: Protection, generation: 
     if not weighed:
         raise PlanError(
             f"no configuration of {len(workers)} workers fits {job.model.name} in {job.device_memory_bytes / 2**30:.2f} "
-            f"GiB a device at any micro-batch up to train.micro_batch={t.micro_batch}: raise "
+            f"GiB per device at any micro-batch up to train.micro_batch={t.micro_batch}: raise "
             f"cluster.device_memory_gb, add nodes, or set train.activation_checkpointing=true"
         )
     # Fastest first; among equal predictions the one using more workers, then the deeper micro-batch.

@@ -403,8 +403,9 @@ class Roles:
     """Recovers without restarting a process or losing a committed step while enough replicas survive: every
     survivor keeps its state. Adaptive's reviews may switch to such a candidate without a failure."""
     restarts: bool = False
-    """With a protection that keeps state, recovers from any failure that leaves a live node, by restarting processes
-    from that state (always, or where it cannot recover in place)."""
+    """With a protection that keeps state, recovers from any failure that leaves a live node whose devices hold the
+    model (``train.stages`` stages, or one per live worker where fewer live), by restarting processes from that state
+    (always, or where it cannot recover in place)."""
     candidate: str | None = None
     """The recovery this policy offers ``policy=adaptive`` as a candidate, by the name ``policy.candidates`` uses:
     ``reroute`` (ReCycle), ``reconfigure`` (Oobleck), ``restart`` (checkpoint-restart), or a new name; unique among
