@@ -41,8 +41,8 @@ def check_fits(plan: Plan, job: Job) -> None:
     overfull = first_overfull(plan, job)
     if overfull is not None:
         stages = len(plan.pipelines[0].stages)
-        raise PlanError(f"{overfull.describe(job.model.name)}, on the {stages} stages that {len(job.slots)} live "
-                        f"workers allow (train.stages={job.train.stages}): to restart on fewer workers, raise "
+        raise PlanError(f"{overfull.describe(job.model.name)}, in a {stages}-stage layout (train.stages="
+                        f"{job.train.stages}, live workers: {len(job.slots)}): to restart on fewer workers, raise "
                         f"cluster.device_memory_gb or set train.activation_checkpointing=true")  # fmt: skip
 
 
