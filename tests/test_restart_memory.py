@@ -5,6 +5,7 @@ that a real device could not hold; with room for them it restarts as ``Roles.res
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,11 @@ def test_a_restart_whose_stages_do_not_fit_stops_the_job_and_names_the_stage(
         f"cluster.device_memory_gb={DEVICE_GB}",
         *explicit(*(node(n, KILLED_AT, "backward") for n in range(3))),
     ])  # fmt: skip
-    with pytest.raises(JobStopped, match=r"gpt2-tiny.* 0\.04 GiB.*raise cluster\.device_memory_gb"):
+    with pytest.raises(JobStopped, match=r"gpt2-tiny.* 0\.04 GiB.*raise cluster\.device_memory_gb") as stopped:
         simulate_job(cfg)
+    # No survivor holds every layer, so the job says where its newest checkpoint is.
+    newest = r"the newest checkpoint is step 2's: resume with train\.resume_from=\S+/step-000002\.$"
+    assert re.search(newest, str(stopped.value)), str(stopped.value)
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("ftlab").experiment_id])
     assert run.info.status == "FAILED"

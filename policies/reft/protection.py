@@ -174,8 +174,12 @@ class ReftProtection(Protection):
             if snap.complete:
                 self.lost_snapshots.clear()
 
+    def newest_on_storage(self) -> StorageSource | None:
+        return self.storage if isinstance(self.storage, StorageSource) else None
+
     def unsaved(self, action: Action, step: int, reason: str) -> str | None:
-        newest = self.storage.directory if isinstance(self.storage, StorageSource) else None
+        flushed = self.newest_on_storage()
+        newest = flushed.directory if flushed else None
         if isinstance(action, SaveCheckpoint):
             return self.failures.failed(step, reason, self.name, self.directory, newest)
         if step not in self.lost_snapshots:  # each of its writers whose copy failed reports it

@@ -92,8 +92,11 @@ class StorageProtection(Protection):
         self.failures.succeeded()
 
     def unsaved(self, action: Action, step: int, reason: str) -> str | None:
-        newest = self.newest.directory if isinstance(self.newest, StorageSource) else None
-        return self.failures.failed(step, reason, self.name, self.directory, newest)
+        newest = self.newest_on_storage()
+        return self.failures.failed(step, reason, self.name, self.directory, newest.directory if newest else None)
+
+    def newest_on_storage(self) -> StorageSource | None:
+        return self.newest if isinstance(self.newest, StorageSource) else None
 
     def storage_footprint(self) -> tuple[int, bool]:
         return self.settings.keep, self.settings.allow_low_space

@@ -385,7 +385,8 @@ class Coordinator:
         writers = first_holders_of(holdings)
         missing = sorted(set(range(num_layers)) - {layer for layers in writers.values() for layer in layers})
         if missing:
-            return f". Layers {missing} have no live replica, so no checkpoint of step {step} could be written."
+            return (f". Layers {missing} have no live replica, so no checkpoint of step {step} could be written"
+                    f"{self._newest_checkpoint()}.")  # fmt: skip
         report = self.backend.save(step, SaveCheckpoint(self.stop_directory, keep=0), writers, num_layers,
                                    self._manifest(step))
         if isinstance(report, Failure):
@@ -393,6 +394,14 @@ class Coordinator:
         if report.failed is not None:
             return f". The survivors' checkpoint of step {step} could not be written: {report.failed}."
         return f". The survivors saved step {step} to {report.location}: resume with train.resume_from={report.location}"
+
+    def _newest_checkpoint(self) -> str:
+        """Where a job that stops without its survivors' checkpoint resumes from, if the protection has a
+        checkpoint on storage."""
+        newest = self.protection.newest_on_storage()
+        if newest is None:
+            return ""
+        return f"; the newest checkpoint is step {newest.step}'s: resume with train.resume_from={newest.directory}"
 
     def _manifest(self, step: int) -> dict[str, object]:
         return self.update_rule.manifest(step) if self.update_rule is not None else {}

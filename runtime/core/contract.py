@@ -378,6 +378,11 @@ class Protection(ABC):
         the user), or None to train on."""
         return None
 
+    def newest_on_storage(self) -> StorageSource | None:
+        """The newest checkpoint on storage this protection wrote or started from: what a stopped job resumes from
+        (state in the nodes' memory ends with the job); None by default."""
+        return None
+
     def storage_footprint(self) -> tuple[int, bool]:
         """(Checkpoints of the whole model this protection keeps on storage at once, whether a checkpoint folder
         with room for fewer than that plus the one being written may be used anyway); (0, False) for none. Checked
