@@ -39,22 +39,27 @@ def layer_memory(job: Job, micro_batch: int | None = None) -> list[LayerProfile]
             for spec in job.specs]  # fmt: skip
 
 
-def overfull_bounds(
-    job: Job, bounds: Sequence[tuple[int, int]], micro_batch: int | None = None, pipeline: int = 0
-) -> Iterator[Overfull]:
-    """The stages of one pipeline of ``bounds`` (layer ranges, first stage first) that do not fit a device under
-    1F1B, which keeps ``len(bounds) - s`` micro-batches in flight at stage ``s``."""
-    t, layers = job.train, layer_memory(job, micro_batch)
-    for s, (start, stop) in enumerate(bounds):
-        need = stage_footprint(layers, start, stop, len(bounds) - s, t.activation_checkpointing, t.precision)
-        if need > job.device_memory_bytes:
-            yield Overfull(pipeline, s, start, stop, need, job.device_memory_bytes)
+def overfull_bounds(job: Job, bounds: Sequence[tuple[int, int]], micro_batch: int | None = None) -> Iterator[Overfull]:
+    """The stages of one pipeline of ``bounds`` (layer ranges, first stage first) that do not fit a device."""
+    return _overfull(job, layer_memory(job, micro_batch), bounds, pipeline=0)
 
 
 def first_overfull(plan: Plan, job: Job) -> Overfull | None:
     """The first stage of ``plan`` that does not fit a device, or None when every one fits."""
+    layers = layer_memory(job)  # once for every pipeline: a plan at paper scale has hundreds
     for p, pipeline in enumerate(plan.pipelines):
-        bounds = [(stage.start, stage.stop) for stage in pipeline.stages]
-        for overfull in overfull_bounds(job, bounds, pipeline=p):
+        for overfull in _overfull(job, layers, [(stage.start, stage.stop) for stage in pipeline.stages], p):
             return overfull
     return None
+
+
+def _overfull(
+    job: Job, layers: Sequence[LayerProfile], bounds: Sequence[tuple[int, int]], pipeline: int
+) -> Iterator[Overfull]:
+    """The stages of pipeline ``pipeline`` of ``bounds`` whose footprint under 1F1B (which keeps ``len(bounds) - s``
+    micro-batches in flight at stage ``s``) is more than a device has."""
+    t = job.train
+    for s, (start, stop) in enumerate(bounds):
+        need = stage_footprint(layers, start, stop, len(bounds) - s, t.activation_checkpointing, t.precision)
+        if need > job.device_memory_bytes:
+            yield Overfull(pipeline, s, start, stop, need, job.device_memory_bytes)
