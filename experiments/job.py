@@ -622,7 +622,9 @@ def tracked(
         OmegaConf.to_yaml(dict_cfg), run_name(cfg), describe(cfg), resumes=resumed_run(cfg),
     )  # fmt: skip
     try:
-        cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir) / run_id)
+        # absolute: the resume path a stopped job prints works from any directory, and every node writes to the
+        # same place (ssh and SLURM agents start in the user's home, not in this directory)
+        cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir).absolute() / run_id)
         result = body(cfg, tracker)
         result.run_id = run_id
         if result.stopped is not None:

@@ -44,3 +44,22 @@ def test_a_restart_whose_stages_do_not_fit_stops_the_job_and_names_the_stage(
     assert run.info.status == "FAILED"
     trained = [m.step for m in client.get_metric_history(run.info.run_id, "cluster/pipelines")]
     assert max(trained) == KILLED_AT - 1  # the first plan fitted and trained up to the kill, and nothing after it
+
+
+def test_the_resume_path_of_a_stopped_job_is_absolute_when_the_checkpoint_dir_is_relative(
+    job_overrides: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user resumes from wherever they are, and ssh or SLURM nodes do not start in ftlab's directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config([
+        *job_overrides, "mode=simulate", "policy=checkpoint_restart", "cluster=local-4", "train.stages=3",
+        f"train.steps={STEPS}", "protection=storage", "protection.every=2", "model=gpt2-tiny",
+        f"cluster.device_memory_gb={DEVICE_GB}", "train.checkpoint_dir=relative/checkpoints",
+        *explicit(*(node(n, KILLED_AT, "backward") for n in range(3))),
+    ])  # fmt: skip
+    with pytest.raises(JobStopped) as stopped:
+        simulate_job(cfg)
+    resume_from = re.search(r"train\.resume_from=(\S+)\.$", str(stopped.value))
+    assert resume_from, str(stopped.value)
+    assert Path(resume_from[1]).is_absolute(), resume_from[1]
+    assert Path(resume_from[1]).parent.parent == tmp_path / "relative" / "checkpoints"  # <dir>/<run id>/step-N

@@ -113,7 +113,8 @@ class TrainConfig:
     cache_dir: str = ".ftlab/cache"
     checkpoint_dir: str = ".ftlab/checkpoints"
     """Each run writes its checkpoints (its protection's, and the survivors' when a job stops) under
-    <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's."""
+    <checkpoint_dir>/<MLflow run id>, so two jobs never read each other's. A relative path is taken from the
+    directory ftlab starts in; with ssh or SLURM nodes it must be on a filesystem they share at the same path."""
     # Numerics of the update (``runtime.core.precision``; the names are DeepSpeed's, which ds_config keys map onto).
     precision: str = "fp32"
     """fp32 | tf32 | bf16 | fp16: the compute precision (tf32: fp32 tensors, matmuls on a GPU's TF32 tensor cores).
