@@ -376,7 +376,7 @@ def resume_point(cfg: JobConfig) -> StorageSource | None:
         )
     if step >= cfg.train.steps:
         raise ConfigError(f"the checkpoint is at step {step}, not before train.steps={cfg.train.steps}: raise train.steps")
-    return StorageSource(step, str(directory))
+    return StorageSource(step, str(directory.absolute()))  # ssh and SLURM workers do not start in this directory
 
 
 def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tuple[Policy, Protection, Decision]:
@@ -484,7 +484,7 @@ def preflight(cfg: JobConfig) -> Preflight:
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    checked.tokens = tokens
+    checked.tokens = tokens.absolute()  # ssh and SLURM workers do not start in this directory
     checked.backend, checked.backend_why = resolve_backend(cfg)
     return checked
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ftlab.experiments import job as job_module
+from ftlab.runtime.state import checkpoint
 from ftlab.runtime.processes.launchers import AgentHandle, AgentSpec, Launcher, SlurmLauncher, SshLauncher
 from tests.oracle import LOSS_RTOL, committed_losses
 from tests.support import run_apart
@@ -80,8 +81,9 @@ class DetachedLauncher(Launcher):
 
     same_machine = True
 
-    def __init__(self, host_addr: str) -> None:
+    def __init__(self, host_addr: str, cwd: Path | None = None) -> None:
         self.addr = host_addr
+        self.cwd = cwd
         self.secret = ""
         self.started: list[AgentSpec] = []
         self.seen: dict[str, object] = {}
@@ -91,7 +93,8 @@ class DetachedLauncher(Launcher):
 
     def start(self, spec: AgentSpec, secret: str) -> AgentHandle:
         env = {k: v for k, v in os.environ.items() if k != "FTLAB_SECRET"}
-        proc = subprocess.Popen(["setsid", "-f", AGENT, *spec.args(), "--secret-file", "-"], stdin=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(["setsid", "-f", AGENT, *spec.args(), "--secret-file", "-"], stdin=subprocess.PIPE, env=env,
+                                cwd=self.cwd)  # fmt: skip
         assert proc.stdin is not None
         proc.stdin.write(secret.encode() + b"\n")
         proc.stdin.close()
@@ -139,6 +142,34 @@ def test_independent_agents_on_a_second_address_lose_a_node_and_stay_on_the_faul
     assert seen["connections"] > 0, f"no worker connection uses {SECOND}"
     assert seen["secret_shown"] == [], "the job's secret is on a command line"
     assert not seen["secret_in_agent_env"], "the agent read the secret from its standard input, not its environment"
+
+
+def test_agents_that_start_in_another_directory_read_write_and_resume_from_the_jobs_relative_folders(
+    job_overrides: list[str], token_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ssh agent starts in the user's home, not where ftlab was started: a relative ``train.cache_dir``,
+    ``train.checkpoint_dir`` and ``train.resume_from`` still name the folders under ftlab's directory on every node."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "cache").symlink_to(token_cache)  # the corpus tokenized once for the session
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path / "job")
+    launcher = DetachedLauncher(SECOND, cwd=tmp_path / "home")
+    monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
+    overrides = [o for o in job_overrides if not o.startswith(("train.cache_dir=", "train.checkpoint_dir="))]
+    result = job_module.run_job(job_module.compose_config([
+        *overrides, *COMMON, "train.cache_dir=cache", "train.checkpoint_dir=checkpoints",
+        "cluster.coordinator_addr=127.0.0.1",
+    ]))  # fmt: skip
+    assert len(result.steps) == STEPS
+    saved = checkpoint.latest(result.checkpoint_dir)
+    assert saved is not None and saved[0] == 6, f"no checkpoint of step 6 in {result.checkpoint_dir}"  # every=3
+    assert Path(result.checkpoint_dir).parent == tmp_path / "job" / "checkpoints"
+    resumed = job_module.run_job(job_module.compose_config([
+        *overrides, *COMMON, "train.cache_dir=cache", "train.checkpoint_dir=checkpoints",
+        "cluster.coordinator_addr=127.0.0.1", f"train.resume_from={Path(result.checkpoint_dir).relative_to(Path.cwd())}",
+    ]))  # fmt: skip
+    assert sorted(s.step for s in resumed.steps) == [6, 7]
+    assert list((tmp_path / "home").iterdir()) == [], "a node wrote under the directory its agent started in"
 
 
 # -- ssh ---------------------------------------------------------------------------------------------------------
