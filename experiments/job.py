@@ -376,7 +376,7 @@ def resume_point(cfg: JobConfig) -> StorageSource | None:
         )
     if step >= cfg.train.steps:
         raise ConfigError(f"the checkpoint is at step {step}, not before train.steps={cfg.train.steps}: raise train.steps")
-    return StorageSource(step, str(directory.absolute()))  # ssh and SLURM workers do not start in this directory
+    return StorageSource(step, str(directory.absolute()))  # an ssh agent starts in the home directory, not here
 
 
 def first_decision(cfg: JobConfig, make_job: Callable[[Membership], Job]) -> tuple[Policy, Protection, Decision]:
@@ -484,7 +484,7 @@ def preflight(cfg: JobConfig) -> Preflight:
             f"train.data={cfg.train.data} holds {len(load_tokens(tokens))} tokens, fewer than one sample of "
             f"{cfg.model.seq_len + 1}: use a longer text or a model with a shorter seq_len"
         )
-    checked.tokens = tokens.absolute()  # ssh and SLURM workers do not start in this directory
+    checked.tokens = tokens.absolute()  # an ssh agent starts in the home directory, not here
     checked.backend, checked.backend_why = resolve_backend(cfg)
     return checked
 
@@ -623,7 +623,7 @@ def tracked(
     )  # fmt: skip
     try:
         # absolute: the resume path a stopped job prints works from any directory, and every node writes to the
-        # same place (ssh and SLURM agents start in the user's home, not in this directory)
+        # same place (an ssh agent starts in the home directory, not here)
         cfg.train.checkpoint_dir = str(Path(cfg.train.checkpoint_dir).absolute() / run_id)
         result = body(cfg, tracker)
         result.run_id = run_id
