@@ -155,9 +155,10 @@ def check_layers_fit(job: Job) -> None:
         if need > job.device_memory_bytes:
             raise ConfigError(
                 f"layer {index} of {job.model.name} needs at least {need / GIB:.2f} GiB on the device that holds it "
-                f"(its state and one micro-batch of {t.micro_batch}), but a device has "
-                f"{job.device_memory_bytes / GIB:.2f} GiB, so no plan can place it: raise cluster.device_memory_gb, "
-                f"use a smaller train.micro_batch or train.activation_checkpointing=true, or choose a smaller model"
+                f"(its state and one micro-batch of {t.micro_batch} samples of {job.model.seq_len} tokens), but a "
+                f"device has {job.device_memory_bytes / GIB:.2f} GiB, so no plan can place it: raise "
+                f"cluster.device_memory_gb, use a smaller train.micro_batch or model.seq_len, or "
+                f"train.activation_checkpointing=true, or choose a smaller model"
             )
 
 

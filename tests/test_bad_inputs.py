@@ -41,6 +41,8 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     # refused from the layers' sizes, before oobleck's planner measures the layers on this machine
     ("a layer larger than a device", ["model=gpt2-small", "policy=oobleck", "cluster=local-6",
                                       "cluster.device_memory_gb=0.05"], ConfigError, "no plan can place it"),
+    ("a sequence whose activations fill a device", ["model.seq_len=100000", "cluster.device_memory_gb=0.1"],
+     ConfigError, "use a smaller train.micro_batch or model.seq_len"),
     ("heartbeat timeout", ["cluster.heartbeat_timeout_s=0"], ConfigError, "cluster.heartbeat_timeout_s=0"),
     ("backend", ["cluster.backend=mpi"], ConfigError, "use auto, gloo or nccl"),
     ("nccl on cpu", ["cluster.backend=nccl"], ConfigError, "use cluster.backend=gloo"),
