@@ -110,6 +110,7 @@ def job_profile(cfg: JobConfig, again: bool = False) -> tuple[ModelProfile, dict
     if device in DEVICES:
         profile = analytic_profile(model, node_spec(cfg.cluster), micro_batch, model.seq_len, cfg.train.precision)
         return replace(profile, activation_checkpointing=checkpointing), {"kind": "analytic", "device": device}
+    writable_dir(Path(cfg.train.cache_dir), "train.cache_dir")  # before measuring (seconds to minutes), not after
     profile = measure_profile(
         model, micro_batch, device=device, workers_per_node=cfg.cluster.workers_per_node,
         cache_dir=Path(cfg.train.cache_dir) / "profiles", threads=cfg.cluster.threads_per_worker, again=again,

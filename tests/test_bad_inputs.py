@@ -69,6 +69,9 @@ BAD_INPUTS: list[tuple[str, list[str], type[Exception], str]] = [
     ("checkpoint folder", ["train.checkpoint_dir=/dev/null/checkpoints"], ConfigError,
      "train.checkpoint_dir=/dev/null/checkpoints: cannot write there (Not a directory)"),
     ("cache folder", ["train.cache_dir=/dev/null/cache"], ConfigError, "train.cache_dir=/dev/null/cache: cannot write"),
+    # refused before oobleck's planner measures the layers, not when the measurement is cached
+    ("cache folder of a measured profile", ["policy=oobleck", "cluster=local-6", "train.cache_dir=/dev/null/cache"],
+     ConfigError, "train.cache_dir=/dev/null/cache: cannot write"),
     ("heads", ["model.hidden=130"], ConfigError, "model.hidden=130 does not split into model.heads=4"),
     ("no heads", ["model.heads=0"], ConfigError, "model.heads=0"),
     ("vocabulary", ["model.vocab_size=2"], ConfigError, "model.vocab_size=2"),
