@@ -155,19 +155,17 @@ def test_agents_that_start_in_another_directory_read_write_and_resume_from_the_j
     monkeypatch.chdir(tmp_path / "job")
     launcher = DetachedLauncher(SECOND, cwd=tmp_path / "home")
     monkeypatch.setattr(job_module, "make_launcher", lambda c: launcher)
-    overrides = [o for o in job_overrides if not o.startswith(("train.cache_dir=", "train.checkpoint_dir="))]
-    result = job_module.run_job(job_module.compose_config([
-        *overrides, *COMMON, "train.cache_dir=cache", "train.checkpoint_dir=checkpoints",
-        "cluster.coordinator_addr=127.0.0.1",
-    ]))  # fmt: skip
+    relative = [
+        *(o for o in job_overrides if not o.startswith(("train.cache_dir=", "train.checkpoint_dir="))), *COMMON,
+        "train.cache_dir=cache", "train.checkpoint_dir=checkpoints", "cluster.coordinator_addr=127.0.0.1",
+    ]  # fmt: skip
+    result = job_module.run_job(job_module.compose_config(relative))
     assert len(result.steps) == STEPS
     saved = checkpoint.latest(result.checkpoint_dir)
     assert saved is not None and saved[0] == 6, f"no checkpoint of step 6 in {result.checkpoint_dir}"  # every=3
     assert Path(result.checkpoint_dir).parent == tmp_path / "job" / "checkpoints"
-    resumed = job_module.run_job(job_module.compose_config([
-        *overrides, *COMMON, "train.cache_dir=cache", "train.checkpoint_dir=checkpoints",
-        "cluster.coordinator_addr=127.0.0.1", f"train.resume_from={Path(result.checkpoint_dir).relative_to(Path.cwd())}",
-    ]))  # fmt: skip
+    resume_from = Path(result.checkpoint_dir).relative_to(Path.cwd())
+    resumed = job_module.run_job(job_module.compose_config([*relative, f"train.resume_from={resume_from}"]))
     assert sorted(s.step for s in resumed.steps) == [6, 7]
     assert list((tmp_path / "home").iterdir()) == [], "a node wrote under the directory its agent started in"
 

@@ -23,17 +23,21 @@ DEVICE_GB = 0.04
 """Fits three stages of gpt2-tiny (the first plan runs) but not one stage holding the whole model."""
 
 
+def three_of_four_nodes_lost(job_overrides: list[str], policy: str, stages: int, *extra: str) -> list[str]:
+    """A simulated job whose first plan fits its small devices, until three of its four nodes die."""
+    return [
+        *job_overrides, "mode=simulate", f"policy={policy}", "cluster=local-4", f"train.stages={stages}",
+        f"train.steps={STEPS}", "protection=storage", "protection.every=2", "model=gpt2-tiny",
+        f"cluster.device_memory_gb={DEVICE_GB}", *extra, *explicit(*(node(n, KILLED_AT, "backward") for n in range(3))),
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("policy", catalog.policies_with(lambda roles: roles.recovers and roles.restarts))
 def test_a_restart_whose_stages_do_not_fit_stops_the_job_and_names_the_stage(
     job_overrides: list[str], tmp_path: Path, policy: str
 ) -> None:
     stages = max(3, catalog.roles()[policy].state_copies)
-    cfg = compose_config([
-        *job_overrides, "mode=simulate", f"policy={policy}", "cluster=local-4", f"train.stages={stages}",
-        f"train.steps={STEPS}", "protection=storage", "protection.every=2", "model=gpt2-tiny",
-        f"cluster.device_memory_gb={DEVICE_GB}",
-        *explicit(*(node(n, KILLED_AT, "backward") for n in range(3))),
-    ])  # fmt: skip
+    cfg = compose_config(three_of_four_nodes_lost(job_overrides, policy, stages))
     with pytest.raises(JobStopped, match=r"gpt2-tiny.* 0\.04 GiB.*raise cluster\.device_memory_gb") as stopped:
         simulate_job(cfg)
     # No survivor holds every layer, so the job says where its newest checkpoint is.
@@ -51,12 +55,9 @@ def test_the_resume_path_of_a_stopped_job_is_absolute_when_the_checkpoint_dir_is
 ) -> None:
     """The user resumes from wherever they are, and ssh or SLURM nodes do not start in ftlab's directory."""
     monkeypatch.chdir(tmp_path)
-    cfg = compose_config([
-        *job_overrides, "mode=simulate", "policy=checkpoint_restart", "cluster=local-4", "train.stages=3",
-        f"train.steps={STEPS}", "protection=storage", "protection.every=2", "model=gpt2-tiny",
-        f"cluster.device_memory_gb={DEVICE_GB}", "train.checkpoint_dir=relative/checkpoints",
-        *explicit(*(node(n, KILLED_AT, "backward") for n in range(3))),
-    ])  # fmt: skip
+    cfg = compose_config(
+        three_of_four_nodes_lost(job_overrides, "checkpoint_restart", 3, "train.checkpoint_dir=relative/checkpoints")
+    )
     with pytest.raises(JobStopped) as stopped:
         simulate_job(cfg)
     resume_from = re.search(r"train\.resume_from=(\S+)\.$", str(stopped.value))
