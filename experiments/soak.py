@@ -5,17 +5,19 @@
     .venv/bin/python -m ftlab.experiments.soak --seed 7 --first 100 --scenarios 100   # the campaign's next 100
 
 A scenario draws a model (the three families, varied depth, width, heads, sequence length), a cluster shape (nodes x
-workers per node, up to 8 workers), a policy (every policy found that recovers, ``DRAW_WEIGHTS``) with a protection, and
-a fault schedule: explicit events of every kind (node, process, hang, join) at random steps and phases, simultaneous
-ones included, some node faults warned ahead (``WARNED_SHARE``) and some hangs ending as stalls (``STALL_SHARE``), or
-a generated schedule (fixed, exponential with a mean time between failures shorter than a restart, Weibull) or a
-replayed spot trace, so faults land during recoveries too. A quarter of the scenarios that checkpoint to storage do it
-on a small disk (``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses every later
-one, so saves fail (``ft/save_failed``) and a restart goes back to that first checkpoint; half of those disks are
-remounted read-only once the first checkpoint is committed instead (``READ_ONLY_SHARE``), so the later saves fail
-with EROFS before the disk could fill. Another quarter of them lose their coordinator (``COORDINATOR_KILL_SHARE``):
-it is SIGKILLed before a drawn step, as the OOM killer would, and the job is resumed from its checkpoint
-(``train.resume_from``), which continues the same MLflow run.
+workers per node, up to 8 workers), a policy (every policy found that recovers, ``DRAW_WEIGHTS``) with a protection, its
+training settings (``Training``: fp32, bf16 or fp16 with dynamic loss scaling, gradient clipping, Adam or AdamW, every
+learning-rate schedule, and ZeRO-1 where the policy allows it, with REFT's AOR mode), and a fault schedule: explicit
+events of every kind (node, process, hang, join) at random steps and phases, simultaneous ones included, some node
+faults warned ahead (``WARNED_SHARE``) and some hangs ending as stalls (``STALL_SHARE``), or a generated schedule
+(fixed, exponential with a mean time between failures shorter than a restart, Weibull) or a replayed spot trace, so
+faults land during recoveries too. A quarter of the scenarios that checkpoint to storage do it on a small disk
+(``SMALL_DISK_SHARE``): a tmpfs of their own that holds the first checkpoint and refuses every later one, so saves fail
+(``ft/save_failed``) and a restart goes back to that first checkpoint; half of those disks are remounted read-only once
+the first checkpoint is committed instead (``READ_ONLY_SHARE``), so the later saves fail with EROFS before the disk
+could fill. Another quarter of them lose their coordinator (``COORDINATOR_KILL_SHARE``): it is SIGKILLed before a drawn
+step, as the OOM killer would, and the job is resumed from its checkpoint (``train.resume_from``), which continues the
+same MLflow run.
 Scenario ``i`` of seed ``s`` depends on (s, i) alone.
 
 Each scenario runs through the ``ftlab`` command in its own directory, and so does its fault-free twin (the same
@@ -62,7 +64,8 @@ from ftlab.policies import catalog
 from ftlab.runtime.state import checkpoint, shm
 from ftlab.runtime.processes.agent import terminate_with_parent
 from ftlab.runtime.processes.hold import HOLD_DIR_ENV, step_point
-from ftlab.runtime.core.costs import layer_bytes, stage_memory
+from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS
+from ftlab.runtime.core.costs import layer_bytes, stage_memory, weight_copy_bytes
 from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.model_spec import ModelConfig, layer_specs
 
@@ -140,13 +143,49 @@ def draw_model(rng: random.Random) -> tuple[ModelConfig, list[str]]:
     return cfg, overrides
 
 
-def two_node_memory_gb(cfg: ModelConfig, micro_batch: int) -> float:
-    """A device memory that fits about half the model with its activations: Oobleck's pipelines then span nodes."""
+def two_node_memory_gb(cfg: ModelConfig, micro_batch: int, precision: str = "fp32") -> float:
+    """A device memory that fits about half the model with its activations in ``precision`` (and autocast's copy of
+    its weights): Oobleck's pipelines then span nodes."""
     specs = layer_specs(cfg)
-    sizes = [layer_bytes(s, micro_batch, cfg.seq_len) for s in specs]
-    state = sum(b["param_bytes"] + b["optimizer_bytes"] for b in sizes)
-    need = stage_memory(state, sum(b["saved_bytes"] for b in sizes), len(specs))
+    sizes = [layer_bytes(s, micro_batch, cfg.seq_len, precision) for s in specs]
+    params = sum(b["param_bytes"] for b in sizes)
+    state = params + sum(b["optimizer_bytes"] for b in sizes)
+    saved = sum(b["saved_bytes"] for b in sizes)
+    need = stage_memory(state, saved, len(specs), transient_bytes=weight_copy_bytes(params, precision))
     return round(max(need * 0.6, max(b["param_bytes"] * 4 for b in sizes) * 1.5) / GIB, 4)
+
+
+@dataclass
+class Training:
+    """A scenario's training settings, drawn apart from the rest of it: the numerics and the update a recovery must
+    carry over exactly (the fp16 loss scale, ZeRO-1's optimizer chunks, the schedule's step)."""
+
+    precision: str
+    grad_clip: float
+    optimizer: str
+    lr_schedule: str
+    zero: bool
+    """Wanted; given only to a policy that keeps every layer's optimizer state where it is (``zero_allowed``)."""
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Training:
+        return cls(
+            precision=rng.choice(["fp32", "fp32", "bf16", "fp16"]), grad_clip=rng.choice([0.0, 0.0, 1.0, 0.1]),
+            optimizer=rng.choice(OPTIMIZERS), lr_schedule=rng.choice(LR_SCHEDULES), zero=rng.random() < 0.5,
+        )  # fmt: skip
+
+    def overrides(self, zero: bool) -> list[str]:
+        return [
+            f"train.precision={self.precision}", f"train.grad_clip={self.grad_clip:g}",
+            f"train.optimizer={self.optimizer}", f"train.lr_schedule={self.lr_schedule}", f"train.zero={int(zero)}",
+        ]  # fmt: skip
+
+
+def zero_allowed(policy: str) -> bool:
+    """ZeRO-1 splits each layer's optimizer state across its replicas: a policy that copies layers with it between
+    live workers, or may choose one that does, is refused with it."""
+    cls = catalog.policy_classes()[policy]
+    return not cls.moves_layers and not cls.roles.chooses
 
 
 def policy_draw() -> list[str]:
@@ -158,6 +197,7 @@ def policy_draw() -> list[str]:
 
 def draw(seed: int, index: int) -> Scenario:
     rng = random.Random(f"{seed}/{index}")
+    training = Training.draw(random.Random(f"{seed}/{index}/training"))
     cfg, model = draw_model(rng)
     nodes, wpn = rng.choice(SHAPES)
     layers = cfg.num_blocks + 2
@@ -198,8 +238,12 @@ def draw(seed: int, index: int) -> Scenario:
             every = rng.choice([2, 3, 4])
             job += draw_protection(rng, every)
         if split:
-            job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch)}")
+            job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch, training.precision)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
+    zero = training.zero and zero_allowed(policy)
+    job += training.overrides(zero)
+    if zero and "protection=reft" in job:  # REFT protects ZeRO-1's chunks in its own mode, AOR (else it is refused)
+        job = [o if not o.startswith("protection.mode=") else "protection.mode=aor" for o in job]
     twists = random.Random(f"{seed}/{index}/twists")
     faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)), twists)
     # From generators of their own, so the scenarios drawn before small disks and kills were are drawn as they were.

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from ftlab.experiments import soak
 from ftlab.experiments.job import compose_config
+from ftlab.runtime.core.config import LR_SCHEDULES, OPTIMIZERS
 from ftlab.runtime.core.failed_saves import MIB, checkpoint_bytes
 from ftlab.runtime.core.model_spec import layer_specs
 from ftlab.faults.schedules import ClusterShape, build_schedule
@@ -40,6 +41,20 @@ def test_reft_is_drawn_only_where_the_grid_holds_every_stage_twice() -> None:
         if drawn.get("protection") == "reft" and drawn["policy"] in ("checkpoint_restart", "recycle"):
             workers = int(drawn["cluster.nodes"]) * int(drawn["cluster.workers_per_node"])
             assert workers >= 2 * int(drawn["train.stages"]), drawn
+
+
+def test_training_settings_are_drawn_and_zero_1_only_where_a_policy_leaves_optimizer_state_in_place() -> None:
+    drawn = [dict(o.split("=", 1) for o in soak.draw(5, index).job if "=" in o) for index in range(300)]
+    assert {d["train.precision"] for d in drawn} == {"fp32", "bf16", "fp16"}
+    assert {d["train.optimizer"] for d in drawn} == set(OPTIMIZERS)
+    assert {d["train.lr_schedule"] for d in drawn} == set(LR_SCHEDULES)
+    assert any(float(d["train.grad_clip"]) > 0 for d in drawn)
+    zero = [d for d in drawn if d["train.zero"] == "1"]
+    assert any(d["protection"] == "reft" for d in zero) and any(d["protection"] == "storage" for d in zero)
+    for d in zero:
+        assert not soak.catalog.policy_classes()[d["policy"]].moves_layers and d["policy"] != "adaptive", d
+        assert d["protection"] != "reft" or d["protection.mode"] == "aor", d  # REFT's other modes are refused
+    assert all(d.get("protection.mode") != "aor" for d in drawn if d["train.zero"] == "0")
 
 
 def test_a_small_disk_holds_the_first_checkpoint_and_refuses_the_second() -> None:
