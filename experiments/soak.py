@@ -54,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
@@ -165,7 +165,8 @@ class Training:
     optimizer: str
     lr_schedule: str
     zero: bool
-    """Wanted; given only to a policy that keeps every layer's optimizer state where it is (``zero_allowed``)."""
+    """ZeRO-1: drawn half the time, kept only for a policy that leaves every layer's optimizer state where it is
+    (``zero_allowed``)."""
 
     @classmethod
     def draw(cls, rng: random.Random) -> Training:
@@ -174,10 +175,11 @@ class Training:
             optimizer=rng.choice(OPTIMIZERS), lr_schedule=rng.choice(LR_SCHEDULES), zero=rng.random() < 0.5,
         )  # fmt: skip
 
-    def overrides(self, zero: bool) -> list[str]:
+    def overrides(self) -> list[str]:
         return [
             f"train.precision={self.precision}", f"train.grad_clip={self.grad_clip:g}",
-            f"train.optimizer={self.optimizer}", f"train.lr_schedule={self.lr_schedule}", f"train.zero={int(zero)}",
+            f"train.optimizer={self.optimizer}", f"train.lr_schedule={self.lr_schedule}",
+            f"train.zero={int(self.zero)}",
         ]  # fmt: skip
 
 
@@ -209,6 +211,7 @@ def draw(seed: int, index: int) -> Scenario:
         f"train.seed={rng.randint(0, 99)}", "cluster.heartbeat_timeout_s=3", f"cluster.start_timeout_s={START_TIMEOUT_S}",
     ]  # fmt: skip
     policy = rng.choice(policy_draw())
+    training = replace(training, zero=training.zero and zero_allowed(policy))
     restarts = catalog.roles()[policy].restarts
     settings = catalog.settings_of("policy", policy)
     every = None
@@ -217,7 +220,8 @@ def draw(seed: int, index: int) -> Scenario:
         # A policy keeping other stages' copies needs that many stages (else it is refused); no other draw changes.
         stages = max(stages, catalog.roles()[policy].state_copies)
         every = rng.choice([2, 3, 4])
-        job += [f"policy={policy}", f"train.stages={stages}", *draw_protection(rng, every, nodes * wpn >= 2 * stages)]
+        protection = draw_protection(rng, every, nodes * wpn >= 2 * stages, training.zero)
+        job += [f"policy={policy}", f"train.stages={stages}", *protection]
         if "review_every" in settings:  # adaptive reviews every few steps too, so it may switch plans without a failure
             job.append(f"policy.review_every={rng.choice([0, 2, 3, 5])}")
         # The grid shrinks to the workers left (fewer stages if need be); ReCycle reroutes until a stage loses every
@@ -236,14 +240,11 @@ def draw(seed: int, index: int) -> Scenario:
             job.append("protection=none")
         else:
             every = rng.choice([2, 3, 4])
-            job += draw_protection(rng, every)
+            job += draw_protection(rng, every, zero=training.zero)
         if split:
             job.append(f"cluster.device_memory_gb={two_node_memory_gb(cfg, micro_batch, training.precision)}")
         spare_nodes = nodes - (f + 1) * n0  # Oobleck stops below (f + 1) n0 nodes, and a dead process loses its node
-    zero = training.zero and zero_allowed(policy)
-    job += training.overrides(zero)
-    if zero and "protection=reft" in job:  # REFT protects ZeRO-1's chunks in its own mode, AOR (else it is refused)
-        job = [o if not o.startswith("protection.mode=") else "protection.mode=aor" for o in job]
+    job += training.overrides()
     twists = random.Random(f"{seed}/{index}/twists")
     faults, notes = draw_faults(rng, nodes, wpn, steps, max(0, min(spare_nodes, 3)), twists)
     # From generators of their own, so the scenarios drawn before small disks and kills were are drawn as they were.
@@ -265,17 +266,18 @@ def small_disk_mib(cfg: ModelConfig) -> int:
     return math.ceil(1.5 * checkpoint_bytes(layer_specs(cfg), cfg.seq_len) / MIB)
 
 
-def draw_protection(rng: random.Random, every: int, replicated: bool = True) -> list[str]:
+def draw_protection(rng: random.Random, every: int, replicated: bool = True, zero: bool = False) -> list[str]:
     """Storage checkpoints every ``every`` steps, or REFT's snapshots every step with a flush to storage every
     ``every`` steps: either way a restart loses at most ``every`` committed steps. ``replicated``: the first plan
-    holds every stage at least twice, which REFT's copies and parity need (ftlab refuses it otherwise)."""
+    holds every stage at least twice, which REFT's copies and parity need (ftlab refuses it otherwise). ``zero``: the
+    job runs ZeRO-1, whose optimizer chunks REFT protects in its own mode, AOR (it refuses the others)."""
     storage = ["protection=storage", f"protection.every={every}"]
     if rng.random() < 0.5:
         return storage
     mode = rng.choice(["arc", "aec"])  # drawn either way: a scenario's later draws do not depend on this one's fate
     if not replicated:
         return storage
-    return ["protection=reft", f"protection.mode={mode}", "protection.interval=1", f"protection.flush_every={every}"]
+    return ["protection=reft", f"protection.mode={'aor' if zero else mode}", "protection.interval=1", f"protection.flush_every={every}"]
 
 
 def draw_faults(
